@@ -1,0 +1,1 @@
+"""specjax: llama.cpp's speculative decoding as pure JAX."""

@@ -1,0 +1,173 @@
+"""Drafter protocol: a frozen, hashable config object + pure functions over an explicit state.
+
+Every drafter type (llama.cpp's `common_speculative_impl`) is a frozen dataclass holding only
+static configuration (it can be a jit static argument) and implementing:
+
+    init(batch, capacity)                         -> state     host-side, shapes static
+    begin(state, history)                         -> state     once per request, after prefill
+    process(params, state, batch)                 -> state     after EVERY target forward
+    draft(params, state, inp, k_max)              -> (state, DraftOutput)
+    accept(state, n_accepted, is_other, active)   -> state     feedback after verification
+    rollback(state, keep)                         -> state     seq_rm(row, keep[row], -1) on own memory
+    get_state(state) / set_state(state, blob)                  optional per-row checkpoint state
+
+Conventions (all arrays are per row, B = batch):
+* `history.tokens [B, S]` holds the tokens in the target's memory, positions 0..length-1;
+  `length [B]` == llama.cpp's `n_past`/`pos0` == position of `last_token` (`id_last`), which
+  is NOT yet in memory. Cells at index >= length are garbage.
+* A draft is always `[B, K]` (K = the engine's static K_max) with a prefix validity mask.
+  A drafter that has nothing for a row returns `valid[row] = False` everywhere, passing the
+  row to the next drafter in priority order (llama.cpp's "chain").
+* `inp.drafting [B]` says which rows this drafter is asked to draft for (rows not yet won by
+  a higher-priority drafter, with a positive budget). Side effects of `draft` on per-row state
+  (n-gram ingestion, counters) must only apply to drafting rows, as upstream only calls an
+  impl for sequences still drafting.
+* `accept` is called once per verification round for rows that verified a non-empty draft
+  (`active`), with `is_other[row] = True` when another drafter produced that row's draft.
+* Drafters never see the engine's other state; params (for model drafters) are a separate
+  pytree argument, None for model-free drafters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar, Protocol, runtime_checkable
+
+import jax.numpy as jnp
+
+from specjax.pytree import pytree_dataclass
+from specjax.types import Array
+
+#: llama.cpp's enum order (COUNT = 11); also the CLI's names.
+DRAFTER_TYPES: tuple[str, ...] = (
+    "none",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+)
+
+#: llama.cpp's fixed relay priority (`common_speculative_init`): model-free drafters first.
+PRIORITY: tuple[str, ...] = (
+    "ngram-simple",
+    "ngram-map-k",
+    "ngram-map-k4v",
+    "ngram-mod",
+    "ngram-cache",
+    "draft-simple",
+    "draft-eagle3",
+    "draft-mtp",
+    "draft-dflash",
+    "draft-dspark",
+)
+
+
+@pytree_dataclass
+class TokenHistory:
+    tokens: Array  # [B, S] int32
+    length: Array  # [B] int32
+
+
+@pytree_dataclass
+class TargetBatch:
+    """Rows the target just evaluated (prefill chunk or verify batch), as llama.cpp's batch."""
+
+    tokens: Array  # [B, T] int32
+    positions: Array  # [B, T] int32, -1 = padding (not evaluated)
+    hidden: tuple[Array, ...] = ()  # [B, T, D] per layer the chain asked for (static list)
+
+
+@pytree_dataclass
+class DraftInput:
+    history: TokenHistory
+    last_token: Array  # [B] int32, id_last (at position history.length)
+    n_max: Array  # [B] int32, caller-side budget (relay truncates to it); 0 = no drafting
+    drafting: Array  # [B] bool, rows this drafter is asked for
+    n_min: Array  # [] int32, draft-model drafters clear drafts shorter than this
+    p_min: Array  # [] float32, draft-model drafters stop when top-1 prob < p_min
+    temperature: Array  # [B] float32, target temperature (probabilistic drafting when > 0)
+    key: Array  # PRNG key for this round (derived from seed/position/role by the engine)
+
+
+@pytree_dataclass
+class DraftOutput:
+    tokens: Array  # [B, K] int32
+    valid: Array  # [B, K] bool, a prefix mask
+    #: [B, K, V] float32 draft distribution of each drafted token, or None (greedy / n-gram).
+    q: Array | None = None
+
+    @property
+    def length(self) -> Array:
+        return jnp.sum(self.valid, axis=1).astype(jnp.int32)
+
+
+def empty_draft(batch: int, k_max: int) -> DraftOutput:
+    return DraftOutput(
+        tokens=jnp.zeros((batch, k_max), jnp.int32), valid=jnp.zeros((batch, k_max), bool)
+    )
+
+
+@runtime_checkable
+class Drafter(Protocol):
+    """Structural type every drafter implements (see module docstring)."""
+
+    name: ClassVar[str]
+    #: Target layers whose input hiddens this drafter reads in `process` (static).
+    hidden_layers: ClassVar[tuple[int, ...]]
+
+    def init(self, batch: int, capacity: int) -> Any: ...
+
+    def begin(self, state: Any, history: TokenHistory) -> Any: ...
+
+    def process(self, params: Any, state: Any, batch: TargetBatch) -> Any: ...
+
+    def draft(
+        self, params: Any, state: Any, inp: DraftInput, k_max: int
+    ) -> tuple[Any, DraftOutput]: ...
+
+    def accept(self, state: Any, n_accepted: Array, is_other: Array, active: Array) -> Any: ...
+
+    def rollback(self, state: Any, keep: Array) -> Any: ...
+
+
+class ModelFreeDrafter:
+    """Mixin with the no-op methods model-free drafters share."""
+
+    hidden_layers: ClassVar[tuple[int, ...]] = ()
+
+    def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
+        del params, batch
+        return state
+
+    def rollback(self, state: Any, keep: Array) -> Any:
+        del keep
+        return state
+
+    def begin(self, state: Any, history: TokenHistory) -> Any:
+        del history
+        return state
+
+    def accept(self, state: Any, n_accepted: Array, is_other: Array, active: Array) -> Any:
+        del n_accepted, is_other, active
+        return state
+
+
+def prefix_mask(valid_BK: Array) -> Array:
+    """Force a validity mask to be a prefix (cumulative AND along K)."""
+    return jnp.cumprod(valid_BK.astype(jnp.int32), axis=1).astype(bool)
+
+
+def select_rows(mask_B: Array, new: Any, old: Any) -> Any:
+    """Per-row select between two pytrees whose leaves all have leading dimension B."""
+    import jax
+
+    def pick(n: Array, o: Array) -> Array:
+        m = mask_B.reshape(mask_B.shape + (1,) * (n.ndim - 1))
+        return jnp.where(m, n, o)
+
+    return jax.tree.map(pick, new, old)

@@ -1,0 +1,179 @@
+"""Static model configuration and the parameter layout every loader/writer must produce.
+
+Parameter pytree (plain dicts/tuples; weights stored [out, in], never upcast in the graph):
+
+    params = {
+      "embed":      [V, D],
+      "layers": (                      # a tuple, one dict per layer
+        {
+          "attn_norm": [D],
+          "wqkv":      [(H + 2G) * E, D],  # rows: H query heads, then G key heads, then G value heads
+          "bqkv":      [(H + 2G) * E],     # only when config.qkv_bias (qwen2)
+          "q_norm":    [E],                # only when config.qk_norm (qwen3)
+          "k_norm":    [E],                # only when config.qk_norm (qwen3)
+          "wo":        [D, H * E],
+          "ffn_norm":  [D],
+          "w_gate_up": [2F, D],            # rows: F gate rows, then F up rows
+          "w_down":    [D, F],
+        }, ...),
+      "final_norm": [D],
+      "lm_head":    [V, D],            # absent when config.tie_embeddings
+    }
+
+RoPE uses the "rotate half" (NeoX / Hugging Face) layout: dimension i pairs with i + E/2.
+GGUF `llama` files store Q/K rows permuted for interleaved RoPE; the GGUF loader undoes that.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+ARCHS = ("llama", "qwen2", "qwen3")
+DTYPES = ("float32", "float16", "bfloat16")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class RopeScaling:
+    """Llama-3 style frequency scaling (`rope_type = "llama3"`)."""
+
+    factor: float = 8.0
+    low_freq_factor: float = 1.0
+    high_freq_factor: float = 4.0
+    original_max_position: int = 8192
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ModelConfig:
+    """Everything static about a Llama-family decoder. Hashable: usable as a jit static arg."""
+
+    arch: str = "llama"
+    vocab_size: int
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int = 0  # 0 -> dim // n_heads
+    rope_theta: float = 10000.0
+    rope_scaling: RopeScaling | None = None
+    norm_eps: float = 1e-5
+    tie_embeddings: bool = False
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    sliding_window: int = 0  # 0 = no sliding-window layers
+    # Per layer: True = sliding-window layer. Empty with sliding_window > 0 means every layer.
+    swa_layers: tuple[bool, ...] = ()
+    max_position: int = 4096  # training context (metadata only; capacity is per cache)
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHS)}")
+        if self.dtype not in DTYPES:
+            raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim == 0 and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
+        if self.E % 2:
+            raise ValueError(f"head_dim must be even for RoPE, got {self.E}")
+        if self.swa_layers and len(self.swa_layers) != self.n_layers:
+            raise ValueError(
+                f"swa_layers has {len(self.swa_layers)} entries for {self.n_layers} layers"
+            )
+        if self.sliding_window < 0:
+            raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+
+    # Short aliases matching the dimension key in specjax.types.
+    @property
+    def V(self) -> int:
+        return self.vocab_size
+
+    @property
+    def D(self) -> int:
+        return self.dim
+
+    @property
+    def L(self) -> int:
+        return self.n_layers
+
+    @property
+    def H(self) -> int:
+        return self.n_heads
+
+    @property
+    def G(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def E(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def F(self) -> int:
+        return self.ffn_dim
+
+    def layer_window(self, layer: int) -> int:
+        """Sliding window of `layer` (0 = full attention)."""
+        if self.sliding_window <= 0:
+            return 0
+        if not self.swa_layers or self.swa_layers[layer]:
+            return self.sliding_window
+        return 0
+
+    def num_params(self) -> int:
+        E, D, F, H, G, V = self.E, self.D, self.F, self.H, self.G, self.V
+        per_layer = 2 * D + (H + 2 * G) * E * D + D * H * E + 3 * D * F
+        per_layer += (H + 2 * G) * E if self.qkv_bias else 0
+        per_layer += 2 * E if self.qk_norm else 0
+        total = V * D + self.L * per_layer + D
+        return total if self.tie_embeddings else total + V * D
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        return out
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> ModelConfig:
+        data = dict(data)
+        scaling = data.get("rope_scaling")
+        if isinstance(scaling, dict):
+            data["rope_scaling"] = RopeScaling(**scaling)
+        if "swa_layers" in data and data["swa_layers"] is not None:
+            data["swa_layers"] = tuple(bool(x) for x in data["swa_layers"])
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown model config keys: {', '.join(unknown)}")
+        return cls(**data)
+
+
+def rope_frequencies(config: ModelConfig) -> list[float]:
+    """Inverse frequencies [E/2] with optional llama3 scaling (host-side, float64)."""
+    E = config.E
+    inv = [1.0 / (config.rope_theta ** (2 * i / E)) for i in range(E // 2)]
+    s = config.rope_scaling
+    if s is None:
+        return inv
+    low_wavelen = s.original_max_position / s.low_freq_factor
+    high_wavelen = s.original_max_position / s.high_freq_factor
+    out = []
+    for f in inv:
+        wavelen = 2 * math.pi / f
+        if wavelen < high_wavelen:
+            out.append(f)
+        elif wavelen > low_wavelen:
+            out.append(f / s.factor)
+        else:
+            smooth = (s.original_max_position / wavelen - s.low_freq_factor) / (
+                s.high_freq_factor - s.low_freq_factor
+            )
+            out.append((1 - smooth) * f / s.factor + smooth * f)
+    return out
