@@ -113,3 +113,9 @@ def check_overflow(cache: KVCache) -> None:
         raise CacheOverflowError(
             f"KV cache overflow: rows {rows} needed more than the capacity of {cache.capacity} cells"
         )
+
+
+def keep_prefix(cache: KVCache, keep_B: Array) -> KVCache:
+    """`seq_rm(row, keep[row], -1)` for every row at once: drop cells at positions >= keep."""
+    pos = jnp.where(cache.pos >= keep_B[:, None], EMPTY_POS, cache.pos)
+    return KVCache(k=cache.k, v=cache.v, pos=pos, overflow=cache.overflow, inv_freq=cache.inv_freq)

@@ -91,7 +91,10 @@ class DraftInput:
     n_min: Array  # [] int32, draft-model drafters clear drafts shorter than this
     p_min: Array  # [] float32, draft-model drafters stop when top-1 prob < p_min
     temperature: Array  # [B] float32, target temperature (probabilistic drafting when > 0)
-    key: Array  # PRNG key for this round (derived from seed/position/role by the engine)
+    key: Array  # PRNG key for this round (derived from seed/round by the engine)
+    seed: Array | None = None  # [B] target seeds; drafters derive per-position keys from them
+    #: [] int32, the draft model's own `draft.n_max` (model drafters stop there); None = K
+    draft_n_max: Array | None = None
 
 
 @pytree_dataclass

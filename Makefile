@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make demo` and `make test`. Both create the venv once.
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.installed-stamp
+PYTEST := $(PY) -m pytest
+
+.PHONY: install demo test test-slow test-all lint format bench clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q -e '.[dev]'
+	touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/specjax generate --config configs/demo.yaml
+
+test: $(STAMP)
+	$(PYTEST) -q
+
+test-slow: $(STAMP)
+	$(PYTEST) -q -m slow
+
+test-all: $(STAMP)
+	$(PYTEST) -q -m 'slow or not slow'
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff format --check specjax tests benchmarks
+	$(VENV)/bin/ruff check specjax tests benchmarks
+	$(VENV)/bin/mypy specjax
+
+format: $(STAMP)
+	$(VENV)/bin/ruff format specjax tests benchmarks
+	$(VENV)/bin/ruff check --fix specjax tests benchmarks
+
+bench: $(STAMP)
+	$(PY) benchmarks/decode.py
+	$(PY) benchmarks/speculative.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -1,0 +1,276 @@
+"""Public API: load/init a model, run a forward, generate (plain or speculative).
+
+Everything here is host-side glue: it validates input (raising ValueError/specjax errors
+that name the numbers) before anything is traced, picks static sizes from a few buckets so
+repeated calls reuse compiled code, and calls the jitted entry points of `specjax.engine`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import engine as eng
+from specjax import sampling
+from specjax.cache import KVCache, check_overflow
+from specjax.config import SpecConfig
+from specjax.models.config import ModelConfig
+from specjax.models.llama import forward_fn, init_params, new_cache
+from specjax.types import Params
+
+
+@dataclasses.dataclass(frozen=True)
+class Model:
+    """A model: static config, parameter pytree and (optionally) its tokenizer."""
+
+    config: ModelConfig
+    params: Params
+    tokenizer: Any = None
+    path: str | None = None
+
+    def new_cache(self, batch: int, capacity: int) -> KVCache:
+        return new_cache(self.config, batch, capacity)
+
+    def encode(self, text: str) -> list[int]:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer; pass token ids instead of text")
+        return list(self.tokenizer.encode(text))
+
+    def decode(self, ids: Sequence[int]) -> str:
+        if self.tokenizer is None:
+            raise ValueError("this model has no tokenizer")
+        return str(self.tokenizer.decode(list(ids)))
+
+    @property
+    def eog_ids(self) -> tuple[int, ...]:
+        if self.tokenizer is None:
+            return ()
+        ids = getattr(self.tokenizer, "eog_ids", None)
+        if ids is None:
+            eos = getattr(self.tokenizer, "eos_id", None)
+            ids = () if eos is None else (eos,)
+        return tuple(sorted(int(i) for i in ids))
+
+
+def load(path: str) -> Model:
+    """Load a GGUF file or a Hugging Face directory (config.json + safetensors + tokenizer.json)."""
+    from specjax.io import load_model_files
+
+    config, params, tokenizer = load_model_files(path)
+    return Model(config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer,
+                 path=str(path))
+
+
+def init_model(config: ModelConfig, seed: int = 0, tokenizer: Any = None) -> Model:
+    """A randomly initialised model (tests, training from scratch)."""
+    return Model(config=config, params=init_params(config, jax.random.PRNGKey(seed)),
+                 tokenizer=tokenizer)
+
+
+_forward_jit = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
+
+
+def forward(model: Model, tokens: Any, positions: Any, cache: KVCache) -> tuple[jax.Array, KVCache]:
+    """Logits [B, T, V] for `tokens` [B, T] at `positions` [B, T] (-1 = padding, not written)."""
+    tokens = np.asarray(tokens)
+    positions = np.asarray(positions)
+    if tokens.ndim != 2 or positions.shape != tokens.shape:
+        raise ValueError(
+            f"tokens and positions must both be [B, T]; got {tokens.shape} and {positions.shape}"
+        )
+    if not np.issubdtype(tokens.dtype, np.integer) or not np.issubdtype(positions.dtype, np.integer):
+        raise ValueError(f"tokens/positions must be integers, got {tokens.dtype}/{positions.dtype}")
+    if tokens.shape[0] != cache.batch:
+        raise ValueError(f"batch of {tokens.shape[0]} rows does not match the cache's {cache.batch}")
+    _check_token_range(tokens[positions >= 0], model.config.V)
+    logits, new, _ = _forward_jit(model.config, model.params, jnp.asarray(tokens, jnp.int32),
+                                  jnp.asarray(positions, jnp.int32), cache)
+    check_overflow(new)
+    return logits, new
+
+
+def _check_token_range(tokens: np.ndarray, vocab: int) -> None:
+    if tokens.size and (tokens.min() < 0 or tokens.max() >= vocab):
+        bad = int(tokens.max()) if tokens.max() >= vocab else int(tokens.min())
+        raise ValueError(f"token id {bad} is out of range for a vocabulary of {vocab}")
+
+
+def _bucket(n: int, minimum: int) -> int:
+    size = minimum
+    while size < n:
+        size *= 2
+    return size
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecReport:
+    """Host-side speculative statistics of one run (llama.cpp's counters)."""
+
+    stats: Any  # specjax.stats.SpecStats with numpy leaves
+    names: tuple[str, ...]
+
+    def lines(self) -> list[str]:
+        """llama.cpp's per-implementation lines, then the server's acceptance lines."""
+        from specjax.stats import format_impl_lines, format_server_lines
+
+        return format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
+
+    def to_dict(self) -> dict[str, Any]:
+        """vLLM-style names (num_drafts, num_draft_tokens, num_accepted_tokens, ...)."""
+        return dict(self.stats.to_dict(self.names))
+
+    def __str__(self) -> str:
+        return "\n".join(self.lines())
+
+
+@dataclasses.dataclass
+class GenerationResult:
+    """Generated ids per prompt, their text, timings and (speculative runs) statistics."""
+
+    tokens: list[list[int]]
+    text: list[str]
+    timings: dict[str, float]
+    finish_reasons: list[str]
+    stats: Any = None
+    prompt_tokens: list[list[int]] = dataclasses.field(default_factory=list)
+
+
+def _tokenize_prompts(model: Model, prompts: Any) -> list[list[int]]:
+    if isinstance(prompts, str):
+        prompts = [prompts]
+    if isinstance(prompts, np.ndarray):
+        prompts = prompts.tolist()
+    if not isinstance(prompts, Sequence) or len(prompts) == 0:
+        raise ValueError("prompts must be a non-empty list of strings or token-id lists")
+    if all(isinstance(p, int | np.integer) for p in prompts):
+        prompts = [list(prompts)]
+    out = []
+    for i, p in enumerate(prompts):
+        ids = model.encode(p) if isinstance(p, str) else [int(t) for t in p]
+        if not ids:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token")
+        _check_token_range(np.asarray(ids), model.config.V)
+        out.append(ids)
+    return out
+
+
+def build_engine_inputs(
+    model: Model,
+    prompt_ids: list[list[int]],
+    *,
+    max_new_tokens: int,
+    n_ctx: int | None,
+    k_max: int,
+) -> tuple[int, int, int]:
+    """Static sizes (prompt bucket T, capacity S, output capacity O), validated."""
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    longest = max(len(p) for p in prompt_ids)
+    if n_ctx is None:
+        n_ctx = _bucket(longest + max_new_tokens + k_max + 2, 128)
+    if n_ctx < 2:
+        raise ValueError(f"context size must be >= 2, got {n_ctx}")
+    if longest >= n_ctx:
+        raise ValueError(
+            f"prompt of {longest} tokens does not fit a context of {n_ctx} "
+            f"(needs at least {longest + 1} cells)"
+        )
+    T = min(_bucket(longest, 16), n_ctx)
+    O = _bucket(max_new_tokens + k_max + 1, 32)
+    return T, n_ctx, O
+
+
+def generate(
+    model: Model,
+    prompts: Any,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    min_p: float = 0.0,
+    repeat_penalty: float = 1.0,
+    seed: int = 0,
+    n_ctx: int | None = None,
+    spec: SpecConfig | None = None,
+    draft: Model | None = None,
+) -> GenerationResult:
+    """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
+
+    With `spec` (and `draft` for draft-simple) the run is speculative; at temperature 0 its
+    output equals plain greedy decoding token for token.
+    """
+    from specjax.drafters.registry import build_drafters
+
+    prompt_ids = _tokenize_prompts(model, prompts)
+    spec = spec if spec is not None and spec.enabled else None
+    drafters, drafter_params = build_drafters(spec, model, draft, temperature=temperature)
+    k_max = spec.resolved_k_max() if spec else 0
+    T, S, O = build_engine_inputs(model, prompt_ids, max_new_tokens=max_new_tokens, n_ctx=n_ctx,
+                                  k_max=k_max)
+    B = len(prompt_ids)
+    synth = None
+    if spec is not None and spec.synthetic:
+        from specjax.verify import resolve_synthetic_rates
+
+        synth = resolve_synthetic_rates(
+            k_max, length=spec.synth_len if spec.synth_len >= 0 else None,
+            rates=list(spec.synth_rates) or None)
+    engine = eng.Engine(
+        target=model.config, drafters=drafters, k_max=k_max, capacity=S, out_capacity=O,
+        eog_ids=model.eog_ids, synthetic=synth is not None,
+    )
+    tokens = np.zeros((B, T), np.int32)
+    for i, p in enumerate(prompt_ids):
+        tokens[i, : len(p)] = p
+    lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
+    run = eng.RunParams(
+        sampling=sampling.SamplingParams.create(
+            batch=B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+            repeat_penalty=repeat_penalty, seed=seed),
+        max_new=jnp.full((B,), max_new_tokens, jnp.int32),
+        n_max=jnp.asarray(spec.draft_n_max if spec else 0, jnp.int32),
+        n_min=jnp.asarray(spec.draft_n_min if spec else 0, jnp.int32),
+        p_min=jnp.asarray(spec.draft_p_min if spec else 0.0, jnp.float32),
+        synth_rates=jnp.asarray(synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32),
+    )
+    t0 = time.perf_counter()
+    state = eng.prefill_jit(engine, model.params, drafter_params, jnp.asarray(tokens),
+                            jnp.asarray(lengths), run)
+    jax.block_until_ready(state.last_token)
+    t1 = time.perf_counter()
+    state = eng.generate_loop_jit(engine, model.params, drafter_params, state, run)
+    jax.block_until_ready(state.out_len)
+    t2 = time.perf_counter()
+    check_overflow(state.cache)
+    host = jax.device_get((state.out_tokens, state.out_len, state.finish, state.n_rounds))
+    out_tokens, out_len, finish, n_rounds = host
+    eog = set(model.eog_ids)
+    results, texts, reasons = [], [], []
+    for b in range(B):
+        ids = [int(t) for t in out_tokens[b, : out_len[b]]]
+        if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
+            ids = ids[:-1]
+        results.append(ids)
+        texts.append(model.decode(ids) if model.tokenizer is not None else "")
+        reasons.append(eng.FINISH_NAMES[int(finish[b])])
+    generated = int(np.sum(out_len))
+    timings = {
+        "prompt_tokens": int(lengths.sum()),
+        "generated_tokens": generated,
+        "prefill_seconds": t1 - t0,
+        "decode_seconds": t2 - t1,
+        "tokens_per_second": generated / max(t2 - t1, 1e-9),
+        "n_rounds": int(n_rounds),
+    }
+    stats = None
+    if spec is not None:
+        stats = SpecReport(stats=state.stats.to_host(), names=tuple(d.name for d in drafters))
+    return GenerationResult(tokens=results, text=texts, timings=timings, finish_reasons=reasons,
+                            stats=stats, prompt_tokens=prompt_ids)

@@ -1,0 +1,253 @@
+"""`specjax` command line: generate (plain or speculative), train, lookup cache tools.
+
+Flag names follow llama.cpp where it has them. Generated text goes to stdout; logs, timings
+and statistics go to stderr; `--out FILE.jsonl` writes one JSON record per prompt.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+# --config YAML keys are the argparse destinations below (e.g. n_predict, spec_type).
+_GENERATE_DEFAULTS: dict[str, Any] = {
+    "model": None,
+    "prompt": None,
+    "file": None,
+    "n_predict": 64,
+    "ctx_size": 0,
+    "temp": 0.0,
+    "top_k": 0,
+    "top_p": 1.0,
+    "min_p": 0.0,
+    "repeat_penalty": 1.0,
+    "seed": 0,
+    "out": None,
+    "spec_type": None,
+    "spec_default": False,
+    "spec_draft_model": None,
+    "spec_draft_n_max": 3,
+    "spec_draft_n_min": 0,
+    "spec_draft_p_min": 0.0,
+    "spec_ngram_simple_size_n": 12,
+    "spec_ngram_simple_size_m": 48,
+    "spec_ngram_map_k_size_n": 12,
+    "spec_ngram_map_k_size_m": 48,
+    "spec_ngram_map_k_min_hits": 1,
+    "spec_ngram_map_k4v_size_n": 12,
+    "spec_ngram_map_k4v_size_m": 48,
+    "spec_ngram_map_k4v_min_hits": 1,
+    "spec_ngram_mod_n_match": 24,
+    "spec_ngram_mod_n_min": 48,
+    "spec_ngram_mod_n_max": 64,
+    "lookup_cache_static": None,
+    "lookup_cache_dynamic": None,
+    "spec_synthetic_acceptance_length": None,
+    "spec_synthetic_acceptance_rates": None,
+    "verbose": False,
+}
+
+
+def _generate_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specjax generate", description="Generate text (llama.cpp flags).")
+    p.add_argument("--config", help="YAML preset (keys = option names with underscores)")
+    p.add_argument("-m", "--model", help="target model: GGUF file or Hugging Face directory")
+    p.add_argument("-p", "--prompt", action="append", help="prompt (repeat for a batch)")
+    p.add_argument("-f", "--file", help="file with the prompt (or prompts as JSON lines with 'prompt')")
+    p.add_argument("-n", "--n-predict", type=int, help="tokens to generate per prompt")
+    p.add_argument("-c", "--ctx-size", type=int, help="context size (0 = from prompt and n-predict)")
+    p.add_argument("--temp", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--min-p", type=float)
+    p.add_argument("--repeat-penalty", type=float)
+    p.add_argument("-s", "--seed", type=int)
+    p.add_argument("--out", help="write one JSON record per prompt to this .jsonl file")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--spec-type", action="append", help="comma list of drafter types (repeatable)")
+    g.add_argument("--spec-default", action="store_true", default=None,
+                   help="ngram-mod with n_match 24, n_min 48, n_max 64")
+    g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model")
+    g.add_argument("--spec-draft-n-max", type=int)
+    g.add_argument("--spec-draft-n-min", type=int)
+    g.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float)
+    for name in ("ngram-simple", "ngram-map-k", "ngram-map-k4v"):
+        g.add_argument(f"--spec-{name}-size-n", type=int)
+        g.add_argument(f"--spec-{name}-size-m", type=int)
+        g.add_argument(f"--spec-{name}-min-hits", type=int)
+    g.add_argument("--spec-ngram-mod-n-match", type=int)
+    g.add_argument("--spec-ngram-mod-n-min", type=int)
+    g.add_argument("--spec-ngram-mod-n-max", type=int)
+    g.add_argument("-lcs", "--lookup-cache-static", dest="lookup_cache_static")
+    g.add_argument("-lcd", "--lookup-cache-dynamic", dest="lookup_cache_dynamic")
+    g.add_argument("--spec-synthetic-acceptance-length", type=float)
+    g.add_argument("--spec-synthetic-acceptance-rates", help="comma list of K rates")
+    p.add_argument("-v", "--verbose", action="store_true", default=None)
+    return p
+
+
+def _load_options(argv: list[str]) -> dict[str, Any]:
+    args = _generate_parser().parse_args(argv)
+    opts = dict(_GENERATE_DEFAULTS)
+    if args.config:
+        path = Path(args.config)
+        if not path.is_file():
+            raise SystemExit(f"error: config file {path} not found")
+        loaded = yaml.safe_load(path.read_text()) or {}
+        unknown = sorted(set(loaded) - set(_GENERATE_DEFAULTS))
+        if unknown:
+            raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}")
+        opts.update(loaded)
+    for key, value in vars(args).items():
+        if key != "config" and value is not None:
+            opts[key] = value
+    return opts
+
+
+def _spec_from_options(opts: dict[str, Any]):
+    from specjax.config import SpecConfig
+
+    types: list[str] = []
+    spec_type = opts.get("spec_type")
+    if isinstance(spec_type, str):
+        spec_type = [spec_type]
+    for item in spec_type or []:
+        types.extend(t for t in str(item).split(","))
+    base = {}
+    if opts.get("spec_default"):
+        types.append("ngram-mod")
+        base = {"ngram_mod_n_match": 24, "ngram_mod_n_min": 48, "ngram_mod_n_max": 64}
+    if not types:
+        return None
+    rates = opts.get("spec_synthetic_acceptance_rates")
+    if isinstance(rates, str):
+        rates = [float(x) for x in rates.split(",") if x.strip()]
+    synth_len = opts.get("spec_synthetic_acceptance_length")
+    kwargs = dict(
+        types=tuple(types),
+        draft_n_max=opts["spec_draft_n_max"],
+        draft_n_min=opts["spec_draft_n_min"],
+        draft_p_min=opts["spec_draft_p_min"],
+        ngram_simple_size_n=opts["spec_ngram_simple_size_n"],
+        ngram_simple_size_m=opts["spec_ngram_simple_size_m"],
+        ngram_map_k_size_n=opts["spec_ngram_map_k_size_n"],
+        ngram_map_k_size_m=opts["spec_ngram_map_k_size_m"],
+        ngram_map_k_min_hits=opts["spec_ngram_map_k_min_hits"],
+        ngram_map_k4v_size_n=opts["spec_ngram_map_k4v_size_n"],
+        ngram_map_k4v_size_m=opts["spec_ngram_map_k4v_size_m"],
+        ngram_map_k4v_min_hits=opts["spec_ngram_map_k4v_min_hits"],
+        ngram_mod_n_match=opts["spec_ngram_mod_n_match"],
+        ngram_mod_n_min=opts["spec_ngram_mod_n_min"],
+        ngram_mod_n_max=opts["spec_ngram_mod_n_max"],
+        lookup_cache_static=opts.get("lookup_cache_static"),
+        lookup_cache_dynamic=opts.get("lookup_cache_dynamic"),
+        synth_len=-1.0 if synth_len is None else float(synth_len),
+        synth_rates=tuple(rates or ()),
+    )
+    kwargs.update(base)
+    return SpecConfig(**kwargs)
+
+
+def _read_prompts(opts: dict[str, Any]) -> list[str]:
+    prompts: list[str] = []
+    prompt = opts.get("prompt")
+    if isinstance(prompt, str):
+        prompts.append(prompt)
+    elif prompt:
+        prompts.extend(prompt)
+    if opts.get("file"):
+        path = Path(opts["file"])
+        if not path.is_file():
+            raise SystemExit(f"error: prompt file {path} not found")
+        text = path.read_text(encoding="utf-8", errors="replace")
+        if path.suffix == ".jsonl":
+            for line in text.splitlines():
+                if line.strip():
+                    prompts.append(json.loads(line)["prompt"])
+        else:
+            prompts.append(text)
+    if not prompts:
+        raise SystemExit("error: no prompt given (use -p/--prompt or -f/--file)")
+    return prompts
+
+
+def generate_main(argv: list[str]) -> int:
+    opts = _load_options(argv)
+    if not opts.get("model"):
+        raise SystemExit("error: no model given (-m/--model or `model:` in --config)")
+    from specjax.api import generate, load
+
+    spec = _spec_from_options(opts)
+    prompts = _read_prompts(opts)
+    log = sys.stderr
+    model = load(opts["model"])
+    draft = None
+    if opts.get("spec_draft_model"):
+        draft = load(opts["spec_draft_model"])
+    if spec is not None and "draft-simple" in spec.types and draft is None:
+        raise SystemExit("error: --spec-type draft-simple needs -md/--spec-draft-model")
+    print(f"specjax: model {opts['model']} ({model.config.num_params() / 1e6:.2f}M params), "
+          f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
+          file=log)
+    result = generate(
+        model, prompts, max_new_tokens=int(opts["n_predict"]), temperature=float(opts["temp"]),
+        top_k=int(opts["top_k"]), top_p=float(opts["top_p"]), min_p=float(opts["min_p"]),
+        repeat_penalty=float(opts["repeat_penalty"]), seed=int(opts["seed"]),
+        n_ctx=int(opts["ctx_size"]) or None, spec=spec, draft=draft,
+    )
+    for prompt, text in zip(prompts, result.text):
+        sys.stdout.write(prompt + text + "\n")
+        if len(prompts) > 1:
+            sys.stdout.write("\n")
+    sys.stdout.flush()
+    t = result.timings
+    print(f"prefill: {t['prompt_tokens']} tokens in {t['prefill_seconds']:.3f} s; "
+          f"decode: {t['generated_tokens']} tokens in {t['decode_seconds']:.3f} s "
+          f"({t['tokens_per_second']:.1f} t/s, {t['n_rounds']} rounds)", file=log)
+    if result.stats is not None:
+        for line in result.stats.lines():
+            print(line, file=log)
+    if opts.get("out"):
+        with open(opts["out"], "w", encoding="utf-8") as fh:
+            for i, prompt in enumerate(prompts):
+                record = {
+                    "prompt": prompt,
+                    "tokens": result.tokens[i],
+                    "text": result.text[i],
+                    "finish_reason": result.finish_reasons[i],
+                    "timings": {**t, "generated_tokens": len(result.tokens[i])},
+                }
+                if result.stats is not None:
+                    record["stats"] = result.stats.to_dict()
+                fh.write(json.dumps(record) + "\n")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    commands = {
+        "generate": generate_main,
+        "train": lambda a: __import__("specjax.train", fromlist=["train_main"]).train_main(a),
+        "lookup-create": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_create_main(a),
+        "lookup-merge": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_merge_main(a),
+        "lookup-stats": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_stats_main(a),
+    }
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print("usage: specjax {" + ",".join(commands) + "} [options]", file=sys.stderr)
+        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    try:
+        return int(commands[argv[0]](argv[1:]) or 0)
+    except ValueError as err:  # specjax errors are ValueErrors with a clear message
+        print(f"error: {err}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,165 @@
+"""Host-side configuration mirroring llama.cpp's `common_params_speculative`.
+
+Validated once, on the host, with errors naming the offending values. Sizes that shape arrays
+(K_max) are derived here; every knob a user may change per call (n_max, n_min, p_min) travels
+to the jitted step as an array.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from specjax.drafters.base import DRAFTER_TYPES, PRIORITY
+
+#: ngram-cache drafts a fixed number of tokens upstream ("TODO get from config").
+NGRAM_CACHE_N_DRAFT = 8
+
+
+def types_from_names(names: str | Iterable[str]) -> tuple[str, ...]:
+    """llama.cpp's `common_speculative_types_from_names`: comma lists, `none` wins, unknown -> error.
+
+    Returns the enabled types in llama.cpp's fixed relay priority order (empty = disabled).
+    """
+    if isinstance(names, str):
+        names = [names]
+    flat: list[str] = []
+    for item in names:
+        flat.extend(part.strip() for part in str(item).split(",") if part.strip())
+    for name in flat:
+        if name not in DRAFTER_TYPES:
+            raise ValueError(
+                f"unknown speculative type: {name}; valid types: {', '.join(DRAFTER_TYPES)}"
+            )
+    if "none" in flat:
+        return ()
+    enabled = set(flat)
+    return tuple(t for t in PRIORITY if t in enabled)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class SpecConfig:
+    """Speculative decoding settings (llama.cpp defaults)."""
+
+    types: tuple[str, ...] = ()
+    draft_n_max: int = 3
+    draft_n_min: int = 0
+    draft_p_min: float = 0.0
+    ngram_simple_size_n: int = 12
+    ngram_simple_size_m: int = 48
+    ngram_map_k_size_n: int = 12
+    ngram_map_k_size_m: int = 48
+    ngram_map_k_min_hits: int = 1
+    ngram_map_k4v_size_n: int = 12
+    ngram_map_k4v_size_m: int = 48
+    ngram_map_k4v_min_hits: int = 1
+    ngram_mod_n_match: int = 24
+    ngram_mod_n_min: int = 48
+    ngram_mod_n_max: int = 64
+    ngram_mod_pool_size: int = 4 * 1024 * 1024
+    ngram_cache_n_draft: int = NGRAM_CACHE_N_DRAFT
+    lookup_cache_static: str | None = None
+    lookup_cache_dynamic: str | None = None
+    synth_len: float = -1.0
+    synth_rates: tuple[float, ...] = ()
+    #: Static upper bound on draft length (array width); None = derived from the types.
+    k_max: int | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "types", types_from_names(self.types) if self.types else ())
+        if self.draft_n_max < 0:
+            raise ValueError(f"draft n_max must be >= 0, got {self.draft_n_max}")
+        if self.draft_n_min < 0:
+            raise ValueError(f"draft n_min must be >= 0, got {self.draft_n_min}")
+        if not 0.0 <= self.draft_p_min <= 1.0:
+            raise ValueError(f"draft p_min must be in [0, 1], got {self.draft_p_min}")
+        for name in ("ngram_simple", "ngram_map_k", "ngram_map_k4v"):
+            for part in ("size_n", "size_m"):
+                value = getattr(self, f"{name}_{part}")
+                if not 1 <= value <= 1024:
+                    raise ValueError(f"{name} {part} must be in 1..1024, got {value}")
+        for name in ("ngram_map_k_min_hits", "ngram_map_k4v_min_hits"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if not 1 <= self.ngram_mod_n_match <= 1024:
+            raise ValueError(f"ngram-mod n_match must be in 1..1024, got {self.ngram_mod_n_match}")
+        for part in ("n_min", "n_max"):
+            value = getattr(self, f"ngram_mod_{part}")
+            if not 0 <= value <= 1024:
+                raise ValueError(f"ngram-mod {part} must be in 0..1024, got {value}")
+        if self.synth_len >= 0 and self.synth_rates:
+            raise ValueError(
+                "--spec-synthetic-acceptance-length and --spec-synthetic-acceptance-rates "
+                "are mutually exclusive"
+            )
+        if self.synth_len >= 0 and not math.isfinite(self.synth_len):
+            raise ValueError(f"synthetic acceptance length must be finite, got {self.synth_len}")
+        if self.k_max is not None and self.k_max < 1:
+            raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.types)
+
+    @property
+    def synthetic(self) -> bool:
+        return self.synth_len >= 0 or bool(self.synth_rates)
+
+    def n_max(self) -> int:
+        """`common_speculative_n_max`: the longest draft any enabled type can produce."""
+        best = 0
+        for t in self.types:
+            if t.startswith("draft-"):
+                best = max(best, self.draft_n_max)
+            elif t == "ngram-simple":
+                best = max(best, self.ngram_simple_size_m)
+            elif t == "ngram-map-k":
+                best = max(best, self.ngram_map_k_size_m)
+            elif t == "ngram-map-k4v":
+                best = max(best, self.ngram_map_k4v_size_m)
+            elif t == "ngram-mod":
+                best = max(best, self.ngram_mod_n_max)
+            elif t == "ngram-cache":
+                best = max(best, self.ngram_cache_n_draft)
+        return best
+
+    def resolved_k_max(self) -> int:
+        """Static draft width K: explicit k_max, else n_max() (at least 1)."""
+        if self.k_max is not None:
+            return self.k_max
+        return max(1, self.n_max())
+
+    @staticmethod
+    def default() -> SpecConfig:
+        """`--spec-default`: ngram-mod with n_match 24, n_min 48, n_max 64."""
+        return SpecConfig(types=("ngram-mod",), ngram_mod_n_match=24, ngram_mod_n_min=48,
+                          ngram_mod_n_max=64)
+
+    def replace(self, **changes: Any) -> SpecConfig:
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> SpecConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown speculative config keys: {', '.join(unknown)}")
+        data = dict(data)
+        for key in ("types", "synth_rates"):
+            if key in data and isinstance(data[key], list):
+                data[key] = tuple(data[key])
+        return cls(**data)
+
+
+def output_limits(n_batch: int, n_parallel: int, n_draft: int) -> tuple[int, int]:
+    """`common_speculative_get_output_limits` -> (total, per_seq), both clamped to n_batch."""
+    per_seq = 1 + max(0, n_draft)
+    total = n_parallel * per_seq
+    return min(total, n_batch), min(per_seq, n_batch)
+
+

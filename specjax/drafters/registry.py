@@ -1,0 +1,94 @@
+"""Builds the drafter chain for a SpecConfig, in llama.cpp's fixed priority order.
+
+Adding a drafter type means: a module implementing the protocol in `base.py`, and one entry
+in `_BUILDERS`. The engine never changes.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from specjax.config import SpecConfig
+from specjax.drafters.base import PRIORITY
+
+
+def _draft_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+    from specjax.drafters.draft_simple import DraftSimple, check_vocab_compatible
+
+    if draft is None:
+        raise ValueError("draft-simple needs a draft model (-md/--spec-draft-model)")
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        check_vocab_compatible(target.tokenizer, draft.tokenizer, target.config.V, draft.config.V)
+    elif abs(target.config.V - draft.config.V) > 128:
+        from specjax.errors import VocabMismatchError
+
+        raise VocabMismatchError(
+            f"draft vocab size {draft.config.V} differs from the target's {target.config.V} "
+            "by more than 128"
+        )
+    drafter = DraftSimple(config=draft.config, target_vocab=target.config.V,
+                          probabilistic=temperature > 0)
+    return drafter, draft.params
+
+
+def _ngram_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+    from specjax.drafters.ngram_simple import NgramSimple
+
+    return NgramSimple(size_n=spec.ngram_simple_size_n, size_m=spec.ngram_simple_size_m), None
+
+
+def _ngram_mod(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+    from specjax.drafters.ngram_mod import NgramMod
+
+    return NgramMod(n_match=spec.ngram_mod_n_match, n_min=spec.ngram_mod_n_min,
+                    n_max=spec.ngram_mod_n_max, pool_size=spec.ngram_mod_pool_size), None
+
+
+def _ngram_map_k(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+    from specjax.drafters.ngram_map import NgramMapK
+
+    return NgramMapK(size_n=spec.ngram_map_k_size_n, size_m=spec.ngram_map_k_size_m,
+                     min_hits=spec.ngram_map_k_min_hits), None
+
+
+def _ngram_map_k4v(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+    from specjax.drafters.ngram_map import NgramMapK4V
+
+    return NgramMapK4V(size_n=spec.ngram_map_k4v_size_n, size_m=spec.ngram_map_k4v_size_m,
+                       min_hits=spec.ngram_map_k4v_min_hits), None
+
+
+def _ngram_cache(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+    from specjax.drafters.ngram_cache import build_ngram_cache
+
+    return build_ngram_cache(spec)
+
+
+_BUILDERS: dict[str, Callable[[SpecConfig, Any, Any, float], tuple[Any, Any]]] = {
+    "draft-simple": _draft_simple,
+    "ngram-simple": _ngram_simple,
+    "ngram-mod": _ngram_mod,
+    "ngram-map-k": _ngram_map_k,
+    "ngram-map-k4v": _ngram_map_k4v,
+    "ngram-cache": _ngram_cache,
+}
+
+
+def build_drafters(
+    spec: SpecConfig | None, target: Any, draft: Any, *, temperature: float = 0.0
+) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
+    """(drafters, their params) in relay priority order; empty when speculation is off."""
+    if spec is None or not spec.enabled:
+        return (), ()
+    drafters, params = [], []
+    for name in PRIORITY:
+        if name not in spec.types:
+            continue
+        builder = _BUILDERS.get(name)
+        if builder is None:
+            raise ValueError(f"speculative type {name} is not implemented in specjax yet")
+        d, p = builder(spec, target, draft, temperature)
+        drafters.append(d)
+        params.append(p)
+    return tuple(drafters), tuple(params)

@@ -1,0 +1,389 @@
+"""The speculative engine: prefill, one speculative step, and the on-device generation loop.
+
+One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of the spec):
+
+    history[b, :length[b]]   tokens in target memory (positions 0..length-1)
+    last_token[b]            id_last: sampled, emitted, NOT yet in memory (position length)
+
+    1 budget   n_draft_max = min(S - length - 2, remaining - 1, n_max), clipped to [0, K]
+    2 relay    drafters in llama.cpp's fixed priority; the first with a draft wins the row
+    3 verify   target forward on [id_last, d_1..d_K] at positions length + 0..K; invalid
+               slots are padding (-1). Width is bucketed (lax.switch) so rounds without
+               drafts cost a 1-token forward.
+    4 accept   per row: synthetic -> replay -> rejection (temp > 0, q present) -> match
+    5 commit   keep positions < length + n_acc + 1 (seq_rm on target and drafter memory),
+               emit d_1..d_nacc + next token, stop at EOG / n_predict / context end
+    6 feedback drafter.process(verify batch), accept(n_acc, is_other), statistics
+
+Plain decoding is the same step with no drafters (K = 0): one compiled code path, so
+"speculative greedy == plain greedy" compares like with like. Everything above runs inside
+one jitted `lax.while_loop`; the host only sees the final state.
+
+RNG: the token emitted at absolute position p is drawn with make_key(seed, p, role), so a
+row gives the same output alone or in a batch, and replays are exact.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling, verify
+from specjax import stats as stats_mod
+from specjax.cache import KVCache, keep_prefix
+from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
+from specjax.models.config import ModelConfig
+from specjax.models.llama import forward_fn, new_cache
+from specjax.pytree import pytree_dataclass
+from specjax.types import Array, Params
+
+FINISH_NONE, FINISH_EOG, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
+FINISH_NAMES = {FINISH_NONE: "none", FINISH_EOG: "stop", FINISH_LENGTH: "length",
+                FINISH_CONTEXT: "context"}
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class Engine:
+    """Everything static about a generation run (a jit static argument: hashable)."""
+
+    target: ModelConfig
+    drafters: tuple[Any, ...] = ()  # in relay priority order
+    k_max: int = 0
+    capacity: int  # S: cache cells per row
+    out_capacity: int  # O: output buffer per row
+    eog_ids: tuple[int, ...] = ()
+    penalty_window: int = 64
+    synthetic: bool = False
+
+    @property
+    def hidden_layers(self) -> tuple[int, ...]:
+        layers: set[int] = set()
+        for d in self.drafters:
+            layers.update(d.hidden_layers)
+        return tuple(sorted(layers))
+
+    @property
+    def probabilistic(self) -> bool:
+        return any(getattr(d, "probabilistic", False) for d in self.drafters)
+
+    def verify_widths(self) -> tuple[int, ...]:
+        """Verify-batch widths compiled as lax.switch branches (1 = no draft in any row)."""
+        widths = {1, self.k_max + 1}
+        j = 4
+        while j < self.k_max:
+            widths.add(j + 1)
+            j *= 4
+        return tuple(sorted(widths))
+
+
+@pytree_dataclass
+class RunParams:
+    """Per-call values: traced, so changing them never recompiles."""
+
+    sampling: sampling.SamplingParams  # fields [B]
+    max_new: Array  # [B] int32, n_predict
+    n_max: Array  # [] int32, draft-model n_max (`--spec-draft-n-max`)
+    n_min: Array  # [] int32
+    p_min: Array  # [] float32
+    synth_rates: Array  # [max(K,1)] float32 conditional acceptance rates (synthetic only)
+
+
+@pytree_dataclass
+class GenState:
+    cache: KVCache
+    history: Array  # [B, S] int32
+    length: Array  # [B] int32
+    last_token: Array  # [B] int32
+    out_tokens: Array  # [B, O] int32
+    out_len: Array  # [B] int32
+    done: Array  # [B] bool
+    finish: Array  # [B] int32
+    drafter_states: tuple[Any, ...]
+    impl_last: Array  # [B] int32, -1 = none
+    stats: stats_mod.SpecStats
+    n_rounds: Array  # [] int32
+
+
+# ----------------------------------------------------------------------------------------
+# prefill
+
+
+def prefill(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    tokens_BT: Array,
+    lengths_B: Array,
+    run: RunParams,
+) -> GenState:
+    """Evaluate the prompts, sample the first token, prime the drafters."""
+    B, T = tokens_BT.shape
+    S, O = engine.capacity, engine.out_capacity
+    positions_BT = jnp.where(jnp.arange(T)[None, :] < lengths_B[:, None], jnp.arange(T)[None, :], -1)
+    cache = new_cache(engine.target, B, S)
+    out = forward_fn(engine.target, target_params, tokens_BT, positions_BT, cache,
+                     engine.hidden_layers)
+    last_idx = jnp.maximum(lengths_B - 1, 0)
+    logits_BV = jnp.take_along_axis(out.logits, last_idx[:, None, None], axis=1)[:, 0]
+    history = jnp.zeros((B, S), jnp.int32).at[:, :T].set(jnp.where(positions_BT >= 0, tokens_BT, 0))
+    window = _history_window(history, lengths_B, engine.penalty_window)
+    logits_BV = jax.vmap(sampling.apply_penalties)(logits_BV, window, window >= 0,
+                                                   run.sampling.repeat_penalty)
+    keys = jax.vmap(sampling.make_key, in_axes=(0, 0, None))(
+        run.sampling.seed, lengths_B, sampling.ROLE_SAMPLE)
+    first = sampling.sample(logits_BV, run.sampling, keys)
+
+    states = tuple(d.init(B, S) for d in engine.drafters)
+    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, hidden=out.hidden)
+    hist = TokenHistory(tokens=history, length=lengths_B)
+    states = tuple(
+        d.begin(d.process(p, s, batch), hist)
+        for d, p, s in zip(engine.drafters, drafter_params, states)
+    )
+    out_tokens = jnp.zeros((B, O), jnp.int32).at[:, 0].set(first)
+    is_eog = _is_eog(engine, first)
+    done = is_eog | (run.max_new <= 1) | (lengths_B >= S)
+    finish = jnp.where(is_eog, FINISH_EOG, jnp.where(run.max_new <= 1, FINISH_LENGTH,
+                       jnp.where(lengths_B >= S, FINISH_CONTEXT, FINISH_NONE)))
+    stats = stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1))
+    stats = stats_mod.record_begin(stats, jnp.ones((B,), bool))
+    return GenState(
+        cache=out.cache,
+        history=history,
+        length=lengths_B.astype(jnp.int32),
+        last_token=first.astype(jnp.int32),
+        out_tokens=out_tokens,
+        out_len=jnp.ones((B,), jnp.int32),
+        done=done,
+        finish=finish.astype(jnp.int32),
+        drafter_states=states,
+        impl_last=jnp.full((B,), -1, jnp.int32),
+        stats=stats,
+        n_rounds=jnp.zeros((), jnp.int32),
+    )
+
+
+# ----------------------------------------------------------------------------------------
+# one speculative step
+
+
+def _is_eog(engine: Engine, tokens: Array) -> Array:
+    if not engine.eog_ids:
+        return jnp.zeros(tokens.shape, bool)
+    ids = jnp.asarray(engine.eog_ids, jnp.int32)
+    return jnp.any(tokens[..., None] == ids, axis=-1)
+
+
+def _history_window(history: Array, end_B: Array, width: int) -> Array:
+    """Tokens at positions end-W..end-1 of each row ([B, W], -1 where the position is < 0)."""
+    idx_BW = end_B[:, None] - width + jnp.arange(width)[None, :]
+    return jnp.where(idx_BW >= 0, jnp.take_along_axis(history, jnp.maximum(idx_BW, 0), axis=1), -1)
+
+
+def _recent_tokens(engine: Engine, history: Array, length_B: Array, last_B: Array) -> Array:
+    """The sampler's ring of recent accepted tokens, ending with id_last ([B, W], -1 = empty)."""
+    past = _history_window(history, length_B, engine.penalty_window - 1)
+    return jnp.concatenate([past, last_B[:, None]], axis=1)
+
+
+def _eog_mask(engine: Engine) -> Array:
+    mask = jnp.zeros((engine.target.V,), bool)
+    if engine.eog_ids:
+        mask = mask.at[jnp.asarray(engine.eog_ids, jnp.int32)].set(True)
+    return mask
+
+
+def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run: RunParams,
+           key: Array):
+    """llama.cpp's `common_speculative_draft`: fixed priority, first non-empty draft wins."""
+    B, K = state.length.shape[0], engine.k_max
+    hist = TokenHistory(tokens=state.history, length=state.length)
+    tokens = jnp.zeros((B, K), jnp.int32)
+    valid = jnp.zeros((B, K), bool)
+    q = jnp.zeros((B, K, engine.target.V), jnp.float32) if engine.probabilistic else None
+    has_q = jnp.zeros((B,), bool)
+    winner = jnp.full((B,), -1, jnp.int32)
+    remaining = budget_B > 0
+    new_states = []
+    for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, state.drafter_states)):
+        inp = DraftInput(history=hist, last_token=state.last_token, n_max=budget_B,
+                         drafting=remaining, n_min=run.n_min, p_min=run.p_min,
+                         temperature=run.sampling.temperature,
+                         key=jax.random.fold_in(key, i), seed=run.sampling.seed,
+                         draft_n_max=run.n_max)
+        s, out = d.draft(p, s, inp, K)
+        won = remaining & out.valid[:, 0]
+        truncated = out.valid & (jnp.arange(K)[None, :] < budget_B[:, None])
+        tokens = jnp.where(won[:, None], out.tokens, tokens)
+        valid = jnp.where(won[:, None], truncated, valid)
+        if q is not None and out.q is not None:
+            q = jnp.where(won[:, None, None], out.q, q)
+            has_q = jnp.where(won, True, has_q)
+        winner = jnp.where(won, i, winner)
+        remaining = remaining & ~won
+        new_states.append(s)
+    stats = stats_mod.record_draft(state.stats, winner, jnp.sum(valid, axis=1).astype(jnp.int32),
+                                   budget_B > 0)
+    return tokens, valid, q, has_q, winner, tuple(new_states), stats
+
+
+def _verify_forward(engine: Engine, target_params: Params, cache: KVCache, v_tokens: Array,
+                    v_pos: Array, draft_len_B: Array):
+    """Target forward over the verify batch, at the narrowest compiled width that fits."""
+    widths = engine.verify_widths()
+    B, T = v_tokens.shape
+    V = engine.target.V
+
+    def branch(width: int):
+        def run(operands):
+            cache, v_tokens, v_pos = operands
+            out = forward_fn(engine.target, target_params, v_tokens[:, :width], v_pos[:, :width],
+                             cache, engine.hidden_layers)
+            pad = T - width
+            logits = jnp.pad(out.logits, ((0, 0), (0, pad), (0, 0))) if pad else out.logits
+            hidden = tuple(jnp.pad(h, ((0, 0), (0, pad), (0, 0))) if pad else h for h in out.hidden)
+            return logits, out.cache, hidden
+
+        return run
+
+    if len(widths) == 1:
+        return branch(widths[0])((cache, v_tokens, v_pos))
+    needed = jnp.max(draft_len_B) + 1
+    index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed)
+    del V
+    return jax.lax.switch(index, [branch(w) for w in widths], (cache, v_tokens, v_pos))
+
+
+def spec_step(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+) -> GenState:
+    """One draft -> verify -> accept -> commit round for every row."""
+    B, K, S, O = state.length.shape[0], engine.k_max, engine.capacity, engine.out_capacity
+    active = ~state.done
+    remaining_new = run.max_new - state.out_len
+    budget = jnp.minimum(S - state.length - 2, remaining_new - 1)
+    budget = jnp.clip(budget, 0, K)
+    budget = jnp.where(active, budget, 0)
+    round_key = sampling.make_key(run.sampling.seed[0], state.n_rounds, sampling.ROLE_DRAFT)
+
+    if engine.drafters:
+        d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(
+            engine, drafter_params, state, budget, run, round_key)
+    else:
+        d_tokens = jnp.zeros((B, K), jnp.int32)
+        d_valid = jnp.zeros((B, K), bool)
+        q, has_q, winner, dstates, stats = None, jnp.zeros((B,), bool), state.impl_last, (), state.stats
+    draft_len = jnp.sum(d_valid, axis=1).astype(jnp.int32)
+    had_draft = draft_len > 0
+
+    v_tokens = jnp.concatenate([state.last_token[:, None], d_tokens], axis=1)  # [B, K+1]
+    v_valid = jnp.concatenate([active[:, None], d_valid & active[:, None]], axis=1)
+    v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
+    logits, cache, hidden = _verify_forward(engine, target_params, state.cache, v_tokens, v_pos,
+                                            draft_len)
+    recent = _recent_tokens(engine, state.history, state.length, state.last_token)
+    result = verify.verify_rows(
+        logits,
+        DraftOutput(tokens=d_tokens, valid=d_valid, q=q),
+        run.sampling,
+        state.length,
+        has_q_B=has_q if q is not None else None,
+        synth_rates_K=run.synth_rates if engine.synthetic else None,
+        eog_V=_eog_mask(engine) if engine.synthetic else None,
+        recent_BW=recent,
+        recent_valid_BW=recent >= 0,
+    )
+    n_acc = jnp.where(active, result.n_accepted, 0).astype(jnp.int32)
+    next_token = result.next_token.astype(jnp.int32)
+
+    # commit: keep id_last + accepted drafts in memory, drop the rejected cells
+    keep = state.length + n_acc + 1
+    cache = keep_prefix(cache, jnp.where(active, keep, state.length))
+    rows_BT = jnp.arange(B)[:, None] + jnp.zeros((1, K + 1), jnp.int32)
+    hist_pos = state.length[:, None] + jnp.arange(K + 1)[None, :]
+    write_ok = active[:, None] & (jnp.arange(K + 1)[None, :] <= n_acc[:, None])
+    history = state.history.at[rows_BT, jnp.where(write_ok, hist_pos, S)].set(v_tokens, mode="drop")
+
+    # emit d_1..d_nacc, next_token; stop at EOG / n_predict
+    emitted = jnp.concatenate([d_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+    emitted = jnp.where(jnp.arange(K + 1)[None, :] == n_acc[:, None], next_token[:, None], emitted)
+    n_emit = jnp.where(active, n_acc + 1, 0)
+    eog = _is_eog(engine, emitted) & (jnp.arange(K + 1)[None, :] < n_emit[:, None])
+    first_eog = jnp.argmax(eog, axis=1)
+    hit_eog = jnp.any(eog, axis=1)
+    n_emit = jnp.where(hit_eog, first_eog + 1, n_emit)
+    n_emit = jnp.minimum(n_emit, remaining_new)
+    out_idx = state.out_len[:, None] + jnp.arange(K + 1)[None, :]
+    out_ok = jnp.arange(K + 1)[None, :] < n_emit[:, None]
+    out_tokens = state.out_tokens.at[rows_BT, jnp.where(out_ok, out_idx, O)].set(emitted, mode="drop")
+    out_len = state.out_len + n_emit
+    new_length = jnp.where(active, keep, state.length)
+    eog_stop = hit_eog & (first_eog < n_emit)
+    len_stop = out_len >= run.max_new
+    ctx_stop = new_length >= S
+    newly_done = active & (eog_stop | len_stop | ctx_stop)
+    finish = jnp.where(newly_done,
+                       jnp.where(eog_stop, FINISH_EOG, jnp.where(len_stop, FINISH_LENGTH, FINISH_CONTEXT)),
+                       state.finish)
+
+    # drafter feedback: process the verify batch, accept, trim their memory
+    if engine.drafters:
+        batch = TargetBatch(tokens=v_tokens, positions=v_pos, hidden=hidden)
+        new_states = []
+        for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
+            s = d.process(p, s, batch)
+            s = d.accept(s, n_acc, winner != i, had_draft & active)
+            s = d.rollback(s, jnp.where(active, keep, state.length))
+            new_states.append(s)
+        dstates = tuple(new_states)
+        stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
+        impl_last = jnp.where(had_draft, winner, state.impl_last)
+    else:
+        impl_last = state.impl_last
+
+    return GenState(
+        cache=cache,
+        history=history,
+        length=new_length,
+        last_token=jnp.where(active, next_token, state.last_token),
+        out_tokens=out_tokens,
+        out_len=out_len,
+        done=state.done | newly_done,
+        finish=finish.astype(jnp.int32),
+        drafter_states=dstates,
+        impl_last=impl_last,
+        stats=stats,
+        n_rounds=state.n_rounds + 1,
+    )
+
+
+def generate_loop(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+) -> GenState:
+    """Run `spec_step` until every row is done, entirely on device."""
+
+    def cond(s: GenState) -> Array:
+        return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
+
+    def body(s: GenState) -> GenState:
+        return spec_step(engine, target_params, drafter_params, s, run)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+prefill_jit = jax.jit(prefill, static_argnames=("engine",))
+step_jit = jax.jit(spec_step, static_argnames=("engine",), donate_argnames=("state",))
+generate_loop_jit = jax.jit(generate_loop, static_argnames=("engine",), donate_argnames=("state",))
+
+
