@@ -1,1 +1,38 @@
-"""specjax: llama.cpp's speculative decoding as pure JAX."""
+"""specjax: llama.cpp's speculative decoding as pure JAX.
+
+Public API (see README.md):
+
+    model = specjax.load("models/code-target/code-target.gguf")
+    result = specjax.generate(model, ["def fib(n):"], max_new_tokens=64)
+    result = specjax.generate(model, prompts, max_new_tokens=64,
+                              spec=specjax.SpecConfig(types=("ngram-mod", "draft-simple")),
+                              draft=specjax.load("models/code-draft/code-draft.gguf"))
+    print(result.text[0]); print(result.stats)
+"""
+
+from specjax.api import GenerationResult, Model, SpecReport, forward, generate, init_model, load
+from specjax.cache import KVCache
+from specjax.config import SpecConfig, types_from_names
+from specjax.errors import CacheOverflowError, ModelFileError, SpecjaxError, VocabMismatchError
+from specjax.models.config import ModelConfig, RopeScaling
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "CacheOverflowError",
+    "GenerationResult",
+    "KVCache",
+    "Model",
+    "ModelConfig",
+    "ModelFileError",
+    "RopeScaling",
+    "SpecConfig",
+    "SpecReport",
+    "SpecjaxError",
+    "VocabMismatchError",
+    "forward",
+    "generate",
+    "init_model",
+    "load",
+    "types_from_names",
+]

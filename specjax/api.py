@@ -33,6 +33,8 @@ class Model:
     params: Params
     tokenizer: Any = None
     path: str | None = None
+    #: End-of-generation ids; None = the tokenizer's (EOS/EOT/...).
+    eog: tuple[int, ...] | None = None
 
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return new_cache(self.config, batch, capacity)
@@ -49,6 +51,8 @@ class Model:
 
     @property
     def eog_ids(self) -> tuple[int, ...]:
+        if self.eog is not None:
+            return tuple(sorted(int(i) for i in self.eog))
         if self.tokenizer is None:
             return ()
         ids = getattr(self.tokenizer, "eog_ids", None)
@@ -141,6 +145,38 @@ class GenerationResult:
     prompt_tokens: list[list[int]] = dataclasses.field(default_factory=list)
 
 
+_COMPILED: dict[Any, Any] = {}
+
+
+def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
+    """AOT-compiled executable of a jitted engine entry point, cached per (engine, shapes).
+
+    Keeps compilation out of the measured prefill/decode time. Keyed like jit's own cache:
+    static engine + pytree structure + leaf shapes/dtypes; values never enter the key.
+    """
+    leaves, treedef = jax.tree.flatten(args)
+    key = (fn, engine, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    exe = _COMPILED.get(key)
+    if exe is None:
+        exe = fn.lower(engine, *args).compile()
+        _COMPILED[key] = exe
+    return exe
+
+
+def compile_count() -> int:
+    """Number of distinct executables `generate` has compiled in this process."""
+    return len(_COMPILED)
+
+
+def _per_row(value: Any, batch: int, name: str) -> np.ndarray:
+    arr = np.asarray(value, np.int64)
+    if arr.ndim == 0:
+        return np.full((batch,), int(arr), np.int64)
+    if arr.shape != (batch,):
+        raise ValueError(f"{name} has {arr.size} values for {batch} prompts")
+    return arr
+
+
 def _tokenize_prompts(model: Model, prompts: Any) -> list[list[int]]:
     if isinstance(prompts, str):
         prompts = [prompts]
@@ -190,13 +226,13 @@ def generate(
     model: Model,
     prompts: Any,
     *,
-    max_new_tokens: int,
+    max_new_tokens: int | Sequence[int],
     temperature: float = 0.0,
     top_k: int = 0,
     top_p: float = 1.0,
     min_p: float = 0.0,
     repeat_penalty: float = 1.0,
-    seed: int = 0,
+    seed: int | Sequence[int] = 0,
     n_ctx: int | None = None,
     spec: SpecConfig | None = None,
     draft: Model | None = None,
@@ -204,17 +240,23 @@ def generate(
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
     With `spec` (and `draft` for draft-simple) the run is speculative; at temperature 0 its
-    output equals plain greedy decoding token for token.
+    output equals plain greedy decoding token for token. `max_new_tokens` and `seed` may be
+    given per prompt. Compilation is cached per static shape; `timings["compile_seconds"]`
+    reports it apart from prefill/decode time.
     """
     from specjax.drafters.registry import build_drafters
 
     prompt_ids = _tokenize_prompts(model, prompts)
+    B = len(prompt_ids)
+    max_new = _per_row(max_new_tokens, B, "max_new_tokens")
+    seeds = _per_row(seed, B, "seed")
     spec = spec if spec is not None and spec.enabled else None
     drafters, drafter_params = build_drafters(spec, model, draft, temperature=temperature)
     k_max = spec.resolved_k_max() if spec else 0
-    T, S, O = build_engine_inputs(model, prompt_ids, max_new_tokens=max_new_tokens, n_ctx=n_ctx,
-                                  k_max=k_max)
-    B = len(prompt_ids)
+    T, S, O = build_engine_inputs(model, prompt_ids, max_new_tokens=int(max_new.max()),
+                                  n_ctx=n_ctx, k_max=k_max)
+    if max_new.min() < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {int(max_new.min())}")
     synth = None
     if spec is not None and spec.synthetic:
         from specjax.verify import resolve_synthetic_rates
@@ -233,19 +275,26 @@ def generate(
     run = eng.RunParams(
         sampling=sampling.SamplingParams.create(
             batch=B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repeat_penalty=repeat_penalty, seed=seed),
-        max_new=jnp.full((B,), max_new_tokens, jnp.int32),
+            repeat_penalty=repeat_penalty, seed=jnp.asarray(seeds % (1 << 32), jnp.uint32)),
+        max_new=jnp.asarray(max_new, jnp.int32),
         n_max=jnp.asarray(spec.draft_n_max if spec else 0, jnp.int32),
         n_min=jnp.asarray(spec.draft_n_min if spec else 0, jnp.int32),
         p_min=jnp.asarray(spec.draft_p_min if spec else 0.0, jnp.float32),
         synth_rates=jnp.asarray(synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32),
     )
+    tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
+    tc = time.perf_counter()
+    prefill_exe = _compiled(eng.prefill_jit, engine, model.params, drafter_params, tokens_j,
+                            lengths_j, run)
+    state_shape = jax.eval_shape(lambda *a: eng.prefill(engine, *a), model.params,
+                                 drafter_params, tokens_j, lengths_j, run)
+    loop_exe = _compiled(eng.generate_loop_jit, engine, model.params, drafter_params,
+                         state_shape, run)
     t0 = time.perf_counter()
-    state = eng.prefill_jit(engine, model.params, drafter_params, jnp.asarray(tokens),
-                            jnp.asarray(lengths), run)
+    state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run)
     jax.block_until_ready(state.last_token)
     t1 = time.perf_counter()
-    state = eng.generate_loop_jit(engine, model.params, drafter_params, state, run)
+    state = loop_exe(model.params, drafter_params, state, run)
     jax.block_until_ready(state.out_len)
     t2 = time.perf_counter()
     check_overflow(state.cache)
@@ -268,6 +317,7 @@ def generate(
         "decode_seconds": t2 - t1,
         "tokens_per_second": generated / max(t2 - t1, 1e-9),
         "n_rounds": int(n_rounds),
+        "compile_seconds": t0 - tc,
     }
     stats = None
     if spec is not None:

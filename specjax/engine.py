@@ -173,7 +173,7 @@ def prefill(
 def _is_eog(engine: Engine, tokens: Array) -> Array:
     if not engine.eog_ids:
         return jnp.zeros(tokens.shape, bool)
-    ids = jnp.asarray(engine.eog_ids, jnp.int32)
+    ids = jnp.asarray(engine.eog_ids, jnp.int32).reshape((1,) * tokens.ndim + (-1,))
     return jnp.any(tokens[..., None] == ids, axis=-1)
 
 

@@ -27,8 +27,9 @@ def _draft_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float)
             f"draft vocab size {draft.config.V} differs from the target's {target.config.V} "
             "by more than 128"
         )
-    drafter = DraftSimple(config=draft.config, target_vocab=target.config.V,
-                          probabilistic=temperature > 0)
+    # Always probabilistic: rows at temperature 0 still draft the argmax, and one static
+    # drafter serves every temperature without recompiling.
+    drafter = DraftSimple(config=draft.config, target_vocab=target.config.V, probabilistic=True)
     return drafter, draft.params
 
 
