@@ -32,11 +32,12 @@ class ForwardOutput(NamedTuple):
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
     x32 = x.astype(jnp.float32)
     y = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + eps)
-    return (y * weight.astype(jnp.float32)).astype(x.dtype)
+    w = weight.astype(jnp.float32).reshape((1,) * (x.ndim - 1) + weight.shape)
+    return (y * w).astype(x.dtype)
 
 
 def rope_angles(positions_BT: Array, inv_freq: Array) -> tuple[Array, Array]:
-    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq  # [B, T, E/2]
+    angle = positions_BT.astype(jnp.float32)[..., None] * inv_freq[None, None, :]  # [B, T, E/2]
     return jnp.cos(angle), jnp.sin(angle)
 
 
@@ -102,7 +103,7 @@ def forward_fn(
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
         qkv = jnp.einsum("btd,od->bto", h, layer["wqkv"])
         if config.qkv_bias:
-            qkv = qkv + layer["bqkv"]
+            qkv = qkv + layer["bqkv"][None, None, :]
         q = qkv[..., : H * E].reshape(B, T, H, E)
         k = qkv[..., H * E : (H + G) * E].reshape(B, T, G, E)
         v = qkv[..., (H + G) * E :].reshape(B, T, G, E)
