@@ -1,0 +1,35 @@
+"""Model file I/O: GGUF files (llama.cpp) and Hugging Face directories, one entry point.
+
+Every loader returns ``(ModelConfig, params, Tokenizer)`` with params in the layout documented
+in specjax.models.config; every problem with a file raises specjax.errors.ModelFileError.
+"""
+
+from __future__ import annotations
+
+import os
+
+from specjax.errors import ModelFileError
+from specjax.io.gguf_io import load_gguf, save_gguf
+from specjax.io.hf_io import load_hf, save_hf
+from specjax.models.config import ModelConfig
+from specjax.tokenizer import Tokenizer
+from specjax.types import Params
+
+__all__ = ["load_gguf", "load_hf", "load_model_files", "save_gguf", "save_hf"]
+
+
+def load_model_files(
+    path: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[ModelConfig, Params, Tokenizer]:
+    """Load a `.gguf` file or a Hugging Face model directory (config.json + safetensors)."""
+    path = os.fspath(path)
+    if os.path.isdir(path):
+        return load_hf(path, dtype=dtype)
+    if os.path.isfile(path):
+        if path.lower().endswith(".gguf"):
+            return load_gguf(path, dtype=dtype)
+        with open(path, "rb") as f:
+            if f.read(4) == b"GGUF":
+                return load_gguf(path, dtype=dtype)
+        raise ModelFileError(f"{path}: neither a .gguf file nor a Hugging Face model directory")
+    raise ModelFileError(f"{path}: no such file or directory")

@@ -1,0 +1,439 @@
+"""Hugging Face checkpoint directories <-> specjax (ModelConfig, params, Tokenizer).
+
+A directory holds config.json (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM),
+model.safetensors (or shards listed in model.safetensors.index.json) and tokenizer.json.
+
+Invariants:
+* HF projections are ``[out, in]`` in the rotate-half RoPE layout already: q/k/v rows are
+  concatenated into ``wqkv`` and gate/up into ``w_gate_up`` with no permutation.
+* Every tensor in the checkpoint is consumed (``rotary_emb.inv_freq`` buffers excepted); an
+  o_proj / MLP bias with non-zero values is an error, never silently dropped.
+* qwen2 always has q/k/v biases in transformers, so a qwen2 model saved without them is
+  written with zero biases and reloads with ``qkv_bias=True``.
+* ``head_dim`` is normalised: 0 in the returned config when it equals dim // n_heads.
+* Saving writes each file to a temp name in the directory and ``os.replace``s it, so a failed
+  save never leaves a half-written file under a real name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+import safetensors
+import safetensors.numpy
+
+from specjax.errors import ModelFileError
+from specjax.io.gguf_io import check_params, split_layer
+from specjax.models.config import ModelConfig, RopeScaling
+from specjax.tokenizer import Tokenizer
+from specjax.types import Params
+
+_ARCH_OF_CLASS = {
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+_CLASS_OF_ARCH = {v: k for k, v in _ARCH_OF_CLASS.items()}
+_DTYPES = {
+    "float32": "float32",
+    "float16": "float16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "fp16": "float16",
+    "bf16": "bfloat16",
+    "half": "float16",
+    "float": "float32",
+}
+
+
+def _read_config(folder: str) -> dict[str, Any]:
+    path = os.path.join(folder, "config.json")
+    if not os.path.isfile(path):
+        raise ModelFileError(f"{folder}: no config.json (not a Hugging Face model directory)")
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError) as e:
+        raise ModelFileError(f"{path}: cannot parse JSON ({e})") from e
+    if not isinstance(data, dict):
+        raise ModelFileError(f"{path}: expected a JSON object")
+    return data
+
+
+def _rope_scaling(path: str, hf: Mapping[str, Any]) -> tuple[float, RopeScaling | None]:
+    params = hf.get("rope_parameters") or {}
+    theta = float(hf.get("rope_theta", params.get("rope_theta", 10000.0)))
+    scaling = hf.get("rope_scaling") or (params if params.get("rope_type") else None)
+    if not scaling:
+        return theta, None
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return theta, None
+    if kind != "llama3":
+        raise ModelFileError(f"{path}: RoPE scaling type {kind!r} is not supported (only 'llama3')")
+    return theta, RopeScaling(
+        factor=float(scaling["factor"]),
+        low_freq_factor=float(scaling.get("low_freq_factor", 1.0)),
+        high_freq_factor=float(scaling.get("high_freq_factor", 4.0)),
+        original_max_position=int(scaling.get("original_max_position_embeddings", 8192)),
+    )
+
+
+def config_from_hf(
+    hf: Mapping[str, Any], *, dtype: str | None = None, source: str = "config.json"
+) -> ModelConfig:
+    """ModelConfig from a transformers config.json dictionary."""
+    archs = hf.get("architectures") or []
+    arch = next((_ARCH_OF_CLASS[a] for a in archs if a in _ARCH_OF_CLASS), None)
+    if arch is None and hf.get("model_type") in _CLASS_OF_ARCH:
+        arch = hf["model_type"]
+    if arch is None:
+        raise ModelFileError(
+            f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
+            f"{', '.join(_ARCH_OF_CLASS)}"
+        )
+    if hf.get("mlp_bias"):
+        raise ModelFileError(f"{source}: mlp_bias=true is not supported")
+    if hf.get("hidden_act", "silu") not in ("silu", "swish"):
+        raise ModelFileError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
+
+    def need(name: str) -> int:
+        if hf.get(name) is None:
+            raise ModelFileError(f"{source}: missing {name}")
+        return int(hf[name])
+
+    D, H, L = need("hidden_size"), need("num_attention_heads"), need("num_hidden_layers")
+    G = int(hf.get("num_key_value_heads") or H)
+    E = int(hf.get("head_dim") or (D // H))
+    theta, scaling = _rope_scaling(source, hf)
+
+    window, swa = 0, ()
+    if arch in ("qwen2", "qwen3"):
+        layer_types = hf.get("layer_types")
+        sliding = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
+        if layer_types:
+            flags = tuple(t == "sliding_attention" for t in layer_types)
+        elif sliding:
+            first = int(hf.get("max_window_layers", L))
+            flags = tuple(i >= first for i in range(L))
+        else:
+            flags = ()
+        if any(flags):
+            window = int(hf.get("sliding_window") or 0)
+            if window <= 0:
+                raise ModelFileError(f"{source}: sliding layers but sliding_window={window}")
+            swa = () if all(flags) else flags
+
+    raw_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if raw_dtype not in _DTYPES:
+        raise ModelFileError(f"{source}: unsupported dtype {raw_dtype!r}")
+    try:
+        return ModelConfig(
+            arch=arch,
+            vocab_size=need("vocab_size"),
+            dim=D,
+            n_layers=L,
+            n_heads=H,
+            n_kv_heads=G,
+            ffn_dim=need("intermediate_size"),
+            head_dim=0 if (D % H == 0 and E == D // H) else E,
+            rope_theta=theta,
+            rope_scaling=scaling,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
+            qk_norm=arch == "qwen3",
+            sliding_window=window,
+            swa_layers=swa,
+            max_position=int(hf.get("max_position_embeddings", 4096)),
+            dtype=_DTYPES[raw_dtype],
+        )
+    except ValueError as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"{source}: invalid model hyper-parameters: {e}") from e
+
+
+class _Weights:
+    """Lazy access to the checkpoint's tensors across shards, tracking which were read."""
+
+    def __init__(self, folder: str) -> None:
+        self.folder = folder
+        index = os.path.join(folder, "model.safetensors.index.json")
+        if os.path.isfile(index):
+            try:
+                with open(index, encoding="utf-8") as f:
+                    weight_map = json.load(f)["weight_map"]
+            except (OSError, ValueError, KeyError) as e:
+                raise ModelFileError(f"{index}: invalid safetensors index ({e})") from e
+            files = sorted(set(weight_map.values()))
+        elif os.path.isfile(os.path.join(folder, "model.safetensors")):
+            files = ["model.safetensors"]
+        else:
+            files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
+            if not files:
+                raise ModelFileError(f"{folder}: no *.safetensors weights found")
+        self.location: dict[str, str] = {}
+        self.handles: dict[str, Any] = {}
+        for name in files:
+            path = os.path.join(folder, name)
+            if not os.path.isfile(path):
+                raise ModelFileError(f"{path}: weight shard listed in the index is missing")
+            try:
+                handle = safetensors.safe_open(path, framework="np")
+                keys = list(handle.keys())
+            except Exception as e:  # SafetensorError is not a stable public type
+                raise ModelFileError(
+                    f"{path}: truncated or corrupted safetensors file ({e})"
+                ) from e
+            self.handles[name] = handle
+            for k in keys:
+                self.location[k] = name
+        self.used: set[str] = set()
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.location
+
+    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in self.location:
+            raise ModelFileError(f"{self.folder}: missing tensor {name}")
+        self.used.add(name)
+        file = self.location[name]
+        try:
+            arr = self.handles[file].get_tensor(name)
+        except Exception as e:
+            raise ModelFileError(f"{self.folder}/{file}: cannot read tensor {name} ({e})") from e
+        if tuple(arr.shape) != shape:
+            raise ModelFileError(
+                f"{self.folder}/{file}: tensor {name} has shape {tuple(arr.shape)}, "
+                f"expected {shape}"
+            )
+        return arr
+
+    def unused(self) -> list[str]:
+        return sorted(
+            k for k in set(self.location) - self.used if not k.endswith("rotary_emb.inv_freq")
+        )
+
+
+def load_hf(
+    folder: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[ModelConfig, Params, Tokenizer]:
+    """Read a transformers Llama/Qwen2/Qwen3 directory into (config, params, tokenizer).
+
+    `dtype` overrides config.json's torch_dtype for the returned parameters."""
+    folder = os.fspath(folder)
+    if not os.path.isdir(folder):
+        raise ModelFileError(f"{folder}: not a directory")
+    config = config_from_hf(
+        _read_config(folder), dtype=dtype, source=os.path.join(folder, "config.json")
+    )
+    w = _Weights(folder)
+    E, D, F, H, G, V = config.E, config.D, config.F, config.H, config.G, config.V
+    dt = jnp.dtype(config.dtype)
+
+    def arr(x: np.ndarray) -> Any:
+        return jnp.asarray(np.asarray(x, np.float32) if x.dtype != dt else x, dt)
+
+    layers = []
+    for i in range(config.L):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        layer = {
+            "attn_norm": w.get(p + "input_layernorm.weight", (D,)),
+            "wqkv": np.concatenate(
+                [
+                    w.get(a + "q_proj.weight", (H * E, D)),
+                    w.get(a + "k_proj.weight", (G * E, D)),
+                    w.get(a + "v_proj.weight", (G * E, D)),
+                ]
+            ),
+            "wo": w.get(a + "o_proj.weight", (D, H * E)),
+            "ffn_norm": w.get(p + "post_attention_layernorm.weight", (D,)),
+            "w_gate_up": np.concatenate(
+                [
+                    w.get(p + "mlp.gate_proj.weight", (F, D)),
+                    w.get(p + "mlp.up_proj.weight", (F, D)),
+                ]
+            ),
+            "w_down": w.get(p + "mlp.down_proj.weight", (D, F)),
+        }
+        if config.qkv_bias:
+            layer["bqkv"] = np.concatenate(
+                [
+                    w.get(a + "q_proj.bias", (H * E,)),
+                    w.get(a + "k_proj.bias", (G * E,)),
+                    w.get(a + "v_proj.bias", (G * E,)),
+                ]
+            )
+        if a + "o_proj.bias" in w:
+            o_bias = w.get(a + "o_proj.bias", (D,))
+            if np.any(np.asarray(o_bias, np.float32) != 0):
+                raise ModelFileError(
+                    f"{folder}: {a}o_proj.bias is non-zero; specjax has no output-projection bias"
+                )
+        if config.qk_norm:
+            layer["q_norm"] = w.get(a + "q_norm.weight", (E,))
+            layer["k_norm"] = w.get(a + "k_norm.weight", (E,))
+        layers.append({k: arr(v) for k, v in layer.items()})
+    params: Params = {
+        "embed": arr(w.get("model.embed_tokens.weight", (V, D))),
+        "layers": tuple(layers),
+        "final_norm": arr(w.get("model.norm.weight", (D,))),
+    }
+    if config.tie_embeddings:
+        if "lm_head.weight" in w:
+            w.used.add("lm_head.weight")  # transformers ties it to the embedding anyway
+    else:
+        params["lm_head"] = arr(w.get("lm_head.weight", (V, D)))
+    unused = w.unused()
+    if unused:
+        raise ModelFileError(
+            f"{folder}: tensors specjax's {config.arch} model has no slot for: "
+            f"{', '.join(unused[:8])}" + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
+        )
+    tokenizer = Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
+    return config, params, tokenizer
+
+
+def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
+    """transformers config.json for `config` (ValueError if transformers cannot express it)."""
+    if config.arch == "qwen3" and not config.qk_norm:
+        raise ValueError("transformers' Qwen3 always has q/k norm; set qk_norm=True")
+    if config.arch != "qwen3" and config.qk_norm:
+        raise ValueError(f"transformers' {_CLASS_OF_ARCH[config.arch]} has no q/k norm")
+    if config.arch == "llama" and config.sliding_window:
+        raise ValueError("transformers' LlamaForCausalLM has no sliding-window attention")
+    out: dict[str, Any] = {
+        "architectures": [_CLASS_OF_ARCH[config.arch]],
+        "model_type": config.arch,
+        "vocab_size": config.V,
+        "hidden_size": config.D,
+        "num_hidden_layers": config.L,
+        "num_attention_heads": config.H,
+        "num_key_value_heads": config.G,
+        "head_dim": config.E,
+        "intermediate_size": config.F,
+        "hidden_act": "silu",
+        "max_position_embeddings": config.max_position,
+        "rms_norm_eps": config.norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": None,
+        "tie_word_embeddings": config.tie_embeddings,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "use_cache": True,
+        "torch_dtype": config.dtype,
+    }
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        out["rope_scaling"] = {
+            "rope_type": "llama3",
+            "factor": s.factor,
+            "low_freq_factor": s.low_freq_factor,
+            "high_freq_factor": s.high_freq_factor,
+            "original_max_position_embeddings": s.original_max_position,
+        }
+    if config.arch == "llama":
+        out.update(attention_bias=config.qkv_bias, mlp_bias=False, pretraining_tp=1)
+    elif config.arch == "qwen3":
+        out["attention_bias"] = config.qkv_bias
+    if config.arch in ("qwen2", "qwen3"):
+        flags = [config.layer_window(i) > 0 for i in range(config.L)]
+        out["use_sliding_window"] = any(flags)
+        out["sliding_window"] = config.sliding_window if any(flags) else None
+        first_sliding = flags.index(True) if any(flags) else config.L
+        out["max_window_layers"] = first_sliding
+        out["layer_types"] = ["sliding_attention" if f else "full_attention" for f in flags]
+    if tokenizer is not None:
+        out["bos_token_id"] = tokenizer.bos_id
+        out["eos_token_id"] = tokenizer.eos_id
+        if tokenizer.pad_id is not None:
+            out["pad_token_id"] = tokenizer.pad_id
+    return out
+
+
+def _write_json(path: str, data: Any) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(data, f, indent=2, ensure_ascii=False)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def save_hf(
+    folder: str | os.PathLike[str], config: ModelConfig, params: Params, tokenizer: Tokenizer
+) -> None:
+    """Write a directory transformers' AutoModelForCausalLM / AutoTokenizer load."""
+    folder = os.fspath(folder)
+    check_params(config, params)
+    if tokenizer.vocab_size > config.V:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the model vocabulary is {config.V}"
+        )
+    hf_config = config_to_hf(config, tokenizer)
+    os.makedirs(folder, exist_ok=True)
+    dt = np.dtype(jnp.dtype(config.dtype))
+    E, H, G = config.E, config.H, config.G
+
+    def np_(x: Any) -> np.ndarray:
+        return np.ascontiguousarray(np.asarray(x).astype(dt))
+
+    tensors: dict[str, np.ndarray] = {"model.embed_tokens.weight": np_(params["embed"])}
+    for i, layer in enumerate(params["layers"]):
+        p = f"model.layers.{i}."
+        a = p + "self_attn."
+        parts = split_layer(config, layer)
+        tensors[p + "input_layernorm.weight"] = np_(layer["attn_norm"])
+        tensors[a + "q_proj.weight"] = np_(parts["q"])
+        tensors[a + "k_proj.weight"] = np_(parts["k"])
+        tensors[a + "v_proj.weight"] = np_(parts["v"])
+        if config.qkv_bias:
+            tensors[a + "q_proj.bias"] = np_(parts["q_bias"])
+            tensors[a + "k_proj.bias"] = np_(parts["k_bias"])
+            tensors[a + "v_proj.bias"] = np_(parts["v_bias"])
+        elif config.arch == "qwen2":  # transformers' Qwen2 always has q/k/v biases
+            tensors[a + "q_proj.bias"] = np.zeros((H * E,), dt)
+            tensors[a + "k_proj.bias"] = np.zeros((G * E,), dt)
+            tensors[a + "v_proj.bias"] = np.zeros((G * E,), dt)
+        if config.qkv_bias and config.arch in ("llama", "qwen3"):  # attention_bias covers o_proj
+            tensors[a + "o_proj.bias"] = np.zeros((config.D,), dt)
+        if config.qk_norm:
+            tensors[a + "q_norm.weight"] = np_(layer["q_norm"])
+            tensors[a + "k_norm.weight"] = np_(layer["k_norm"])
+        tensors[a + "o_proj.weight"] = np_(layer["wo"])
+        tensors[p + "post_attention_layernorm.weight"] = np_(layer["ffn_norm"])
+        tensors[p + "mlp.gate_proj.weight"] = np_(parts["gate"])
+        tensors[p + "mlp.up_proj.weight"] = np_(parts["up"])
+        tensors[p + "mlp.down_proj.weight"] = np_(layer["w_down"])
+    tensors["model.norm.weight"] = np_(params["final_norm"])
+    if not config.tie_embeddings:
+        tensors["lm_head.weight"] = np_(params["lm_head"])
+
+    weights = os.path.join(folder, "model.safetensors")
+    tmp = weights + ".tmp"
+    try:
+        safetensors.numpy.save_file(tensors, tmp, metadata={"format": "pt"})
+        os.replace(tmp, weights)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+    _write_json(os.path.join(folder, "config.json"), hf_config)
+    tokenizer.save(os.path.join(folder, "tokenizer.json"))
+    gen: dict[str, Any] = {}
+    if tokenizer.bos_id is not None:
+        gen["bos_token_id"] = tokenizer.bos_id
+    eog = sorted(tokenizer.eog_ids)
+    if tokenizer.eos_id is not None and eog == [tokenizer.eos_id]:
+        gen["eos_token_id"] = tokenizer.eos_id
+    elif eog:
+        first = [tokenizer.eos_id] if tokenizer.eos_id is not None else []
+        gen["eos_token_id"] = first + [i for i in eog if i not in first]
+    if tokenizer.pad_id is not None:
+        gen["pad_token_id"] = tokenizer.pad_id
+    _write_json(os.path.join(folder, "generation_config.json"), gen)
