@@ -52,3 +52,36 @@ def count_compiles() -> Iterator[list[float]]:
         yield events
     finally:
         jax.monitoring.unregister_event_duration_listener(listener)
+
+
+_TINY_TEXT = (
+    "def add(a, b):\n    return a + b\n\nclass Stack:\n    def push(self, item):\n"
+    "        self.items.append(item)\n\nfor i in range(10):\n    print(i)\n"
+    "import os\nimport sys\nif __name__ == '__main__':\n    main()\n"
+)
+
+
+def tiny_tokenizer(vocab_size: int = 300) -> object:
+    """A byte-level BPE trained in well under a second on a few lines of Python."""
+    import tokenizers
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    from specjax.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<s>", "</s>", "<pad>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator([_TINY_TEXT] * 20, trainer)
+    return Tokenizer(tok, bos_id=0, eos_id=1, pad_id=2, add_bos=False)
+
+
+def tiny_model_with_tokenizer(seed: int = 0, **overrides: object) -> Model:
+    tokenizer = tiny_tokenizer()
+    vocab = tokenizer.vocab_size  # type: ignore[attr-defined]
+    return init_model(tiny_config(vocab_size=vocab, **overrides), seed, tokenizer=tokenizer)

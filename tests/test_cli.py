@@ -1,0 +1,61 @@
+"""`specjax generate` end to end on a tiny GGUF model written in the test."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from specjax import cli
+from specjax.io.gguf_io import save_gguf
+from specjax.testing import tiny_model_with_tokenizer
+
+
+@pytest.fixture(scope="module")
+def gguf_path(tmp_path_factory):
+    model = tiny_model_with_tokenizer(0)
+    path = tmp_path_factory.mktemp("m") / "tiny.gguf"
+    save_gguf(str(path), model.config, model.params, model.tokenizer, dtype="f32")
+    return str(path)
+
+
+def test_generate_plain_and_speculative_agree(gguf_path, tmp_path, capsys):
+    out_plain = tmp_path / "plain.jsonl"
+    assert cli.main(["generate", "-m", gguf_path, "-p", "def add(a, b):", "-n", "12",
+                     "--out", str(out_plain)]) == 0
+    plain_stdout = capsys.readouterr().out
+    out_spec = tmp_path / "spec.jsonl"
+    assert cli.main(["generate", "-m", gguf_path, "-md", gguf_path, "-p", "def add(a, b):",
+                     "-n", "12", "--spec-type", "draft-simple", "--spec-draft-n-max", "3",
+                     "--out", str(out_spec)]) == 0
+    captured = capsys.readouterr()
+    assert captured.out == plain_stdout and captured.out.startswith("def add(a, b):")
+    assert "statistics     draft-simple: #calls(b,g,a)" in captured.err
+    assert "draft acceptance = 1.00000" in captured.err  # the model drafts for itself
+    plain = json.loads(out_plain.read_text())
+    spec = json.loads(out_spec.read_text())
+    assert plain["tokens"] == spec["tokens"] and len(spec["tokens"]) <= 12
+    assert {"generated_tokens", "decode_seconds", "prefill_seconds"} <= set(spec["timings"])
+    assert spec["stats"]["num_draft_tokens"] == spec["stats"]["num_accepted_tokens"] > 0
+    assert "stats" not in plain
+
+
+def test_config_preset_and_override(gguf_path, tmp_path, capsys):
+    preset = tmp_path / "preset.yaml"
+    preset.write_text(f"model: {gguf_path}\nprompt: 'import os'\nn_predict: 5\n")
+    out = tmp_path / "o.jsonl"
+    assert cli.main(["generate", "--config", str(preset), "-n", "3", "--out", str(out)]) == 0
+    record = json.loads(out.read_text())
+    assert record["prompt"] == "import os" and len(record["tokens"]) <= 3
+    capsys.readouterr()
+
+
+def test_cli_errors_are_clear(gguf_path, tmp_path, capsys):
+    assert cli.main(["generate", "-m", gguf_path, "-p", "x", "--spec-type", "ngram-bogus"]) == 1
+    assert "unknown speculative type: ngram-bogus" in capsys.readouterr().err
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 10)
+    assert cli.main(["generate", "-m", str(bad), "-p", "x"]) == 1
+    assert str(bad) in capsys.readouterr().err
+    with pytest.raises(SystemExit, match="needs -md"):
+        cli.main(["generate", "-m", gguf_path, "-p", "x", "--spec-type", "draft-simple"])
