@@ -18,12 +18,14 @@ ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_TARGET = ROOT / "models" / "code-target" / "code-target.gguf"
 DEFAULT_DRAFT = ROOT / "models" / "code-draft" / "code-draft.gguf"
 #: Stand-in with the shipped target's shape, used when models/ has no GGUF yet.
-FALLBACK_CONFIG = ModelConfig(vocab_size=2048, dim=256, n_layers=6, n_heads=4, n_kv_heads=2,
-                              ffn_dim=768)
+FALLBACK_CONFIG = ModelConfig(
+    vocab_size=2048, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=768
+)
 
 
-def load_or_random(path: str | os.PathLike[str] | None, fallback: ModelConfig = FALLBACK_CONFIG,
-                   seed: int = 0) -> tuple[specjax.Model, str]:
+def load_or_random(
+    path: str | os.PathLike[str] | None, fallback: ModelConfig = FALLBACK_CONFIG, seed: int = 0
+) -> tuple[specjax.Model, str]:
     if path and Path(path).exists():
         return specjax.load(str(path)), str(path)
     return specjax.init_model(fallback, seed), f"random-init {fallback.num_params() / 1e6:.2f}M"
@@ -42,16 +44,22 @@ def best_of(fn: Callable[[], Any], repeats: int = 3) -> tuple[float, Any]:
 
 def peak_memory() -> dict[str, Any]:
     """Host peak RSS, plus device peak bytes where the backend reports it."""
-    out: dict[str, Any] = {"host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+    out: dict[str, Any] = {
+        "host_peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    }
     try:
         stats = jax.devices()[0].memory_stats() or {}
         if "peak_bytes_in_use" in stats:
             out["device_peak_mb"] = stats["peak_bytes_in_use"] / 2**20
-    except Exception:  # noqa: BLE001 - backends without memory stats
+    except Exception:
         pass
     return out
 
 
 def machine() -> dict[str, Any]:
-    return {"backend": jax.default_backend(), "devices": [str(d) for d in jax.devices()],
-            "cpu_count": os.cpu_count(), "jax": jax.__version__}
+    return {
+        "backend": jax.default_backend(),
+        "devices": [str(d) for d in jax.devices()],
+        "cpu_count": os.cpu_count(),
+        "jax": jax.__version__,
+    }

@@ -20,10 +20,10 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_TARGET, best_of, load_or_random, machine, peak_memory  # noqa: E402
+from _common import DEFAULT_TARGET, best_of, load_or_random, machine, peak_memory
 
-import specjax  # noqa: E402
-from specjax.models.llama import forward_fn  # noqa: E402
+import specjax
+from specjax.models.llama import forward_fn
 
 
 def decode_throughput(model: specjax.Model, batch: int, n_tokens: int) -> dict[str, float]:
@@ -53,7 +53,9 @@ def verify_cost(model: specjax.Model, ks: tuple[int, ...]) -> dict[str, float]:
         t = time.perf_counter()
         jax.block_until_ready(fwd(model.config, model.params, toks, pos, cache))
         out[f"compile_seconds_T{width}"] = time.perf_counter() - t
-        seconds, _ = best_of(lambda: fwd(model.config, model.params, toks, pos, cache)[0], 20)
+        seconds, _ = best_of(
+            lambda toks=toks, pos=pos: fwd(model.config, model.params, toks, pos, cache)[0], 20
+        )
         out[f"seconds_T{width}"] = seconds
     for k in ks:
         out[f"verify_K{k}_over_step"] = out[f"seconds_T{k + 1}"] / out["seconds_T1"]

@@ -21,10 +21,10 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, load_or_random, machine, peak_memory  # noqa: E402
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, load_or_random, machine, peak_memory
 
-import specjax  # noqa: E402
-from specjax.config import SpecConfig  # noqa: E402
+import specjax
+from specjax.config import SpecConfig
 
 CHAINS: dict[str, tuple[str, ...]] = {
     "draft-simple": ("draft-simple",),
@@ -43,7 +43,7 @@ def _validation_sources(n: int) -> list[str]:
         from specjax.data import validation_files
 
         files = validation_files()
-    except Exception:  # noqa: BLE001 - data module optional for the benchmark
+    except Exception:
         import sysconfig
 
         all_files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
@@ -66,16 +66,20 @@ def workloads(batch: int) -> dict[str, list[str]]:
         end = text.find("\n\n", start)
         func = text[start : end if end > 0 else start + 600][:600]
         name = func[4 : func.index("(")] if "(" in func else "f"
-        edit.append(f"{func}\n\n\n# The same function again, renamed to {name}_v2:\n"
-                    f"def {name}_v2{func[4 + len(name):func.index(':') + 1 if ':' in func else 0]}")
+        edit.append(
+            f"{func}\n\n\n# The same function again, renamed to {name}_v2:\n"
+            f"def {name}_v2{func[4 + len(name) : func.index(':') + 1 if ':' in func else 0]}"
+        )
         open_ended.append(text[:400])
     return {"code-edit": (edit * batch)[:batch], "open-ended": (open_ended * batch)[:batch]}
 
 
 def run_one(model, draft, prompts, spec, tokens, repeats) -> dict[str, Any]:
     specjax.generate(model, prompts, max_new_tokens=tokens, spec=spec, draft=draft)  # compile
-    runs = [specjax.generate(model, prompts, max_new_tokens=tokens, spec=spec, draft=draft)
-            for _ in range(repeats)]
+    runs = [
+        specjax.generate(model, prompts, max_new_tokens=tokens, spec=spec, draft=draft)
+        for _ in range(repeats)
+    ]
     best = min(runs, key=lambda r: r.timings["decode_seconds"])
     t = best.timings
     rows = len(prompts)
@@ -104,15 +108,19 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     workloads_seen = sorted({r["workload"] for r in results})
-    fig, axes = plt.subplots(1, len(workloads_seen), figsize=(6 * len(workloads_seen), 4), squeeze=False)
+    fig, axes = plt.subplots(
+        1, len(workloads_seen), figsize=(6 * len(workloads_seen), 4), squeeze=False
+    )
     for ax, wl in zip(axes[0], workloads_seen):
         rows = [r for r in results if r["workload"] == wl]
         chains = sorted({r["chain"] for r in rows})
         batches = sorted({r["batch"] for r in rows})
         width = 0.8 / max(len(batches), 1)
         for j, b in enumerate(batches):
-            ys = [next((r["speedup"] for r in rows if r["chain"] == c and r["batch"] == b), 0)
-                  for c in chains]
+            ys = [
+                next((r["speedup"] for r in rows if r["chain"] == c and r["batch"] == b), 0)
+                for c in chains
+            ]
             ax.bar([i + j * width for i in range(len(chains))], ys, width, label=f"B={b}")
         ax.axhline(1.0, color="k", lw=0.8)
         ax.set_xticks([i + width * (len(batches) - 1) / 2 for i in range(len(chains))])
@@ -125,7 +133,9 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
     ap.add_argument("--batches", default="1,4,16")
@@ -149,15 +159,28 @@ def main() -> None:
             for name, types in chains.items():
                 spec = SpecConfig(types=types, draft_n_max=args.n_max)
                 r = run_one(model, draft, prompts, spec, args.tokens, args.repeats)
-                r.update(workload=wl, chain=name, batch=batch,
-                         plain_tokens_per_second=plain["tokens_per_second"],
-                         speedup=r["tokens_per_second"] / plain["tokens_per_second"])
+                r.update(
+                    workload=wl,
+                    chain=name,
+                    batch=batch,
+                    plain_tokens_per_second=plain["tokens_per_second"],
+                    speedup=r["tokens_per_second"] / plain["tokens_per_second"],
+                )
                 results.append(r)
-                print(f"{wl:10s} B={batch:2d} {name:24s} {r['speedup']:.2f}x "
-                      f"mean_len={r.get('mean_acceptance_length', 1):.2f}", file=sys.stderr)
-    report = {"benchmark": "speculative", "model": model_name, "draft": draft_name,
-              "tokens": args.tokens, "machine": machine(), "results": results,
-              "memory": peak_memory()}
+                print(
+                    f"{wl:10s} B={batch:2d} {name:24s} {r['speedup']:.2f}x "
+                    f"mean_len={r.get('mean_acceptance_length', 1):.2f}",
+                    file=sys.stderr,
+                )
+    report = {
+        "benchmark": "speculative",
+        "model": model_name,
+        "draft": draft_name,
+        "tokens": args.tokens,
+        "machine": machine(),
+        "results": results,
+        "memory": peak_memory(),
+    }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(report, indent=2))

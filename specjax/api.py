@@ -67,14 +67,16 @@ def load(path: str) -> Model:
     from specjax.io import load_model_files
 
     config, params, tokenizer = load_model_files(path)
-    return Model(config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer,
-                 path=str(path))
+    return Model(
+        config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer, path=str(path)
+    )
 
 
 def init_model(config: ModelConfig, seed: int = 0, tokenizer: Any = None) -> Model:
     """A randomly initialised model (tests, training from scratch)."""
-    return Model(config=config, params=init_params(config, jax.random.PRNGKey(seed)),
-                 tokenizer=tokenizer)
+    return Model(
+        config=config, params=init_params(config, jax.random.PRNGKey(seed)), tokenizer=tokenizer
+    )
 
 
 _forward_jit = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
@@ -88,13 +90,22 @@ def forward(model: Model, tokens: Any, positions: Any, cache: KVCache) -> tuple[
         raise ValueError(
             f"tokens and positions must both be [B, T]; got {tokens.shape} and {positions.shape}"
         )
-    if not np.issubdtype(tokens.dtype, np.integer) or not np.issubdtype(positions.dtype, np.integer):
+    if not np.issubdtype(tokens.dtype, np.integer) or not np.issubdtype(
+        positions.dtype, np.integer
+    ):
         raise ValueError(f"tokens/positions must be integers, got {tokens.dtype}/{positions.dtype}")
     if tokens.shape[0] != cache.batch:
-        raise ValueError(f"batch of {tokens.shape[0]} rows does not match the cache's {cache.batch}")
+        raise ValueError(
+            f"batch of {tokens.shape[0]} rows does not match the cache's {cache.batch}"
+        )
     _check_token_range(tokens[positions >= 0], model.config.V)
-    logits, new, _ = _forward_jit(model.config, model.params, jnp.asarray(tokens, jnp.int32),
-                                  jnp.asarray(positions, jnp.int32), cache)
+    logits, new, _ = _forward_jit(
+        model.config,
+        model.params,
+        jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(positions, jnp.int32),
+        cache,
+    )
     check_overflow(new)
     return logits, new
 
@@ -218,8 +229,8 @@ def build_engine_inputs(
             f"(needs at least {longest + 1} cells)"
         )
     T = min(_bucket(longest, 16), n_ctx)
-    O = _bucket(max_new_tokens + k_max + 1, 32)
-    return T, n_ctx, O
+    out_cap = _bucket(max_new_tokens + k_max + 1, 32)
+    return T, n_ctx, out_cap
 
 
 def generate(
@@ -253,8 +264,9 @@ def generate(
     spec = spec if spec is not None and spec.enabled else None
     drafters, drafter_params = build_drafters(spec, model, draft, temperature=temperature)
     k_max = spec.resolved_k_max() if spec else 0
-    T, S, O = build_engine_inputs(model, prompt_ids, max_new_tokens=int(max_new.max()),
-                                  n_ctx=n_ctx, k_max=k_max)
+    T, S, out_cap = build_engine_inputs(
+        model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max
+    )
     if max_new.min() < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {int(max_new.min())}")
     synth = None
@@ -262,11 +274,18 @@ def generate(
         from specjax.verify import resolve_synthetic_rates
 
         synth = resolve_synthetic_rates(
-            k_max, length=spec.synth_len if spec.synth_len >= 0 else None,
-            rates=list(spec.synth_rates) or None)
+            k_max,
+            length=spec.synth_len if spec.synth_len >= 0 else None,
+            rates=list(spec.synth_rates) or None,
+        )
     engine = eng.Engine(
-        target=model.config, drafters=drafters, k_max=k_max, capacity=S, out_capacity=O,
-        eog_ids=model.eog_ids, synthetic=synth is not None,
+        target=model.config,
+        drafters=drafters,
+        k_max=k_max,
+        capacity=S,
+        out_capacity=out_cap,
+        eog_ids=model.eog_ids,
+        synthetic=synth is not None,
     )
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompt_ids):
@@ -274,22 +293,33 @@ def generate(
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     run = eng.RunParams(
         sampling=sampling.SamplingParams.create(
-            batch=B, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-            repeat_penalty=repeat_penalty, seed=jnp.asarray(seeds % (1 << 32), jnp.uint32)),
+            batch=B,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=jnp.asarray(seeds % (1 << 32), jnp.uint32),
+        ),
         max_new=jnp.asarray(max_new, jnp.int32),
         n_max=jnp.asarray(spec.draft_n_max if spec else 0, jnp.int32),
         n_min=jnp.asarray(spec.draft_n_min if spec else 0, jnp.int32),
         p_min=jnp.asarray(spec.draft_p_min if spec else 0.0, jnp.float32),
-        synth_rates=jnp.asarray(synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32),
+        synth_rates=jnp.asarray(
+            synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32
+        ),
     )
     tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
     tc = time.perf_counter()
-    prefill_exe = _compiled(eng.prefill_jit, engine, model.params, drafter_params, tokens_j,
-                            lengths_j, run)
-    state_shape = jax.eval_shape(lambda *a: eng.prefill(engine, *a), model.params,
-                                 drafter_params, tokens_j, lengths_j, run)
-    loop_exe = _compiled(eng.generate_loop_jit, engine, model.params, drafter_params,
-                         state_shape, run)
+    prefill_exe = _compiled(
+        eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run
+    )
+    state_shape = jax.eval_shape(
+        lambda *a: eng.prefill(engine, *a), model.params, drafter_params, tokens_j, lengths_j, run
+    )
+    loop_exe = _compiled(
+        eng.generate_loop_jit, engine, model.params, drafter_params, state_shape, run
+    )
     t0 = time.perf_counter()
     state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run)
     jax.block_until_ready(state.last_token)
@@ -322,5 +352,11 @@ def generate(
     stats = None
     if spec is not None:
         stats = SpecReport(stats=state.stats.to_host(), names=tuple(d.name for d in drafters))
-    return GenerationResult(tokens=results, text=texts, timings=timings, finish_reasons=reasons,
-                            stats=stats, prompt_tokens=prompt_ids)
+    return GenerationResult(
+        tokens=results,
+        text=texts,
+        timings=timings,
+        finish_reasons=reasons,
+        stats=stats,
+        prompt_tokens=prompt_ids,
+    )

@@ -95,7 +95,13 @@ def write_positions(cache: KVCache, positions_BT: Array) -> tuple[KVCache, Array
     rows_BT = jnp.arange(cache.batch, dtype=jnp.int32)[:, None] + jnp.zeros_like(slot_BT)
     pos = cache.pos.at[rows_BT, slot_BT].set(positions_BT.astype(jnp.int32), mode="drop")
     return (
-        KVCache(k=cache.k, v=cache.v, pos=pos, overflow=cache.overflow | overflow_B, inv_freq=cache.inv_freq),
+        KVCache(
+            k=cache.k,
+            v=cache.v,
+            pos=pos,
+            overflow=cache.overflow | overflow_B,
+            inv_freq=cache.inv_freq,
+        ),
         slot_BT,
     )
 

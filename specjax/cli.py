@@ -55,13 +55,19 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
 
 
 def _generate_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="specjax generate", description="Generate text (llama.cpp flags).")
+    p = argparse.ArgumentParser(
+        prog="specjax generate", description="Generate text (llama.cpp flags)."
+    )
     p.add_argument("--config", help="YAML preset (keys = option names with underscores)")
     p.add_argument("-m", "--model", help="target model: GGUF file or Hugging Face directory")
     p.add_argument("-p", "--prompt", action="append", help="prompt (repeat for a batch)")
-    p.add_argument("-f", "--file", help="file with the prompt (or prompts as JSON lines with 'prompt')")
+    p.add_argument(
+        "-f", "--file", help="file with the prompt (or prompts as JSON lines with 'prompt')"
+    )
     p.add_argument("-n", "--n-predict", type=int, help="tokens to generate per prompt")
-    p.add_argument("-c", "--ctx-size", type=int, help="context size (0 = from prompt and n-predict)")
+    p.add_argument(
+        "-c", "--ctx-size", type=int, help="context size (0 = from prompt and n-predict)"
+    )
     p.add_argument("--temp", type=float)
     p.add_argument("--top-k", type=int)
     p.add_argument("--top-p", type=float)
@@ -71,8 +77,12 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", help="write one JSON record per prompt to this .jsonl file")
     g = p.add_argument_group("speculative decoding")
     g.add_argument("--spec-type", action="append", help="comma list of drafter types (repeatable)")
-    g.add_argument("--spec-default", action="store_true", default=None,
-                   help="ngram-mod with n_match 24, n_min 48, n_max 64")
+    g.add_argument(
+        "--spec-default",
+        action="store_true",
+        default=None,
+        help="ngram-mod with n_match 24, n_min 48, n_max 64",
+    )
     g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model")
     g.add_argument("--spec-draft-n-max", type=int)
     g.add_argument("--spec-draft-n-min", type=int)
@@ -192,14 +202,24 @@ def generate_main(argv: list[str]) -> int:
         draft = load(opts["spec_draft_model"])
     if spec is not None and "draft-simple" in spec.types and draft is None:
         raise SystemExit("error: --spec-type draft-simple needs -md/--spec-draft-model")
-    print(f"specjax: model {opts['model']} ({model.config.num_params() / 1e6:.2f}M params), "
-          f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
-          file=log)
+    print(
+        f"specjax: model {opts['model']} ({model.config.num_params() / 1e6:.2f}M params), "
+        f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
+        file=log,
+    )
     result = generate(
-        model, prompts, max_new_tokens=int(opts["n_predict"]), temperature=float(opts["temp"]),
-        top_k=int(opts["top_k"]), top_p=float(opts["top_p"]), min_p=float(opts["min_p"]),
-        repeat_penalty=float(opts["repeat_penalty"]), seed=int(opts["seed"]),
-        n_ctx=int(opts["ctx_size"]) or None, spec=spec, draft=draft,
+        model,
+        prompts,
+        max_new_tokens=int(opts["n_predict"]),
+        temperature=float(opts["temp"]),
+        top_k=int(opts["top_k"]),
+        top_p=float(opts["top_p"]),
+        min_p=float(opts["min_p"]),
+        repeat_penalty=float(opts["repeat_penalty"]),
+        seed=int(opts["seed"]),
+        n_ctx=int(opts["ctx_size"]) or None,
+        spec=spec,
+        draft=draft,
     )
     for prompt, text in zip(prompts, result.text):
         sys.stdout.write(prompt + text + "\n")
@@ -207,9 +227,12 @@ def generate_main(argv: list[str]) -> int:
             sys.stdout.write("\n")
     sys.stdout.flush()
     t = result.timings
-    print(f"prefill: {t['prompt_tokens']} tokens in {t['prefill_seconds']:.3f} s; "
-          f"decode: {t['generated_tokens']} tokens in {t['decode_seconds']:.3f} s "
-          f"({t['tokens_per_second']:.1f} t/s, {t['n_rounds']} rounds)", file=log)
+    print(
+        f"prefill: {t['prompt_tokens']} tokens in {t['prefill_seconds']:.3f} s; "
+        f"decode: {t['generated_tokens']} tokens in {t['decode_seconds']:.3f} s "
+        f"({t['tokens_per_second']:.1f} t/s, {t['n_rounds']} rounds)",
+        file=log,
+    )
     if result.stats is not None:
         for line in result.stats.lines():
             print(line, file=log)
@@ -234,7 +257,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "generate": generate_main,
         "train": lambda a: __import__("specjax.train", fromlist=["train_main"]).train_main(a),
-        "lookup-create": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_create_main(a),
+        "lookup-create": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_create_main(
+            a
+        ),
         "lookup-merge": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_merge_main(a),
         "lookup-stats": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_stats_main(a),
     }

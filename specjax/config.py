@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 from specjax.drafters.base import DRAFTER_TYPES, PRIORITY
@@ -134,8 +134,9 @@ class SpecConfig:
     @staticmethod
     def default() -> SpecConfig:
         """`--spec-default`: ngram-mod with n_match 24, n_min 48, n_max 64."""
-        return SpecConfig(types=("ngram-mod",), ngram_mod_n_match=24, ngram_mod_n_min=48,
-                          ngram_mod_n_max=64)
+        return SpecConfig(
+            types=("ngram-mod",), ngram_mod_n_match=24, ngram_mod_n_min=48, ngram_mod_n_max=64
+        )
 
     def replace(self, **changes: Any) -> SpecConfig:
         return dataclasses.replace(self, **changes)
@@ -161,5 +162,3 @@ def output_limits(n_batch: int, n_parallel: int, n_draft: int) -> tuple[int, int
     per_seq = 1 + max(0, n_draft)
     total = n_parallel * per_seq
     return min(total, n_batch), min(per_seq, n_batch)
-
-

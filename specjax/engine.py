@@ -41,8 +41,12 @@ from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
 FINISH_NONE, FINISH_EOG, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
-FINISH_NAMES = {FINISH_NONE: "none", FINISH_EOG: "stop", FINISH_LENGTH: "length",
-                FINISH_CONTEXT: "context"}
+FINISH_NAMES = {
+    FINISH_NONE: "none",
+    FINISH_EOG: "stop",
+    FINISH_LENGTH: "length",
+    FINISH_CONTEXT: "context",
+}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -121,19 +125,24 @@ def prefill(
 ) -> GenState:
     """Evaluate the prompts, sample the first token, prime the drafters."""
     B, T = tokens_BT.shape
-    S, O = engine.capacity, engine.out_capacity
-    positions_BT = jnp.where(jnp.arange(T)[None, :] < lengths_B[:, None], jnp.arange(T)[None, :], -1)
+    S, out_cap = engine.capacity, engine.out_capacity
+    positions_BT = jnp.where(
+        jnp.arange(T)[None, :] < lengths_B[:, None], jnp.arange(T)[None, :], -1
+    )
     cache = new_cache(engine.target, B, S)
-    out = forward_fn(engine.target, target_params, tokens_BT, positions_BT, cache,
-                     engine.hidden_layers)
+    out = forward_fn(
+        engine.target, target_params, tokens_BT, positions_BT, cache, engine.hidden_layers
+    )
     last_idx = jnp.maximum(lengths_B - 1, 0)
     logits_BV = jnp.take_along_axis(out.logits, last_idx[:, None, None], axis=1)[:, 0]
     history = jnp.zeros((B, S), jnp.int32).at[:, :T].set(jnp.where(positions_BT >= 0, tokens_BT, 0))
     window = _history_window(history, lengths_B, engine.penalty_window)
-    logits_BV = jax.vmap(sampling.apply_penalties)(logits_BV, window, window >= 0,
-                                                   run.sampling.repeat_penalty)
+    logits_BV = jax.vmap(sampling.apply_penalties)(
+        logits_BV, window, window >= 0, run.sampling.repeat_penalty
+    )
     keys = jax.vmap(sampling.make_key, in_axes=(0, 0, None))(
-        run.sampling.seed, lengths_B, sampling.ROLE_SAMPLE)
+        run.sampling.seed, lengths_B, sampling.ROLE_SAMPLE
+    )
     first = sampling.sample(logits_BV, run.sampling, keys)
 
     states = tuple(d.init(B, S) for d in engine.drafters)
@@ -143,11 +152,16 @@ def prefill(
         d.begin(d.process(p, s, batch), hist)
         for d, p, s in zip(engine.drafters, drafter_params, states)
     )
-    out_tokens = jnp.zeros((B, O), jnp.int32).at[:, 0].set(first)
+    out_tokens = jnp.zeros((B, out_cap), jnp.int32).at[:, 0].set(first)
     is_eog = _is_eog(engine, first)
     done = is_eog | (run.max_new <= 1) | (lengths_B >= S)
-    finish = jnp.where(is_eog, FINISH_EOG, jnp.where(run.max_new <= 1, FINISH_LENGTH,
-                       jnp.where(lengths_B >= S, FINISH_CONTEXT, FINISH_NONE)))
+    finish = jnp.where(
+        is_eog,
+        FINISH_EOG,
+        jnp.where(
+            run.max_new <= 1, FINISH_LENGTH, jnp.where(lengths_B >= S, FINISH_CONTEXT, FINISH_NONE)
+        ),
+    )
     stats = stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1))
     stats = stats_mod.record_begin(stats, jnp.ones((B,), bool))
     return GenState(
@@ -196,8 +210,9 @@ def _eog_mask(engine: Engine) -> Array:
     return mask
 
 
-def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run: RunParams,
-           key: Array):
+def _relay(
+    engine: Engine, drafter_params, state: GenState, budget_B: Array, run: RunParams, key: Array
+):
     """llama.cpp's `common_speculative_draft`: fixed priority, first non-empty draft wins."""
     B, K = state.length.shape[0], engine.k_max
     hist = TokenHistory(tokens=state.history, length=state.length)
@@ -209,11 +224,18 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
     remaining = budget_B > 0
     new_states = []
     for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, state.drafter_states)):
-        inp = DraftInput(history=hist, last_token=state.last_token, n_max=budget_B,
-                         drafting=remaining, n_min=run.n_min, p_min=run.p_min,
-                         temperature=run.sampling.temperature,
-                         key=jax.random.fold_in(key, i), seed=run.sampling.seed,
-                         draft_n_max=run.n_max)
+        inp = DraftInput(
+            history=hist,
+            last_token=state.last_token,
+            n_max=budget_B,
+            drafting=remaining,
+            n_min=run.n_min,
+            p_min=run.p_min,
+            temperature=run.sampling.temperature,
+            key=jax.random.fold_in(key, i),
+            seed=run.sampling.seed,
+            draft_n_max=run.n_max,
+        )
         s, out = d.draft(p, s, inp, K)
         won = remaining & out.valid[:, 0]
         truncated = out.valid & (jnp.arange(K)[None, :] < budget_B[:, None])
@@ -225,23 +247,35 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
         winner = jnp.where(won, i, winner)
         remaining = remaining & ~won
         new_states.append(s)
-    stats = stats_mod.record_draft(state.stats, winner, jnp.sum(valid, axis=1).astype(jnp.int32),
-                                   budget_B > 0)
+    stats = stats_mod.record_draft(
+        state.stats, winner, jnp.sum(valid, axis=1).astype(jnp.int32), budget_B > 0
+    )
     return tokens, valid, q, has_q, winner, tuple(new_states), stats
 
 
-def _verify_forward(engine: Engine, target_params: Params, cache: KVCache, v_tokens: Array,
-                    v_pos: Array, draft_len_B: Array):
+def _verify_forward(
+    engine: Engine,
+    target_params: Params,
+    cache: KVCache,
+    v_tokens: Array,
+    v_pos: Array,
+    draft_len_B: Array,
+):
     """Target forward over the verify batch, at the narrowest compiled width that fits."""
     widths = engine.verify_widths()
-    B, T = v_tokens.shape
-    V = engine.target.V
+    T = v_tokens.shape[1]
 
     def branch(width: int):
         def run(operands):
             cache, v_tokens, v_pos = operands
-            out = forward_fn(engine.target, target_params, v_tokens[:, :width], v_pos[:, :width],
-                             cache, engine.hidden_layers)
+            out = forward_fn(
+                engine.target,
+                target_params,
+                v_tokens[:, :width],
+                v_pos[:, :width],
+                cache,
+                engine.hidden_layers,
+            )
             pad = T - width
             logits = jnp.pad(out.logits, ((0, 0), (0, pad), (0, 0))) if pad else out.logits
             hidden = tuple(jnp.pad(h, ((0, 0), (0, pad), (0, 0))) if pad else h for h in out.hidden)
@@ -253,7 +287,6 @@ def _verify_forward(engine: Engine, target_params: Params, cache: KVCache, v_tok
         return branch(widths[0])((cache, v_tokens, v_pos))
     needed = jnp.max(draft_len_B) + 1
     index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed)
-    del V
     return jax.lax.switch(index, [branch(w) for w in widths], (cache, v_tokens, v_pos))
 
 
@@ -265,7 +298,8 @@ def spec_step(
     run: RunParams,
 ) -> GenState:
     """One draft -> verify -> accept -> commit round for every row."""
-    B, K, S, O = state.length.shape[0], engine.k_max, engine.capacity, engine.out_capacity
+    B, K, S = state.length.shape[0], engine.k_max, engine.capacity
+    out_cap = engine.out_capacity
     active = ~state.done
     remaining_new = run.max_new - state.out_len
     budget = jnp.minimum(S - state.length - 2, remaining_new - 1)
@@ -275,19 +309,27 @@ def spec_step(
 
     if engine.drafters:
         d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(
-            engine, drafter_params, state, budget, run, round_key)
+            engine, drafter_params, state, budget, run, round_key
+        )
     else:
         d_tokens = jnp.zeros((B, K), jnp.int32)
         d_valid = jnp.zeros((B, K), bool)
-        q, has_q, winner, dstates, stats = None, jnp.zeros((B,), bool), state.impl_last, (), state.stats
+        q, has_q, winner, dstates, stats = (
+            None,
+            jnp.zeros((B,), bool),
+            state.impl_last,
+            (),
+            state.stats,
+        )
     draft_len = jnp.sum(d_valid, axis=1).astype(jnp.int32)
     had_draft = draft_len > 0
 
     v_tokens = jnp.concatenate([state.last_token[:, None], d_tokens], axis=1)  # [B, K+1]
     v_valid = jnp.concatenate([active[:, None], d_valid & active[:, None]], axis=1)
     v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
-    logits, cache, hidden = _verify_forward(engine, target_params, state.cache, v_tokens, v_pos,
-                                            draft_len)
+    logits, cache, hidden = _verify_forward(
+        engine, target_params, state.cache, v_tokens, v_pos, draft_len
+    )
     recent = _recent_tokens(engine, state.history, state.length, state.last_token)
     result = verify.verify_rows(
         logits,
@@ -322,16 +364,20 @@ def spec_step(
     n_emit = jnp.minimum(n_emit, remaining_new)
     out_idx = state.out_len[:, None] + jnp.arange(K + 1)[None, :]
     out_ok = jnp.arange(K + 1)[None, :] < n_emit[:, None]
-    out_tokens = state.out_tokens.at[rows_BT, jnp.where(out_ok, out_idx, O)].set(emitted, mode="drop")
+    out_tokens = state.out_tokens.at[rows_BT, jnp.where(out_ok, out_idx, out_cap)].set(
+        emitted, mode="drop"
+    )
     out_len = state.out_len + n_emit
     new_length = jnp.where(active, keep, state.length)
     eog_stop = hit_eog & (first_eog < n_emit)
     len_stop = out_len >= run.max_new
     ctx_stop = new_length >= S
     newly_done = active & (eog_stop | len_stop | ctx_stop)
-    finish = jnp.where(newly_done,
-                       jnp.where(eog_stop, FINISH_EOG, jnp.where(len_stop, FINISH_LENGTH, FINISH_CONTEXT)),
-                       state.finish)
+    finish = jnp.where(
+        newly_done,
+        jnp.where(eog_stop, FINISH_EOG, jnp.where(len_stop, FINISH_LENGTH, FINISH_CONTEXT)),
+        state.finish,
+    )
 
     # drafter feedback: process the verify batch, accept, trim their memory
     if engine.drafters:
@@ -385,5 +431,3 @@ def generate_loop(
 prefill_jit = jax.jit(prefill, static_argnames=("engine",))
 step_jit = jax.jit(spec_step, static_argnames=("engine",), donate_argnames=("state",))
 generate_loop_jit = jax.jit(generate_loop, static_argnames=("engine",), donate_argnames=("state",))
-
-

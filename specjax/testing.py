@@ -34,8 +34,12 @@ def noisy_copy(model: Model, scale: float, seed: int = 1) -> Model:
         x + scale * jnp.std(x) * jax.random.normal(k, x.shape, x.dtype) if x.ndim > 1 else x
         for x, k in zip(leaves, keys)
     ]
-    return Model(config=model.config, params=jax.tree.unflatten(treedef, noisy),
-                 tokenizer=model.tokenizer, eog=model.eog)
+    return Model(
+        config=model.config,
+        params=jax.tree.unflatten(treedef, noisy),
+        tokenizer=model.tokenizer,
+        eog=model.eog,
+    )
 
 
 @contextmanager

@@ -21,13 +21,46 @@ def gguf_path(tmp_path_factory):
 
 def test_generate_plain_and_speculative_agree(gguf_path, tmp_path, capsys):
     out_plain = tmp_path / "plain.jsonl"
-    assert cli.main(["generate", "-m", gguf_path, "-p", "def add(a, b):", "-n", "12",
-                     "--out", str(out_plain)]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "-m",
+                gguf_path,
+                "-p",
+                "def add(a, b):",
+                "-n",
+                "12",
+                "--out",
+                str(out_plain),
+            ]
+        )
+        == 0
+    )
     plain_stdout = capsys.readouterr().out
     out_spec = tmp_path / "spec.jsonl"
-    assert cli.main(["generate", "-m", gguf_path, "-md", gguf_path, "-p", "def add(a, b):",
-                     "-n", "12", "--spec-type", "draft-simple", "--spec-draft-n-max", "3",
-                     "--out", str(out_spec)]) == 0
+    assert (
+        cli.main(
+            [
+                "generate",
+                "-m",
+                gguf_path,
+                "-md",
+                gguf_path,
+                "-p",
+                "def add(a, b):",
+                "-n",
+                "12",
+                "--spec-type",
+                "draft-simple",
+                "--spec-draft-n-max",
+                "3",
+                "--out",
+                str(out_spec),
+            ]
+        )
+        == 0
+    )
     captured = capsys.readouterr()
     assert captured.out == plain_stdout and captured.out.startswith("def add(a, b):")
     assert "statistics     draft-simple: #calls(b,g,a)" in captured.err

@@ -24,7 +24,7 @@ def test_types_follow_fixed_priority_not_given_order():
 
 
 def test_unknown_type_lists_valid_names():
-    with pytest.raises(ValueError, match="unknown speculative type: eagle.*valid types: none"):
+    with pytest.raises(ValueError, match=r"unknown speculative type: eagle.*valid types: none"):
         types_from_names("eagle")
 
 

@@ -79,10 +79,26 @@ def test_generation_compiles_once_across_sampling_params(target):
     generate(target, PROMPTS[:2], max_new_tokens=12, temperature=0.0, **kwargs)
     before = api.compile_count()
     with count_compiles() as events:
-        generate(target, PROMPTS[:2], max_new_tokens=9, temperature=0.7, top_k=5, top_p=0.9,
-                 min_p=0.05, seed=123, **kwargs)
-        generate(target, PROMPTS[:2], max_new_tokens=15, temperature=1.3, seed=7,
-                 repeat_penalty=1.1, **kwargs)
+        generate(
+            target,
+            PROMPTS[:2],
+            max_new_tokens=9,
+            temperature=0.7,
+            top_k=5,
+            top_p=0.9,
+            min_p=0.05,
+            seed=123,
+            **kwargs,
+        )
+        generate(
+            target,
+            PROMPTS[:2],
+            max_new_tokens=15,
+            temperature=1.3,
+            seed=7,
+            repeat_penalty=1.1,
+            **kwargs,
+        )
     assert api.compile_count() == before
     assert events == []
 
@@ -99,8 +115,9 @@ def test_match_verification_reproduces_sampled_stream(target):
     """draft-and-match must not change a seeded sampled stream (llama.cpp's server test)."""
     plain = generate(target, PROMPTS[:2], max_new_tokens=16, temperature=0.8, top_k=5, seed=42)
     spec = SpecConfig(types=("ngram-simple",), ngram_simple_size_n=1, ngram_simple_size_m=4)
-    out = generate(target, PROMPTS[:2], max_new_tokens=16, temperature=0.8, top_k=5, seed=42,
-                   spec=spec)
+    out = generate(
+        target, PROMPTS[:2], max_new_tokens=16, temperature=0.8, top_k=5, seed=42, spec=spec
+    )
     assert out.tokens == plain.tokens
 
 
@@ -110,25 +127,35 @@ def test_step_does_not_retrace_across_rounds(target):
 
     draft = noisy_copy(target, 0.6)
     drafters, dparams = build_drafters(spec, target, draft)
-    eng = engine.Engine(target=target.config, drafters=drafters, k_max=3, capacity=128,
-                        out_capacity=64)
+    eng = engine.Engine(
+        target=target.config, drafters=drafters, k_max=3, capacity=128, out_capacity=64
+    )
     tokens = jnp.asarray([[5, 6, 7, 0], [1, 2, 0, 0]], jnp.int32)
     lengths = jnp.asarray([3, 2], jnp.int32)
 
     def run_params(temp, n_max):
         return engine.RunParams(
-            sampling=sampling.SamplingParams.create(batch=2, temperature=temp, top_k=0, top_p=1.0,
-                                                    min_p=0.0, seed=5),
-            max_new=jnp.asarray([20, 20], jnp.int32), n_max=jnp.asarray(n_max, jnp.int32),
-            n_min=jnp.asarray(0, jnp.int32), p_min=jnp.asarray(0.0, jnp.float32),
-            synth_rates=jnp.zeros((3,), jnp.float32))
+            sampling=sampling.SamplingParams.create(
+                batch=2, temperature=temp, top_k=0, top_p=1.0, min_p=0.0, seed=5
+            ),
+            max_new=jnp.asarray([20, 20], jnp.int32),
+            n_max=jnp.asarray(n_max, jnp.int32),
+            n_min=jnp.asarray(0, jnp.int32),
+            p_min=jnp.asarray(0.0, jnp.float32),
+            synth_rates=jnp.zeros((3,), jnp.float32),
+        )
 
     state = engine.prefill_jit(eng, target.params, dparams, tokens, lengths, run_params(0.0, 3))
     state = engine.step_jit(eng, target.params, dparams, state, run_params(0.0, 3))
     # drafter params are traced too: the target's own weights accept everything, the noisy
     # copy's mostly nothing, so rounds differ in outcome without changing any static value
-    rounds = [(0.0, 1, dparams), (0.5, 3, (target.params,)), (1.0, 2, dparams),
-              (0.0, 0, dparams), (0.0, 3, (target.params,))]
+    rounds = [
+        (0.0, 1, dparams),
+        (0.5, 3, (target.params,)),
+        (1.0, 2, dparams),
+        (0.0, 0, dparams),
+        (0.0, 3, (target.params,)),
+    ]
     accepted = set()
     with count_compiles() as events:
         for temp, n_max, params in rounds:
@@ -162,8 +189,13 @@ def test_bad_inputs_raise_clear_errors(target):
 def test_incompatible_draft_vocab_is_rejected(target):
     other = tiny_model(1, vocab_size=300)
     with pytest.raises(ValueError, match="differs from the target's 97 by more than 128"):
-        generate(target, [[1, 2]], max_new_tokens=4, spec=SpecConfig(types=("draft-simple",)),
-                 draft=other)
+        generate(
+            target,
+            [[1, 2]],
+            max_new_tokens=4,
+            spec=SpecConfig(types=("draft-simple",)),
+            draft=other,
+        )
 
 
 def test_context_end_stops_rows(target):
@@ -172,8 +204,9 @@ def test_context_end_stops_rows(target):
     assert out.finish_reasons == ["context"]
     assert len(out.tokens[0]) == 32 - 19 + 1
     spec = SpecConfig(types=("draft-simple",), draft_n_max=8)
-    fast = generate(target, [list(range(1, 20))], max_new_tokens=100, n_ctx=32, spec=spec,
-                    draft=target)
+    fast = generate(
+        target, [list(range(1, 20))], max_new_tokens=100, n_ctx=32, spec=spec, draft=target
+    )
     assert fast.tokens == out.tokens  # the draft budget kept every verify batch inside n_ctx
 
 
@@ -185,11 +218,20 @@ def test_rejection_sampling_engine_preserves_target_distribution():
     prompt = [1, 2, 3]
     n = 3000
     spec = SpecConfig(types=("draft-simple",), draft_n_max=2)
-    out = generate(model, [prompt] * n, max_new_tokens=2, temperature=1.0, seed=list(range(n)),
-                   spec=spec, draft=draft)
+    out = generate(
+        model,
+        [prompt] * n,
+        max_new_tokens=2,
+        temperature=1.0,
+        seed=list(range(n)),
+        spec=spec,
+        draft=draft,
+    )
     second = np.asarray([t[1] for t in out.tokens])
     # exact marginal of token 2: sum_t1 p(t1 | prompt) p(t2 | prompt, t1)
-    logits, _ = api.forward(model, np.asarray([prompt]), np.asarray([[0, 1, 2]]), model.new_cache(1, 8))
+    logits, _ = api.forward(
+        model, np.asarray([prompt]), np.asarray([[0, 1, 2]]), model.new_cache(1, 8)
+    )
     p1 = np.asarray(jax.nn.softmax(logits[0, -1]))
     toks = np.asarray([prompt + [t] for t in range(12)])
     logits2, _ = api.forward(model, toks, np.tile(np.arange(4), (12, 1)), model.new_cache(12, 8))

@@ -56,21 +56,27 @@ def test_relay_priority_truncation_and_fanout():
     model = tiny_model(0)
     first = FakeDrafter(rows=(True, False, False, True), length=4, token=3)
     second = FakeDrafter(rows=(True, True, False, False), length=2, token=4)
-    eng = engine.Engine(target=model.config, drafters=(first, second), k_max=4, capacity=64,
-                        out_capacity=32)
+    eng = engine.Engine(
+        target=model.config, drafters=(first, second), k_max=4, capacity=64, out_capacity=32
+    )
     tokens = jnp.asarray([[5, 6, 7], [8, 9, 0], [1, 2, 3], [4, 5, 6]], jnp.int32)
     lengths = jnp.asarray([3, 2, 3, 3], jnp.int32)
     run = engine.RunParams(
-        sampling=sampling.SamplingParams.create(batch=4, temperature=0.0, top_k=0, top_p=1.0,
-                                                min_p=0.0),
+        sampling=sampling.SamplingParams.create(
+            batch=4, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0
+        ),
         # row 3 may generate 3 tokens: 1 after prefill, so its budget is 3 - 1 - 1 = 1
         max_new=jnp.asarray([20, 20, 20, 3], jnp.int32),
-        n_max=jnp.asarray(3, jnp.int32), n_min=jnp.asarray(0, jnp.int32),
-        p_min=jnp.asarray(0.0, jnp.float32), synth_rates=jnp.zeros((4,), jnp.float32))
+        n_max=jnp.asarray(3, jnp.int32),
+        n_min=jnp.asarray(0, jnp.int32),
+        p_min=jnp.asarray(0.0, jnp.float32),
+        synth_rates=jnp.zeros((4,), jnp.float32),
+    )
     state = engine.prefill_jit(eng, model.params, (None, None), tokens, lengths, run)
     state = engine.step_jit(eng, model.params, (None, None), state, run)
-    log_first, log_second = (np.asarray(x) for x in (state.drafter_states[0].asked,
-                                                    state.drafter_states[1].asked))
+    log_first, log_second = (
+        np.asarray(x) for x in (state.drafter_states[0].asked, state.drafter_states[1].asked)
+    )
     # the first drafter is asked for every row; the second only for rows the first left empty
     np.testing.assert_array_equal(log_first, [1, 1, 1, 1])
     np.testing.assert_array_equal(log_second, [0, 1, 1, 0])

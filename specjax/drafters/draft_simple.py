@@ -64,20 +64,24 @@ class DraftSimple:
         del history
         return state
 
-    def process(self, params: Params, state: DraftSimpleState, batch: TargetBatch) -> DraftSimpleState:
+    def process(
+        self, params: Params, state: DraftSimpleState, batch: TargetBatch
+    ) -> DraftSimpleState:
         out = forward_fn(self.config, params, batch.tokens, batch.positions, state.cache)
         return DraftSimpleState(cache=out.cache)
 
-    def accept(self, state: DraftSimpleState, n_accepted: Array, is_other: Array,
-               active: Array) -> DraftSimpleState:
+    def accept(
+        self, state: DraftSimpleState, n_accepted: Array, is_other: Array, active: Array
+    ) -> DraftSimpleState:
         del n_accepted, is_other, active
         return state
 
     def rollback(self, state: DraftSimpleState, keep: Array) -> DraftSimpleState:
         return DraftSimpleState(cache=keep_prefix(state.cache, keep))
 
-    def draft(self, params: Params, state: DraftSimpleState, inp: DraftInput,
-              k_max: int) -> tuple[DraftSimpleState, DraftOutput]:
+    def draft(
+        self, params: Params, state: DraftSimpleState, inp: DraftInput, k_max: int
+    ) -> tuple[DraftSimpleState, DraftOutput]:
         B = inp.last_token.shape[0]
         V = self.target_vocab
         n_shared = min(V, self.config.V)
@@ -107,8 +111,9 @@ class DraftSimple:
                     sampled_mode = temp > 0
                     t = jnp.where(sampled_mode, temp, 1.0)[:, None]
                     tempered = jax.nn.softmax(top_vals / t, axis=-1)
-                    keys = sampling.make_keys(draft_seed, inp.history.length + i + 1,
-                                              sampling.ROLE_DRAFT)
+                    keys = sampling.make_keys(
+                        draft_seed, inp.history.length + i + 1, sampling.ROLE_DRAFT
+                    )
                     choice = jax.vmap(jax.random.categorical)(keys, jnp.log(tempered))
                     sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=1)[:, 0]
                     token = jnp.where(sampled_mode, sampled, token)
@@ -122,10 +127,21 @@ class DraftSimple:
                 alive = keep & (n < limit)
                 return i + 1, out.cache, token.astype(jnp.int32), alive, n, tokens, valid, q
 
-            q0 = jnp.zeros((B, k_max, V), jnp.float32) if self.probabilistic else jnp.zeros((), jnp.float32)
-            init = (jnp.zeros((), jnp.int32), state.cache, inp.last_token.astype(jnp.int32),
-                    inp.drafting & (limit > 0), jnp.zeros((B,), jnp.int32),
-                    jnp.zeros((B, k_max), jnp.int32), jnp.zeros((B, k_max), bool), q0)
+            q0 = (
+                jnp.zeros((B, k_max, V), jnp.float32)
+                if self.probabilistic
+                else jnp.zeros((), jnp.float32)
+            )
+            init = (
+                jnp.zeros((), jnp.int32),
+                state.cache,
+                inp.last_token.astype(jnp.int32),
+                inp.drafting & (limit > 0),
+                jnp.zeros((B,), jnp.int32),
+                jnp.zeros((B, k_max), jnp.int32),
+                jnp.zeros((B, k_max), bool),
+                q0,
+            )
             _, _, _, _, n, tokens, valid, q = jax.lax.while_loop(cond, body, init)
             valid = valid & (n >= jnp.maximum(inp.n_min, 1))[:, None]
             return DraftOutput(tokens=tokens, valid=valid, q=q if self.probabilistic else None)
@@ -133,15 +149,18 @@ class DraftSimple:
         def skip(_: Any) -> DraftOutput:
             out = empty_draft(B, k_max)
             if self.probabilistic:
-                out = DraftOutput(tokens=out.tokens, valid=out.valid,
-                                  q=jnp.zeros((B, k_max, V), jnp.float32))
+                out = DraftOutput(
+                    tokens=out.tokens, valid=out.valid, q=jnp.zeros((B, k_max, V), jnp.float32)
+                )
             return out
 
         result = jax.lax.cond(jnp.any(inp.drafting), run, skip, None)
         return state, result
 
 
-def check_vocab_compatible(target_tok: Any, draft_tok: Any, n_vocab_tgt: int, n_vocab_dft: int) -> None:
+def check_vocab_compatible(
+    target_tok: Any, draft_tok: Any, n_vocab_tgt: int, n_vocab_dft: int
+) -> None:
     """llama.cpp's `common_speculative_are_compatible`; raises VocabMismatchError with the reason."""
     if getattr(target_tok, "vocab_type", None) != getattr(draft_tok, "vocab_type", None):
         raise VocabMismatchError(

@@ -42,22 +42,34 @@ def _ngram_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float)
 def _ngram_mod(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
     from specjax.drafters.ngram_mod import NgramMod
 
-    return NgramMod(n_match=spec.ngram_mod_n_match, n_min=spec.ngram_mod_n_min,
-                    n_max=spec.ngram_mod_n_max, pool_size=spec.ngram_mod_pool_size), None
+    return NgramMod(
+        n_match=spec.ngram_mod_n_match,
+        n_min=spec.ngram_mod_n_min,
+        n_max=spec.ngram_mod_n_max,
+        pool_size=spec.ngram_mod_pool_size,
+    ), None
 
 
 def _ngram_map_k(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
     from specjax.drafters.ngram_map import NgramMapK
 
-    return NgramMapK(size_n=spec.ngram_map_k_size_n, size_m=spec.ngram_map_k_size_m,
-                     min_hits=spec.ngram_map_k_min_hits), None
+    return NgramMapK(
+        size_n=spec.ngram_map_k_size_n,
+        size_m=spec.ngram_map_k_size_m,
+        min_hits=spec.ngram_map_k_min_hits,
+    ), None
 
 
-def _ngram_map_k4v(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+def _ngram_map_k4v(
+    spec: SpecConfig, target: Any, draft: Any, temperature: float
+) -> tuple[Any, Any]:
     from specjax.drafters.ngram_map import NgramMapK4V
 
-    return NgramMapK4V(size_n=spec.ngram_map_k4v_size_n, size_m=spec.ngram_map_k4v_size_m,
-                       min_hits=spec.ngram_map_k4v_min_hits), None
+    return NgramMapK4V(
+        size_n=spec.ngram_map_k4v_size_n,
+        size_m=spec.ngram_map_k4v_size_m,
+        min_hits=spec.ngram_map_k4v_min_hits,
+    ), None
 
 
 def _ngram_cache(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:

@@ -70,7 +70,9 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
-            raise ValueError(f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHS)}")
+            raise ValueError(
+                f"unsupported architecture {self.arch!r}; supported: {', '.join(ARCHS)}"
+            )
         if self.dtype not in DTYPES:
             raise ValueError(f"unsupported dtype {self.dtype!r}; supported: {', '.join(DTYPES)}")
         for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):

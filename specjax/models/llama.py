@@ -60,7 +60,9 @@ def attention_mask(q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
     return visible
 
 
-def _attention(config: ModelConfig, q_BTHE: Array, k_BSGE: Array, v_BSGE: Array, mask_BTS: Array) -> Array:
+def _attention(
+    config: ModelConfig, q_BTHE: Array, k_BSGE: Array, v_BSGE: Array, mask_BTS: Array
+) -> Array:
     B, T, H, E = q_BTHE.shape
     G = config.G
     q_BTGRE = q_BTHE.reshape(B, T, G, H // G, E)
@@ -130,7 +132,13 @@ def forward_fn(
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"] if config.tie_embeddings else params["lm_head"]
     logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
-    cache = KVCache(k=tuple(new_k), v=tuple(new_v), pos=cache.pos, overflow=cache.overflow, inv_freq=cache.inv_freq)
+    cache = KVCache(
+        k=tuple(new_k),
+        v=tuple(new_v),
+        pos=cache.pos,
+        overflow=cache.overflow,
+        inv_freq=cache.inv_freq,
+    )
     return ForwardOutput(logits, cache, tuple(hidden[i] for i in hidden_layers))
 
 
