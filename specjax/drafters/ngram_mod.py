@@ -1,0 +1,357 @@
+"""ngram-mod (llama.cpp `common/ngram-mod.*` + its impl in `speculative.cpp`, spec 5.7), on device.
+
+State (`NgramModState`):
+* ONE hash pool of P slots shared by all rows (upstream shares it across slots), so the state
+  has no leading B there (do not `select_rows` it): `pool [P]` tokens + `stamp [P]` epochs; a
+  slot holds a token only while `stamp == epoch` (`pool_view` gives upstream's `entries`,
+  EMPTY = -1), so a reset is `epoch += 1, used = 0` and never touches the `[P]` arrays.
+  `used []` counts occupied slots. Slot of an n-gram `t[0:n]` = `h mod P` with the 64-bit LCG
+  `h = h*6364136223846793005 + t_i` (wraparound mod 2^64, int32 tokens sign-extended as C++
+  converts them to `size_t`); `add` overwrites the slot with the next token.
+* per row: `i_last` (next history index to ingest), `n_draft_last` (UNTRUNCATED length of the
+  row's last draft), `n_low` (low-acceptance streak).
+* Jit `begin`/`draft`/`accept` with the state donated (`donate_argnums`): the pool is then
+  updated in place; without donation every call copies it (16 MiB x 2 at the default size).
+
+64-bit hashing without x64: JAX has no usable uint64 unless `jax_enable_x64` is on (it is not,
+and must not be switched on globally), so a 64-bit value is a pair of uint32 halves (hi, lo).
+The hash is evaluated as the polynomial `sum_k t_k * A^(n-1-k) mod 2^64` (equal to the Horner
+loop), with the powers precomputed in Python: each term is a 64x64->64 product built from
+32x32->64 partial products (16-bit limbs), and the sum carries 16-bit partial sums into the
+high word. `mod P`: when P is a power of two (the default 4*1024*1024) only `lo & (P-1)` is
+needed (the high word is never computed); otherwise the full 64-bit value is reduced by
+feeding it through `r = (r * 2^b + chunk) mod P` in b-bit chunks, b = 31 - bitlen(P-1), which
+never overflows uint32. Pool sizes up to 2^30 are supported.
+
+Ordering (documented, exact w.r.t. upstream's sequential loops):
+* Within one ingestion, positions are added in ascending order: when several n-grams hash to the
+  same slot, the LAST one's next token stays; `used` grows by the number of distinct slots that
+  were EMPTY. Done as a sort by (slot, position) and one scatter of the last per slot (a
+  256-position window for the usual chunk, the whole `[S]` history after begin/reset).
+* Rows are processed in order 0..B-1 in `begin` and `draft` (a `fori_loop`): row r's ingestion
+  and lookup chain see rows < r's ingestion of this call, as upstream's per-seq loop does.
+* `begin` (rows in the optional `rows` mask): `i_last = n_draft_last = 0`; if the prompt has at
+  least n tokens, add every n-gram starting at `0 .. len-n-1`, `i_last = len - n`, then reset the
+  whole pool if `used / P > 0.25` (after ingesting). `n_low` is not touched (as upstream).
+* `draft` (drafting rows): `n_draft_last = 0`; nothing if `L < n`; if `i_last + 32 < L`, add the
+  n-grams starting at `i_last .. L-n-1` and set `i_last = L - n`; then chain lookups from
+  `[t[L-n+1:L], last_token]` for up to `n_max` tokens: an EMPTY slot at step `i < n_min` means no
+  draft at all, otherwise it ends the draft. The row's `n_draft_last` is the chain's full length
+  even when `k_max` (the engine's K) is smaller: the returned draft is truncated to `k_max`,
+  upstream's relay truncates to the row's `n_max`, and the acceptance fraction still divides by
+  the untruncated length, as upstream does. So with `k_max < n_min`, a draft still needs `n_min`
+  found tokens before it is non-empty, and is then cut to `k_max`.
+* `accept` (rows `active & ~is_other` with `n_draft_last > 0`): `n / n_draft_last < 0.25`
+  (evaluated exactly as `4n < n_draft_last`) grows `n_low`, else `n_low = 0`; reaching 5 resets
+  the shared pool and that row's `n_low` and `i_last`. Rows are independent here (a reset is
+  idempotent, so the order does not matter).
+Token ids must be non-negative (an added token equal to EMPTY would be invisible, as upstream).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
+from specjax.drafters.ngram_simple import last_pattern, pad_tokens
+from specjax.pytree import pytree_dataclass, replace
+from specjax.types import Array
+
+POOL_SIZE = 4 * 1024 * 1024
+EMPTY = -1
+LCG_FACTOR = 6364136223846793005
+CHUNK = 32  # ingestion happens once more than CHUNK new tokens are pending
+_SMALL_INGEST = 256  # window used for ordinary chunked ingestion (larger ranges: full pass)
+_M16 = 0xFFFF
+
+
+# ---------------------------------------------------------------------------------------------
+# 64-bit arithmetic on (hi, lo) uint32 pairs
+# ---------------------------------------------------------------------------------------------
+
+
+def _u32(x: Any) -> Array:
+    return jnp.asarray(x, jnp.uint32)
+
+
+def mul32_wide(a: Array, b: Array) -> tuple[Array, Array]:
+    """Full 32x32 -> 64-bit product of uint32 arrays as (hi, lo)."""
+    a0, a1 = a & _M16, a >> 16
+    b0, b1 = b & _M16, b >> 16
+    p00, p01, p10, p11 = a0 * b0, a0 * b1, a1 * b0, a1 * b1
+    mid = (p00 >> 16) + (p01 & _M16) + (p10 & _M16)
+    lo = (p00 & _M16) | (mid << 16)
+    hi = p11 + (p01 >> 16) + (p10 >> 16) + (mid >> 16)
+    return hi, lo
+
+
+def mul64(a_hi: Array, a_lo: Array, b_hi: Array, b_lo: Array) -> tuple[Array, Array]:
+    """(a * b) mod 2^64 on (hi, lo) uint32 pairs."""
+    hi, lo = mul32_wide(a_lo, b_lo)
+    return hi + a_lo * b_hi + a_hi * b_lo, lo
+
+
+def sum64(hi: Array, lo: Array) -> tuple[Array, Array]:
+    """Sum mod 2^64 over the last axis (at most 2^15 terms)."""
+    s0 = jnp.sum(lo & _M16, axis=-1, dtype=jnp.uint32)
+    s1 = jnp.sum(lo >> 16, axis=-1, dtype=jnp.uint32)
+    t = (s0 >> 16) + s1
+    return jnp.sum(hi, axis=-1, dtype=jnp.uint32) + (t >> 16), (s0 & _M16) | (t << 16)
+
+
+def mod64(hi: Array, lo: Array, p: int) -> Array:
+    """(hi * 2^32 + lo) mod p for 1 <= p <= 2^30, in uint32 (b-bit chunks, no overflow)."""
+    b = 31 - max(int(p - 1).bit_length(), 1)
+    r = jnp.zeros_like(lo)
+    pp = _u32(p)
+    for word in (hi, lo):
+        s = 32
+        while s > 0:
+            w = min(b, s)
+            chunk = (word >> (s - w)) & _u32((1 << w) - 1)
+            r = ((r << w) + chunk) % pp
+            s -= w
+    return r
+
+
+def _powers(n: int) -> tuple[np.ndarray, np.ndarray]:
+    """A^(n-1-k) mod 2^64 for k < n, as (hi, lo) uint32 numpy arrays."""
+    pw = [pow(LCG_FACTOR, n - 1 - k, 1 << 64) for k in range(n)]
+    return (
+        np.array([x >> 32 for x in pw], np.uint32),
+        np.array([x & 0xFFFFFFFF for x in pw], np.uint32),
+    )
+
+
+def mod_hash_index(win_WN: Array, n: int, pool_size: int) -> Array:
+    """`[W]` int32 pool slots of the n-gram windows `win [W, n]` (int32 tokens, W >= 1)."""
+    p_hi, p_lo = _powers(n)
+    t_lo = lax.bitcast_convert_type(win_WN.astype(jnp.int32), jnp.uint32)
+    if pool_size & (pool_size - 1) == 0:  # power of two: only the low word matters
+        lo = jnp.sum(t_lo * jnp.asarray(p_lo)[None, :], axis=-1, dtype=jnp.uint32)
+        return (lo & _u32(pool_size - 1)).astype(jnp.int32)
+    t_hi = jnp.where(win_WN < 0, _u32(0xFFFFFFFF), _u32(0))
+    hi, lo = mul64(t_hi, t_lo, jnp.asarray(p_hi)[None, :], jnp.asarray(p_lo)[None, :])
+    hi, lo = sum64(hi, lo)
+    return mod64(hi, lo, pool_size).astype(jnp.int32)
+
+
+# ---------------------------------------------------------------------------------------------
+# drafter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class NgramModState:
+    """Pool shared by all rows (no leading B) + per-row bookkeeping.
+
+    A slot holds a token only if `stamp[slot] == epoch`; a reset is `epoch += 1, used = 0`, so no
+    reset ever touches the `[P]` arrays (see `pool_view`).
+    """
+
+    pool: Array  # [P] int32 token written last (meaningful where stamp == epoch)
+    stamp: Array  # [P] int32 epoch of the last write
+    epoch: Array  # [] int32 current epoch (>= 1; stamps start at 0)
+    used: Array  # [] int32 slots holding a token in this epoch
+    i_last: Array  # [B] int32
+    n_draft_last: Array  # [B] int32
+    n_low: Array  # [B] int32
+
+
+def pool_view(state: NgramModState) -> Array:
+    """The upstream `entries` array: `[P]` int32 token per slot, EMPTY where unused."""
+    return jnp.where(state.stamp == state.epoch, state.pool, EMPTY)
+
+
+@dataclass(frozen=True)
+class NgramMod(ModelFreeDrafter):
+    """llama.cpp `ngram-mod` (`--spec-ngram-mod-n-match/-n-min/-n-max`)."""
+
+    name: ClassVar[str] = "ngram-mod"
+    n_match: int = 24
+    n_min: int = 48
+    n_max: int = 64
+    pool_size: int = POOL_SIZE
+
+    def __post_init__(self) -> None:
+        if self.n_match < 1:
+            raise ValueError("ngram-mod: n_match must be >= 1")
+        if self.n_min < 0 or self.n_max < 0:
+            raise ValueError("ngram-mod: n_min and n_max must be >= 0")
+        if not 1 <= self.pool_size <= 2**30:
+            raise ValueError("ngram-mod: pool_size must be in [1, 2^30]")
+
+    def init(self, batch: int, capacity: int) -> NgramModState:
+        del capacity
+        # distinct buffers per field, so that the whole state can be donated
+        return NgramModState(
+            pool=jnp.full((self.pool_size,), EMPTY, jnp.int32),
+            stamp=jnp.zeros((self.pool_size,), jnp.int32),
+            epoch=jnp.ones((), jnp.int32),
+            used=jnp.zeros((), jnp.int32),
+            i_last=jnp.zeros((batch,), jnp.int32),
+            n_draft_last=jnp.zeros((batch,), jnp.int32),
+            n_low=jnp.zeros((batch,), jnp.int32),
+        )
+
+    # ------------------------------------------------------------------ pool primitives
+    def _writes(self, pad: Array, lo: Array, hi: Array, pos: Array) -> tuple[Array, Array]:
+        """Net writes of adding the n-grams starting at `pos` ∩ [lo, hi) in ascending order:
+        (slot, token) with slot == P where nothing is written; written slots are distinct."""
+        n, P = self.n_match, self.pool_size
+        last = pad.shape[0] - 1
+        win = pad[jnp.clip(pos[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], 0, last)]
+        slot = mod_hash_index(win, n, P)
+        slot = jnp.where((pos >= lo) & (pos < hi), slot, P)
+        s_slot, s_pos = lax.sort((slot, pos), num_keys=2)
+        is_last = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
+        s_slot = jnp.where(is_last, s_slot, P)
+        return s_slot, pad[jnp.clip(s_pos + n, 0, last)]
+
+    def _ingest(self, st: NgramModState, pad: Array, lo: Array, hi: Array, S: int) -> NgramModState:
+        """Add the n-grams starting at `lo .. hi-1` (none if hi <= lo) to the shared pool."""
+        P = self.pool_size
+        small = min(_SMALL_INGEST, S)
+
+        def none(_: Any) -> tuple[Array, Array]:
+            return jnp.full((S,), P, jnp.int32), jnp.zeros((S,), jnp.int32)
+
+        def small_path(_: Any) -> tuple[Array, Array]:
+            sl, tk = self._writes(pad, lo, hi, lo + jnp.arange(small, dtype=jnp.int32))
+            fill = jnp.full((S - small,), P, jnp.int32)
+            return jnp.concatenate([sl, fill]), jnp.concatenate([tk, jnp.zeros_like(fill)])
+
+        def full_path(_: Any) -> tuple[Array, Array]:
+            return self._writes(pad, lo, hi, jnp.arange(S, dtype=jnp.int32))
+
+        branch = jnp.where(hi <= lo, 0, jnp.where(hi - lo <= small, 1, 2))
+        slot, tok = lax.switch(branch, [none, small_path, full_path], None)
+        live = slot < P
+        at = jnp.clip(slot, 0, P - 1)
+        was_empty = (st.stamp[at] != st.epoch) | (st.pool[at] == EMPTY)
+        n_new = jnp.sum((live & was_empty).astype(jnp.int32))
+        # Make the scatters data-depend on the reads above (n_new >= 0 always): otherwise XLA
+        # cannot prove the reads happen first and copies the [P] arrays instead of updating
+        # them in place.
+        slot = jnp.where(n_new < 0, P, slot)
+        return replace(
+            st,
+            pool=st.pool.at[slot].set(tok, mode="drop"),
+            stamp=st.stamp.at[slot].set(jnp.broadcast_to(st.epoch, slot.shape), mode="drop"),
+            used=st.used + n_new,
+        )
+
+    def _reset_if(self, st: NgramModState, reset: Array) -> NgramModState:
+        """`common_ngram_mod::reset` (all slots EMPTY) when `reset`, in O(1)."""
+        return replace(
+            st,
+            epoch=st.epoch + reset.astype(jnp.int32),
+            used=jnp.where(reset, 0, st.used),
+        )
+
+    # ------------------------------------------------------------------ begin
+    def begin(
+        self, state: NgramModState, history: TokenHistory, rows: Array | None = None
+    ) -> NgramModState:
+        """Ingest each starting row's prompt (rows in order), resetting on occupancy > 0.25."""
+        n, P = self.n_match, self.pool_size
+        B, S = history.tokens.shape
+        if rows is None:
+            rows = jnp.ones((B,), bool)
+        lengths = history.length.astype(jnp.int32)
+
+        def body(r: Any, st: NgramModState) -> NgramModState:
+            cur_len = lengths[r]
+            on = rows[r]
+            go = on & (cur_len >= n)
+            pad = pad_tokens(history.tokens[r], n + 1)
+            st = self._ingest(st, pad, jnp.int32(0), jnp.where(go, cur_len - n, 0), S)
+            st = self._reset_if(st, go & (st.used > P // 4))  # used / P > 0.25
+            i_last = jnp.where(on, jnp.where(go, cur_len - n, 0), st.i_last[r])
+            ndl = jnp.where(on, 0, st.n_draft_last[r])
+            return replace(
+                st,
+                i_last=st.i_last.at[r].set(i_last),
+                n_draft_last=st.n_draft_last.at[r].set(ndl),
+            )
+
+        return lax.fori_loop(0, B, body, state)
+
+    # ------------------------------------------------------------------ draft
+    def draft(
+        self, params: Any, state: NgramModState, inp: DraftInput, k_max: int
+    ) -> tuple[NgramModState, DraftOutput]:
+        del params
+        n, P = self.n_match, self.pool_size
+        n_max, n_min = self.n_max, self.n_min
+        B, S = inp.history.tokens.shape
+        lengths = inp.history.length.astype(jnp.int32)
+        width = n + max(n_max, k_max)
+
+        def body(
+            r: Any, carry: tuple[NgramModState, Array, Array]
+        ) -> tuple[NgramModState, Array, Array]:
+            st, out_tok, out_len = carry
+            cur_len = lengths[r]
+            d = inp.drafting[r]
+            go = d & (cur_len >= n)
+            pad = pad_tokens(inp.history.tokens[r], n + 1)
+            i_last = st.i_last[r]
+            need = go & (i_last + CHUNK < cur_len)
+            st = self._ingest(st, pad, i_last, jnp.where(need, cur_len - n, i_last), S)
+            i_last = jnp.where(need, cur_len - n, i_last)
+            pool, stamp, epoch = st.pool, st.stamp, st.epoch
+
+            buf = jnp.zeros((width,), jnp.int32)
+            buf = lax.dynamic_update_slice(
+                buf, last_pattern(pad, cur_len, inp.last_token[r], n), (0,)
+            )
+
+            def c_cond(c: tuple[Array, Array, Array]) -> Array:
+                i, _, stop = c
+                return go & (i < n_max) & ~stop
+
+            def c_body(c: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+                i, b, _ = c
+                slot = mod_hash_index(lax.dynamic_slice(b, (i,), (n,))[None], n, P)[0]
+                tok = jnp.where(stamp[slot] == epoch, pool[slot], EMPTY)
+                empty = tok == EMPTY
+                b = lax.dynamic_update_slice(b, jnp.where(empty, b[n + i], tok)[None], (n + i,))
+                return jnp.where(empty, i, i + 1), b, empty
+
+            i, buf, stop = lax.while_loop(c_cond, c_body, (jnp.int32(0), buf, jnp.bool_(False)))
+            length = jnp.where(stop & (i < n_min), 0, i)
+            st = replace(
+                st,
+                i_last=st.i_last.at[r].set(i_last),
+                n_draft_last=st.n_draft_last.at[r].set(jnp.where(d, length, st.n_draft_last[r])),
+            )
+            out_tok = out_tok.at[r].set(lax.dynamic_slice(buf, (n,), (k_max,)))
+            out_len = out_len.at[r].set(length)
+            return st, out_tok, out_len
+
+        init = (state, jnp.zeros((B, k_max), jnp.int32), jnp.zeros((B,), jnp.int32))
+        state, toks, lens = lax.fori_loop(0, B, body, init)  # rows in order
+        valid = jnp.arange(k_max, dtype=jnp.int32)[None, :] < lens[:, None]
+        return state, DraftOutput(tokens=jnp.where(valid, toks, 0), valid=valid)
+
+    # ------------------------------------------------------------------ accept
+    def accept(
+        self, state: NgramModState, n_accepted: Array, is_other: Array, active: Array
+    ) -> NgramModState:
+        ndl = state.n_draft_last
+        apply = active & ~is_other & (ndl > 0)
+        low = 4 * n_accepted.astype(jnp.int32) < ndl
+        n_low = jnp.where(apply, jnp.where(low, state.n_low + 1, 0), state.n_low)
+        reset = apply & low & (n_low >= 5)
+        st = self._reset_if(state, jnp.any(reset))
+        return replace(
+            st,
+            i_last=jnp.where(reset, 0, state.i_last),
+            n_low=jnp.where(reset, 0, n_low),
+        )

@@ -1,0 +1,119 @@
+"""ngram-simple (llama.cpp `common_ngram_simple_draft`, spec 5.5): stateless prompt lookup.
+
+For a row with history `t[0:L]` (L = `history.length`) and `sampled = last_token`:
+* no draft unless `L > n + m + 1`;
+* pattern = `t[L-n+1:L] + [sampled]` (length n); the match is the LARGEST `j` in `[1, L-n-1]`
+  with `t[j:j+n] == pattern` (position 0 is never a match);
+* `copy = min(m, L - (j + n))`; no draft if `copy < n` (upstream compares with n, not m);
+* draft = `t[j+n : j+n+copy]`, truncated to the static `k_max` (the relay truncates to the
+  row's `n_max` afterwards).
+
+All of it is one vectorised pass: a sliding-window equality over the `[S]` history (n compares
+of shifted views), then a masked max. No state, so `begin/process/accept/rollback` are no-ops.
+
+This module also holds the small window helpers the other n-gram drafters share.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+
+from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
+from specjax.pytree import pytree_dataclass
+from specjax.types import Array
+
+# ---------------------------------------------------------------------------------------------
+# shared helpers (one row; tokens are int32 [S])
+# ---------------------------------------------------------------------------------------------
+
+
+def pad_tokens(tokens_S: Array, extra: int) -> Array:
+    """`tokens` followed by `extra` zeros, so every static-size window read stays in bounds."""
+    return jnp.concatenate([tokens_S.astype(jnp.int32), jnp.zeros((extra,), jnp.int32)])
+
+
+def window_equal(pad_P: Array, pattern_N: Array, count: int, offset: int = 0) -> Array:
+    """`[count]` bool: `pad[j+offset : j+offset+N] == pattern` for every start j < count.
+
+    `pad` must hold at least `count + offset + N` cells. Computed as N shifted compares.
+    """
+    n = pattern_N.shape[0]
+
+    def body(k: Any, eq: Array) -> Array:
+        view = lax.dynamic_slice(pad_P, (k + offset,), (count,))
+        return eq & (view == pattern_N[k])
+
+    return lax.fori_loop(0, n, body, jnp.ones((count,), bool))
+
+
+def last_pattern(pad_P: Array, length: Array, sampled: Array, n: int) -> Array:
+    """`[n]` int32: the last `n-1` history tokens followed by `sampled` (needs length >= n-1)."""
+    idx = jnp.clip(length - n + 1 + jnp.arange(n, dtype=jnp.int32), 0, pad_P.shape[0] - 1)
+    key = pad_P[idx]
+    return jnp.where(jnp.arange(n) == n - 1, sampled.astype(jnp.int32), key)
+
+
+def slice_draft(pad_P: Array, start: Array, n_draft: Array, k_max: int) -> DraftOutput:
+    """A one-row draft `pad[start : start+n_draft]` truncated to `k_max` (n_draft may be <= 0)."""
+    toks = lax.dynamic_slice(pad_P, (start,), (k_max,))
+    valid = jnp.arange(k_max, dtype=jnp.int32) < n_draft
+    return DraftOutput(tokens=jnp.where(valid, toks, 0), valid=valid)
+
+
+# ---------------------------------------------------------------------------------------------
+# drafter
+# ---------------------------------------------------------------------------------------------
+
+
+@pytree_dataclass
+class NgramSimpleState:
+    """ngram-simple keeps no state (an empty pytree)."""
+
+
+@dataclass(frozen=True)
+class NgramSimple(ModelFreeDrafter):
+    """llama.cpp `ngram-simple` (`--spec-ngram-simple-size-n/-size-m`)."""
+
+    name: ClassVar[str] = "ngram-simple"
+    size_n: int = 12
+    size_m: int = 48
+
+    def __post_init__(self) -> None:
+        if self.size_n < 1 or self.size_m < 1:
+            raise ValueError("ngram-simple: size_n and size_m must be >= 1")
+
+    def init(self, batch: int, capacity: int) -> NgramSimpleState:
+        del batch, capacity
+        return NgramSimpleState()
+
+    def begin(
+        self, state: NgramSimpleState, history: TokenHistory, rows: Array | None = None
+    ) -> NgramSimpleState:
+        del history, rows
+        return state
+
+    def draft(
+        self, params: Any, state: NgramSimpleState, inp: DraftInput, k_max: int
+    ) -> tuple[NgramSimpleState, DraftOutput]:
+        del params
+        n, m = self.size_n, self.size_m
+        S = inp.history.tokens.shape[1]
+
+        def row(tokens_S: Array, length: Array, sampled: Array, drafting: Array) -> DraftOutput:
+            pad = pad_tokens(tokens_S, n + m + k_max + 1)
+            pattern = last_pattern(pad, length, sampled, n)
+            eq = window_equal(pad, pattern, S)
+            pos = jnp.arange(S, dtype=jnp.int32)
+            cand = eq & (pos >= 1) & (pos <= length - n - 1)
+            j = jnp.max(jnp.where(cand, pos, 0))
+            copy = jnp.minimum(m, length - (j + n))
+            ok = drafting & (length > n + m + 1) & (j > 0) & (copy >= n)
+            return slice_draft(pad, j + n, jnp.where(ok, copy, 0), k_max)
+
+        out = jax.vmap(row)(inp.history.tokens, inp.history.length, inp.last_token, inp.drafting)
+        return state, out
