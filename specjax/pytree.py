@@ -9,7 +9,7 @@ must be an array field.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, TypeVar
+from typing import Any, TypeVar, dataclass_transform
 
 import jax
 
@@ -25,6 +25,9 @@ def static_field(**kwargs: Any) -> Any:
     return dataclasses.field(metadata=metadata, **kwargs)
 
 
+@dataclass_transform(
+    frozen_default=True, kw_only_default=True, field_specifiers=(dataclasses.field, static_field)
+)
 def pytree_dataclass(cls: type[T]) -> type[T]:
     """Make `cls` a frozen keyword-only dataclass and register it as a pytree."""
     cls = dataclasses.dataclass(frozen=True, kw_only=True)(cls)

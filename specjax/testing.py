@@ -16,7 +16,9 @@ COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
 
 
 def tiny_config(**overrides: object) -> ModelConfig:
-    base = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
+    base: dict[str, object] = dict(
+        vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64
+    )
     base.update(overrides)
     return ModelConfig(**base)  # type: ignore[arg-type]
 
@@ -47,9 +49,9 @@ def count_compiles() -> Iterator[list[float]]:
     """Collects one entry per XLA backend compilation inside the block."""
     events: list[float] = []
 
-    def listener(event: str, duration: float, **_: object) -> None:
+    def listener(event: str, duration_secs: float, **_: str | int) -> None:
         if event == COMPILE_EVENT:
-            events.append(duration)
+            events.append(duration_secs)
 
     jax.monitoring.register_event_duration_secs_listener(listener)
     try:
