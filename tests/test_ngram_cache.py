@@ -1,0 +1,277 @@
+"""ngram-cache on device (`specjax.drafters.ngram_cache`) against the plain-Python reference.
+
+Every test drives the JAX drafter and `NgramCacheImplRef` (which reproduces llama.cpp's recorded
+drafts, see test_conformance_ngram_cache.py) through the same rounds and compares the drafts.
+Shapes are fixed (B=2, S=40, K=8, padded read-only tables) so one compilation serves all
+hypothesis examples.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from specjax.drafters.base import DraftInput, TokenHistory
+from specjax.drafters.ngram_cache import NgramCache, context_cache, make_tables
+from specjax.drafters.ngram_cache_reference import (
+    NgramCacheImplRef,
+    build_cache,
+    part_items,
+    stl_iteration_order,
+    token_hash,
+)
+
+B, S, K = 2, 40, 8
+PAD = (256, 256, 8, 16)  # read-only table shape: n-grams, entries, longest part, probes
+DRAFTER = NgramCache(table_size=64, block=8)
+
+
+def make_input(
+    streams: list[list[int]], lengths: list[int], drafting: list[bool], n_max: list[int]
+) -> DraftInput:
+    hist = np.full((len(streams), S), 7777, np.int32)  # garbage beyond the history
+    for b, (s, n) in enumerate(zip(streams, lengths, strict=True)):
+        hist[b, :n] = s[:n]
+    return DraftInput(
+        history=TokenHistory(tokens=jnp.asarray(hist), length=jnp.asarray(lengths, jnp.int32)),
+        last_token=jnp.asarray([s[n] for s, n in zip(streams, lengths, strict=True)], jnp.int32),
+        n_max=jnp.asarray(n_max, jnp.int32),
+        drafting=jnp.asarray(drafting),
+        n_min=jnp.int32(0),
+        p_min=jnp.float32(0.0),
+        temperature=jnp.zeros((len(streams),), jnp.float32),
+        key=jax.random.key(0),
+    )
+
+
+@functools.cache
+def jitted(drafter: NgramCache, k_max: int) -> tuple[Any, Any]:
+    return jax.jit(drafter.begin), jax.jit(functools.partial(drafter.draft, k_max=k_max))
+
+
+def drafts_of(out: Any) -> list[list[int]]:
+    toks, valid = np.asarray(out.tokens), np.asarray(out.valid)
+    assert (np.cumprod(valid, axis=1) == valid).all(), "valid must be a prefix mask"
+    return [[int(t) for t in toks[b][valid[b]]] for b in range(toks.shape[0])]
+
+
+def replay(
+    drafter: NgramCache,
+    streams,
+    starts,
+    rounds,
+    static=None,
+    dynamic=None,
+    k_max: int = K,
+    pad: bool = True,
+    refs=None,
+    state=None,
+) -> tuple[Any, list[Any]]:
+    """Run `rounds` = [(advance per row, drafting per row, n_max per row)] through both."""
+    begin, draft = jitted(drafter, k_max)
+    params = make_tables(static, dynamic, PAD if pad else None)
+    if refs is None:
+        refs = [
+            NgramCacheImplRef(
+                1, static=static, dynamic=dynamic, reset_on_begin=drafter.reset_on_begin
+            )
+            for _ in streams
+        ]
+    lengths = list(starts)
+    inp = make_input(streams, lengths, [True] * len(streams), [0] * len(streams))
+    if state is None:
+        state = drafter.init(len(streams), S)
+    state = begin(state, inp.history)
+    for b, ref in enumerate(refs):
+        ref.begin(0, streams[b][: lengths[b]])
+    for r, (advance, drafting, n_max) in enumerate(rounds):
+        inp = make_input(streams, lengths, drafting, n_max)
+        state, out = draft(params, state, inp)
+        got = drafts_of(out)
+        for b, ref in enumerate(refs):
+            if drafting[b]:
+                want = ref.draft_one(0, streams[b][: lengths[b]], streams[b][lengths[b]])
+                want = want[:k_max]
+                if n_max[b] > 0:
+                    want = want[: n_max[b]]
+            else:
+                want = []
+            assert got[b] == want, f"round {r} row {b} length {lengths[b]}"
+        lengths = [min(S - 1, n + a) for n, a in zip(lengths, advance, strict=True)]
+    assert int(np.asarray(state.n_dropped).sum()) == 0
+    return state, refs
+
+
+ALPHABETS = [(0, 1), (0, 1, 2), (3, 1, 4, 0, 2), (1, 14, 27, 2, 15)]  # last: mod-13 collisions
+
+
+@st.composite
+def scenarios(draw: Any) -> dict[str, Any]:
+    alpha = draw(st.sampled_from(ALPHABETS))
+    tok = st.sampled_from(alpha)
+    streams = [draw(st.lists(tok, min_size=S + 1, max_size=S + 1)) for _ in range(B)]
+    starts = [draw(st.integers(0, S - 12)) for _ in range(B)]
+    n_rounds = draw(st.integers(1, 6))
+    rounds = [
+        (
+            [draw(st.integers(1, 6)) for _ in range(B)],
+            [draw(st.booleans()) or r == 0 for _ in range(B)],
+            [draw(st.sampled_from([0, 2, 8])) for _ in range(B)],
+        )
+        for r in range(n_rounds)
+    ]
+    static = dynamic = None
+    if draw(st.booleans()):
+        static = build_cache(draw(st.lists(tok, min_size=2, max_size=60)), 2, 2)
+    if draw(st.booleans()):
+        dynamic = build_cache(draw(st.lists(tok, min_size=2, max_size=60)), 1, 4)
+    return dict(streams=streams, starts=starts, rounds=rounds, static=static, dynamic=dynamic)
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(scenarios())
+def test_drafts_match_reference(sc: dict[str, Any]) -> None:
+    replay(DRAFTER, sc["streams"], sc["starts"], sc["rounds"], sc["static"], sc["dynamic"])
+
+
+def test_repetitive_history_long_drafts() -> None:
+    """A periodic stream drafts full 8-token runs; the context export equals the reference."""
+    period = [5, 6, 7, 5, 8]
+    streams = [(period * 10)[: S + 1], ([1, 2] * 30)[: S + 1]]
+    rounds = [([3, 2], [True, True], [0, 0])] * 6
+    state, refs = replay(DRAFTER, streams, [12, 3], rounds)
+    for b in range(B):
+        got, want = context_cache(state, b), refs[b].context[0]
+        assert got == want
+        for ng in want:  # same insertion order inside every part (drives ties)
+            assert list(got[ng]) == list(want[ng])
+    _, draft = jitted(DRAFTER, K)
+    params = make_tables(None, None, PAD)
+    _, out = draft(params, state, make_input(streams, [30, 30], [True, True], [0, 0]))
+    assert all(len(d) == 8 for d in drafts_of(out))
+
+
+def _tie_streams(c: int) -> list[list[int]]:
+    # part of 2-gram (9, 9): followed by 1 (once), 2 (twice), c (once) -> inserted 1, 2, c
+    s = [9, 9, 1, 9, 9, 2, 9, 9, 2, 9, 9, c, 6, 6, 6, 6, 6, 6, 9, 9]
+    return [(s + [0] * S)[: S + 1]] * B
+
+
+@pytest.mark.parametrize("c", [14, 3])
+def test_weighted_tie_follows_libstdcxx_order(c: int) -> None:
+    """Static weights make 2 (count 2, static count 1) and c (count 1, static count 2) tie at
+    2*100 == 1*200; only 2 passes the 50% threshold, so the draft shows which came first in
+    libstdc++ order (c wins and fails -> the static-only try drafts c)."""
+    static = {(9, 9, -1, -1): {2: 1, c: 2}}
+    streams = _tie_streams(c)
+    order = [[1, 2, c][i] for i in stl_iteration_order([token_hash(t) for t in (1, 2, c)])]
+    # c = 14 shares bucket 1 with token 1: order [2, 14, 1]; c = 3 has its own: [3, 2, 1]
+    assert order == ([2, 14, 1] if c == 14 else [3, 2, 1])
+    rounds = [([1, 1], [True, False], [0, 0])]
+    replay(DRAFTER, streams, [19, 19], rounds, static=static)
+    ref = NgramCacheImplRef(1, static=static)
+    first = ref.draft_one(0, streams[0][:19], streams[0][19])
+    assert (first[:1] == [2]) == (c == 14)
+
+
+def test_context_part_order_matches_reference_parts() -> None:
+    """Parts exported from the device are in upstream insertion order (libstdc++ order follows)."""
+    streams = [[1, 14, 27, 1, 2, 1, 14, 1, 27, 1, 1, 2] * 4][0][: S + 1]
+    state, refs = replay(DRAFTER, [streams, streams], [30, 5], [([1, 1], [True, True], [0, 0])])
+    want = refs[0].context[0][(1, -1, -1, -1)]
+    got = context_cache(state, 0)[(1, -1, -1, -1)]
+    assert part_items(got) == part_items(want)
+
+
+def test_no_static_no_dynamic_params_none() -> None:
+    streams = [([3, 1, 4, 1, 5, 9, 2, 6] * 6)[: S + 1], ([0, 1] * 30)[: S + 1]]
+    rounds = [([2, 1], [True, True], [0, 3]), ([1, 4], [True, False], [0, 0])] * 3
+    replay(DRAFTER, streams, [10, 4], rounds, pad=False)
+
+
+def test_short_histories_and_k_max() -> None:
+    """|inp| < 2 drafts nothing; n-grams starting before position 0 never match; k_max < 8."""
+    streams = [[2, 2, 2, 2, 2, 2, 2] + [0] * S, [1, 2, 1, 2, 1, 2] + [0] * S]
+    streams = [s[: S + 1] for s in streams]
+    rounds = [([1, 1], [True, True], [0, 0])] * 5
+    replay(DRAFTER, streams, [0, 0], rounds, k_max=3)
+
+
+def test_non_drafting_rows_are_untouched() -> None:
+    begin, draft = jitted(DRAFTER, K)
+    streams = [([1, 2, 3] * 20)[: S + 1]] * B
+    state = begin(DRAFTER.init(B, S), make_input(streams, [20, 20], [True] * B, [0, 0]).history)
+    before = jax.tree.map(np.asarray, state)
+    state, out = draft(None, state, make_input(streams, [20, 20], [True, False], [0, 0]))
+    after = jax.tree.map(np.asarray, state)
+    assert drafts_of(out)[1] == [] and len(drafts_of(out)[0]) == 8
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
+        np.testing.assert_array_equal(a[1], b[1])
+    assert int(after.cache_size[0]) == 21 and int(after.cache_size[1]) == 0
+
+
+def test_reset_on_begin_vs_upstream_bug() -> None:
+    """A second request on the same row: reset (default) equals a fresh cache; with
+    reset_on_begin=False the stale cache and cache_size persist exactly as upstream."""
+    first = ([4, 4, 5] * 20)[: S + 1]
+    second = ([6, 7, 6, 8] * 20)[: S + 1]
+    for reset in (True, False):
+        drafter = NgramCache(table_size=64, block=8, reset_on_begin=reset)
+        state, refs = replay(drafter, [first, first], [30, 30], [([2, 2], [True, True], [0, 0])])
+        state, _ = replay(
+            drafter,
+            [second, second],
+            [10, 10],
+            [([3, 3], [True, True], [0, 0])] * 4,
+            refs=refs,
+            state=state,
+        )
+        stale = any(ng[:1] == (4,) for ng in context_cache(state, 0))
+        assert stale != reset
+
+
+def test_full_table_drops_new_pairs() -> None:
+    """A tiny table fills up: new pairs are dropped and counted, nothing else breaks."""
+    drafter = NgramCache(table_size=8, max_load=0.5, block=8)
+    begin, draft = jitted(drafter, K)
+    rng = np.random.default_rng(0)
+    streams = [list(rng.integers(0, 50, S + 1)), list(rng.integers(0, 3, S + 1))]
+    state = begin(drafter.init(B, S), make_input(streams, [30, 30], [True] * B, [0, 0]).history)
+    state, _ = draft(None, state, make_input(streams, [30, 30], [True] * B, [0, 0]))
+    used, dropped = np.asarray(state.n_used), np.asarray(state.n_dropped)
+    assert (used <= 4).all() and dropped[0] > 0
+    exported = context_cache(state, 0)
+    full = build_cache(streams[0][:31], 1, 4)
+    for ng, part in exported.items():  # what was kept is counted exactly
+        for tok, cnt in part.items():
+            assert full[ng][tok] == cnt
+
+
+def test_lookup_update_mode_counts_every_ngram() -> None:
+    """context_update='lookup' holds every n-gram of the stream (no boundary misses)."""
+    drafter = NgramCache(table_size=64, block=8, context_update="lookup")
+    begin, draft = jitted(drafter, K)
+    stream = ([1, 2, 3, 1, 2, 4, 1, 3] * 6)[: S + 1]
+    streams = [stream, stream]
+    state = begin(drafter.init(B, S), make_input(streams, [5, 5], [True] * B, [0, 0]).history)
+    for n in (5, 6, 9, 17, 30):
+        state, _ = draft(None, state, make_input(streams, [n, n], [True] * B, [0, 0]))
+        assert context_cache(state, 0) == build_cache(stream[: n + 1], 1, 4)
+
+
+def test_static_weight_beats_frequent_token() -> None:
+    """(7,7) is followed by 1 eleven times and by 2 once; the static cache knows (7,7)->2, so 2
+    weighs 100 > 11, wins every size and fails the threshold: nothing is drafted (a weight below
+    11 would draft 1)."""
+    stream = ([7, 7, 1] * 11 + [7, 7, 2, 7, 7] + [0] * S)[: S + 1]
+    static = {(7, 7, -1, -1): {2: 1}}
+    assert NgramCacheImplRef(1, static=static).draft_one(0, stream[:37], stream[37]) == []
+    assert NgramCacheImplRef(1).draft_one(0, stream[:37], stream[37])[:1] == [1]
+    replay(DRAFTER, [stream, stream], [37, 20], [([1, 1], [True, True], [0, 0])], static=static)
