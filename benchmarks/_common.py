@@ -15,8 +15,8 @@ import specjax
 from specjax.models.config import ModelConfig
 
 ROOT = Path(__file__).resolve().parent.parent
-DEFAULT_TARGET = ROOT / "models" / "code-target" / "code-target.gguf"
-DEFAULT_DRAFT = ROOT / "models" / "code-draft" / "code-draft.gguf"
+DEFAULT_TARGET = ROOT / "models" / "code-target" / "code-target-f16.gguf"
+DEFAULT_DRAFT = ROOT / "models" / "code-draft" / "code-draft-f16.gguf"
 #: Stand-in with the shipped target's shape, used when models/ has no GGUF yet.
 FALLBACK_CONFIG = ModelConfig(
     vocab_size=2048, dim=256, n_layers=6, n_heads=4, n_kv_heads=2, ffn_dim=768

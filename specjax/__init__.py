@@ -2,11 +2,11 @@
 
 Public API (see README.md):
 
-    model = specjax.load("models/code-target/code-target.gguf")
+    model = specjax.load("models/code-target/code-target-f16.gguf")
     result = specjax.generate(model, ["def fib(n):"], max_new_tokens=64)
     result = specjax.generate(model, prompts, max_new_tokens=64,
                               spec=specjax.SpecConfig(types=("ngram-mod", "draft-simple")),
-                              draft=specjax.load("models/code-draft/code-draft.gguf"))
+                              draft=specjax.load("models/code-draft/code-draft-f16.gguf"))
     print(result.text[0]); print(result.stats)
 """
 
