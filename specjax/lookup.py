@@ -40,7 +40,7 @@ import numpy as np
 from specjax.drafters import ngram_cache_reference as ref
 from specjax.errors import ModelFileError
 
-CacheDict = dict[tuple[int, ...], dict[int, int]]
+CacheDict = dict[tuple[int, int, int, int], dict[int, int]]
 
 _I32 = np.dtype("=i4")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1

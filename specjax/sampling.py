@@ -92,8 +92,9 @@ class SamplingParams:
 
         def conv(value: float | Array, dtype: jnp.dtype) -> Array:
             if dtype == jnp.uint32 and isinstance(value, int):
-                value = np.uint32(value % (1 << 32))
-            arr = jnp.asarray(value).astype(dtype)
+                arr = jnp.asarray(np.uint32(value % (1 << 32)))
+            else:
+                arr = jnp.asarray(value).astype(dtype)
             if batch is not None:
                 arr = jnp.broadcast_to(arr, (batch,))
             return arr
@@ -117,9 +118,8 @@ def make_key(seed: Array | int, position: Array | int, role: int) -> PRNGKey:
 
     `position` is the absolute position of the token being chosen; `role` is one of ROLE_*.
     """
-    if isinstance(seed, int):
-        seed = np.uint32(seed % (1 << 32))
-    key = jax.random.PRNGKey(jnp.asarray(seed).astype(jnp.uint32))
+    seed_u32 = np.uint32(seed % (1 << 32)) if isinstance(seed, int) else seed
+    key = jax.random.PRNGKey(jnp.asarray(seed_u32).astype(jnp.uint32))
     key = jax.random.fold_in(key, jnp.asarray(position).astype(jnp.uint32))
     return jax.random.fold_in(key, role)
 

@@ -283,7 +283,9 @@ def format_impl_lines(
         calls = c["n_call_accept"]
         if calls > 0:
             mean = 1.0 + c["n_acc_tokens"] / calls
-            rates = ", ".join("%.3f" % (x / calls) for x in _grown(host.n_acc_tokens_per_pos[i]))
+            rates = ", ".join(
+                "%.3f" % (x / calls) for x in _grown([int(v) for v in host.n_acc_tokens_per_pos[i]])
+            )
             line += ", #mean acc len = %.2f, #acc rate/pos = (%s)" % (mean, rates)
         b, g, a = (float(x) for x in durations_ms[i])
         line += ", dur(b,g,a) = %.3f, %.3f, %.3f ms" % (b, g, a)

@@ -358,20 +358,20 @@ def verify_rows(
         recent_valid_W: Array | None,
     ) -> VerifyResult:
         valid_K = valid_K.astype(bool)
-        if recent_W is not None:
+        if recent_W is not None and recent_valid_W is not None:
             win_TW, win_valid_TW = penalty_windows(recent_W, recent_valid_W, draft_K, valid_K)
             logits_TV = jax.vmap(apply_penalties, in_axes=(0, 0, 0, None))(
                 logits_TV.astype(jnp.float32), win_TW, win_valid_TW, params_row.repeat_penalty
             )
         target = _row_target(logits_TV, params_row, pos0, allowed_TV)
         out = _match(target, draft_K, valid_K)
-        if q_KV is not None:
+        if q_KV is not None and has_q is not None:
             rej = _rejection(target, draft_K, valid_K, q_KV, params_row.seed)
             use_rej = has_q & (jnp.asarray(params_row.temperature) > 0)
             out = jax.tree.map(lambda a, c: jnp.where(use_rej, a, c), rej, out)
         rep = _replay(target, draft_K, valid_K)
         out = jax.tree.map(lambda a, c: jnp.where(replay, a, c), rep, out)
-        if synthetic:
+        if synth_rates_K is not None and eog_V is not None:
             syn = _synthetic(target, draft_K, valid_K, params_row.seed, synth_rates_K, eog_V)
             out = jax.tree.map(lambda a, c: jnp.where(replay, c, a), syn, out)
         return out
