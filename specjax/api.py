@@ -154,6 +154,8 @@ class GenerationResult:
     finish_reasons: list[str]
     stats: Any = None
     prompt_tokens: list[list[int]] = dataclasses.field(default_factory=list)
+    #: Final drafter states (device arrays), by drafter name; e.g. ngram-cache's context caches.
+    drafter_states: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
 _COMPILED: dict[Any, Any] = {}
@@ -177,6 +179,20 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
 def compile_count() -> int:
     """Number of distinct executables `generate` has compiled in this process."""
     return len(_COMPILED)
+
+
+def _apply_stop(
+    model: Model, ids: list[int], text: str, stop: Sequence[str]
+) -> tuple[list[int], str, bool]:
+    hits = [i for i in (text.find(s) for s in stop if s) if i >= 0]
+    if not hits:
+        return ids, text, False
+    cut = min(hits)
+    for k in range(1, len(ids) + 1):  # the first token prefix that contains a stop string
+        prefix = model.decode(ids[:k])
+        if any(s and s in prefix for s in stop):
+            return ids[:k], text[:cut], True
+    return ids, text[:cut], True
 
 
 def _per_row(value: Any, batch: int, name: str) -> np.ndarray:
@@ -247,12 +263,16 @@ def generate(
     n_ctx: int | None = None,
     spec: SpecConfig | None = None,
     draft: Model | None = None,
+    stop: Sequence[str] = (),
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
     With `spec` (and `draft` for draft-simple) the run is speculative; at temperature 0 its
     output equals plain greedy decoding token for token. `max_new_tokens` and `seed` may be
-    given per prompt. Compilation is cached per static shape; `timings["compile_seconds"]`
+    given per prompt. `stop` strings end a row's text at their first occurrence (applied on
+    the host after the device loop, which itself stops at end-of-generation tokens and
+    max_new_tokens); the row's tokens are cut after the token completing the stop string.
+    Compilation is cached per static shape; `timings["compile_seconds"]`
     reports it apart from prefill/decode time.
     """
     from specjax.drafters.registry import build_drafters
@@ -336,9 +356,14 @@ def generate(
         ids = [int(t) for t in out_tokens[b, : out_len[b]]]
         if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
             ids = ids[:-1]
+        text = model.decode(ids) if model.tokenizer is not None else ""
+        reason = eng.FINISH_NAMES[int(finish[b])]
+        if stop and text:
+            ids, text, hit = _apply_stop(model, ids, text, stop)
+            reason = "stop" if hit else reason
         results.append(ids)
-        texts.append(model.decode(ids) if model.tokenizer is not None else "")
-        reasons.append(eng.FINISH_NAMES[int(finish[b])])
+        texts.append(text)
+        reasons.append(reason)
     generated = int(np.sum(out_len))
     timings = {
         "prompt_tokens": int(lengths.sum()),
@@ -359,4 +384,5 @@ def generate(
         finish_reasons=reasons,
         stats=stats,
         prompt_tokens=prompt_ids,
+        drafter_states={d.name: st for d, st in zip(drafters, state.drafter_states)},
     )

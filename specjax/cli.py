@@ -236,6 +236,18 @@ def generate_main(argv: list[str]) -> int:
     if result.stats is not None:
         for line in result.stats.lines():
             print(line, file=log)
+    if spec is not None and "ngram-cache" in spec.types and opts.get("lookup_cache_dynamic"):
+        # llama.cpp's lookup example: merge this run's context caches into the dynamic cache
+        from specjax.drafters.ngram_cache import context_cache
+        from specjax.lookup import update_dynamic_cache
+
+        state = result.drafter_states["ngram-cache"]
+        contexts = [context_cache(state, row) for row in range(len(prompts))]
+        merged = update_dynamic_cache(opts["lookup_cache_dynamic"], *contexts)
+        print(
+            f"saved dynamic lookup cache {opts['lookup_cache_dynamic']} ({len(merged)} n-grams)",
+            file=log,
+        )
     if opts.get("out"):
         with open(opts["out"], "w", encoding="utf-8") as fh:
             for i, prompt in enumerate(prompts):

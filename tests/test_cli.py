@@ -92,3 +92,52 @@ def test_cli_errors_are_clear(gguf_path, tmp_path, capsys):
     assert str(bad) in capsys.readouterr().err
     with pytest.raises(SystemExit, match="needs -md"):
         cli.main(["generate", "-m", gguf_path, "-p", "x", "--spec-type", "draft-simple"])
+
+
+def test_lookup_caches_static_in_dynamic_out(gguf_path, tmp_path, capsys):
+    from specjax.lookup import load_cache
+
+    corpus = tmp_path / "corpus.py"
+    corpus.write_text("def add(a, b):\n    return a + b\n" * 20)
+    static = tmp_path / "static.bin"
+    assert cli.main(["lookup-create", "-m", gguf_path, "-f", str(corpus), "-lcs", str(static)]) == 0
+    assert load_cache(static)  # n-gram size 2 records from the corpus
+    dynamic = tmp_path / "dynamic.bin"
+    args = [
+        "generate",
+        "-m",
+        gguf_path,
+        "-p",
+        "def add(a, b):",
+        "-n",
+        "16",
+        "--spec-type",
+        "ngram-cache",
+        "-lcs",
+        str(static),
+        "-lcd",
+        str(dynamic),
+    ]
+    assert cli.main(args) == 0
+    first = load_cache(dynamic)
+    assert first, "the run's context cache must be saved into the dynamic cache"
+    assert cli.main(args) == 0
+    second = load_cache(dynamic)
+    total = lambda c: sum(sum(v.values()) for v in c.values())  # noqa: E731
+    assert total(second) == 2 * total(first)  # same greedy run merged twice: counts add up
+    assert "statistics      ngram-cache" in capsys.readouterr().err
+
+
+def test_stop_strings_cut_text_and_tokens(gguf_path):
+    import specjax
+
+    model = specjax.load(gguf_path)
+    full = specjax.generate(model, ["def add(a, b):"], max_new_tokens=16)
+    text = full.text[0]
+    assert len(text) > 4
+    stop = text[2:4]
+    cut = specjax.generate(model, ["def add(a, b):"], max_new_tokens=16, stop=[stop])
+    assert cut.text[0] == text[: text.find(stop)]
+    assert cut.finish_reasons == ["stop"]
+    assert cut.tokens[0] == full.tokens[0][: len(cut.tokens[0])]
+    assert stop in model.decode(cut.tokens[0])

@@ -190,7 +190,8 @@ def _np_hash_table(h: np.ndarray, size: int) -> tuple[np.ndarray, int]:
 
 
 def build_lookup_table(
-    cache: dict[tuple[int, ...], dict[int, int]], min_shape: tuple[int, int, int, int] | None = None
+    cache: dict[tuple[int, int, int, int], dict[int, int]],
+    min_shape: tuple[int, int, int, int] | None = None,
 ) -> LookupTable | None:
     """Device table of a cache dict (`specjax.lookup` form: insertion order = file order).
 
@@ -389,11 +390,18 @@ class NgramCache(ModelFreeDrafter):
     def load_params(
         self, static_path: str | None = None, dynamic_path: str | None = None
     ) -> NgramCacheTables | None:
-        """Device tables from llama.cpp cache files (None when neither is given)."""
+        """Device tables from llama.cpp cache files (None when neither is given).
+
+        A dynamic cache that does not exist yet is empty (it is created at the end of the
+        run, as llama.cpp's lookup example does); a missing static cache is an error.
+        """
+        import os
+
         from specjax.lookup import load_cache
 
         static = load_cache(static_path) if static_path else None
-        dynamic = load_cache(dynamic_path) if dynamic_path else None
+        has_dynamic = bool(dynamic_path) and os.path.exists(str(dynamic_path))
+        dynamic = load_cache(str(dynamic_path)) if has_dynamic else None
         return make_tables(static, dynamic)
 
     # ------------------------------------------------------------------ draft
@@ -658,8 +666,8 @@ def _draft_row(
 
 
 def make_tables(
-    static: dict[tuple[int, ...], dict[int, int]] | None,
-    dynamic: dict[tuple[int, ...], dict[int, int]] | None,
+    static: dict[tuple[int, int, int, int], dict[int, int]] | None,
+    dynamic: dict[tuple[int, int, int, int], dict[int, int]] | None,
     min_shape: tuple[int, int, int, int] | None = None,
 ) -> NgramCacheTables | None:
     """Drafter params from cache dicts (None when both are empty/absent); `min_shape` as in
@@ -671,7 +679,9 @@ def make_tables(
     return NgramCacheTables(static=st, dynamic=dy)
 
 
-def context_cache(state: NgramCacheState, row: int) -> dict[tuple[int, ...], dict[int, int]]:
+def context_cache(
+    state: NgramCacheState, row: int
+) -> dict[tuple[int, int, int, int], dict[int, int]]:
     """Row `row`'s context cache as a cache dict: parts in insertion order (exact), n-grams
     ordered by (first stamp, size) (upstream's record order may differ; content is equal)."""
     count = np.asarray(state.count[row]).reshape(-1)
@@ -681,10 +691,10 @@ def context_cache(state: NgramCacheState, row: int) -> dict[tuple[int, ...], dic
     cnts = count[idx]
     stamps = np.asarray(state.stamp[row]).reshape(-1)[idx]
     sizes = np.sum(keys >= 0, axis=1)
-    out: dict[tuple[int, ...], dict[int, int]] = {}
+    out: dict[tuple[int, int, int, int], dict[int, int]] = {}
     for j in np.lexsort((toks, sizes, stamps)):
-        ng = tuple(int(x) for x in keys[j])
-        out.setdefault(ng, {})[int(toks[j])] = int(cnts[j])
+        a, b, c, d = (int(x) for x in keys[j])
+        out.setdefault((a, b, c, d), {})[int(toks[j])] = int(cnts[j])
     return out
 
 
