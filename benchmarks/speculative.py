@@ -38,24 +38,11 @@ CHAINS: dict[str, tuple[str, ...]] = {
 
 
 def _validation_sources(n: int) -> list[str]:
-    """Deterministic held-out stdlib files (every 50th .py file, as the training split)."""
-    try:
-        from specjax.data import validation_files
+    """Held-out stdlib files (the training split's validation files) that define functions."""
+    from specjax.data import read_texts, split_files, stdlib_files
 
-        files = validation_files()
-    except Exception:
-        import sysconfig
-
-        all_files = sorted(Path(sysconfig.get_paths()["stdlib"]).rglob("*.py"))
-        files = all_files[::50]
-    out = []
-    for f in files:
-        text = Path(f).read_text(encoding="utf-8", errors="replace")
-        if "\ndef " in text:
-            out.append(text)
-        if len(out) >= n:
-            break
-    return out
+    _, val = split_files(stdlib_files())
+    return [text for text in read_texts(val) if "\ndef " in text][:n]
 
 
 def workloads(batch: int) -> dict[str, list[str]]:

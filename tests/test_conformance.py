@@ -27,6 +27,8 @@ import numpy as np
 import pytest
 
 from specjax.drafters.base import PRIORITY, DraftInput, TokenHistory
+from specjax.drafters.ngram_cache import NgramCache
+from specjax.drafters.ngram_cache_reference import NgramCacheImplRef
 from specjax.drafters.ngram_map import NgramMapK, NgramMapK4V
 from specjax.drafters.ngram_mod import NgramMod
 from specjax.drafters.ngram_simple import NgramSimple
@@ -34,9 +36,12 @@ from specjax.drafters.relay_reference import (
     CONFORMANCE_PATH,
     REFERENCE_FACTORIES,
     load_scenarios,
+    register_reference,
     replay_reference,
     scenario_types,
 )
+
+register_reference("ngram-cache", lambda params, n_seq: NgramCacheImplRef(n_seq))
 
 S = 16384  # history capacity: power of two above the longest scenario (14646 tokens)
 K = 64  # static draft width (>= every scenario's n_max)
@@ -53,6 +58,8 @@ JAX_FACTORIES: dict[str, Callable[[dict[str, int]], Any]] = {
     "ngram-mod": lambda p: NgramMod(
         p.get("mod_match", 24), p.get("mod_min", 48), p.get("mod_max", 64)
     ),
+    # upstream keeps the context cache across begin (bug #27852): replay it as recorded
+    "ngram-cache": lambda p: NgramCache(reset_on_begin=False, table_size=8192),
 }
 
 SCENARIOS: list[dict[str, Any]] = load_scenarios() if CONFORMANCE_PATH.exists() else []

@@ -17,15 +17,17 @@ MAX_NEW = [32, 28, 32, 12]
 
 SMALL = {
     "ngram-simple": dict(ngram_simple_size_n=1, ngram_simple_size_m=4),
-    "ngram-mod": dict(ngram_mod_n_match=2, ngram_mod_n_min=1, ngram_mod_n_max=4,
-                      ngram_mod_pool_size=4096),
+    "ngram-mod": dict(
+        ngram_mod_n_match=2, ngram_mod_n_min=1, ngram_mod_n_max=4, ngram_mod_pool_size=4096
+    ),
     "ngram-map-k": dict(ngram_map_k_size_n=2, ngram_map_k_size_m=4),
     "ngram-map-k4v": dict(ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=4),
     "draft-simple": dict(draft_n_max=3),
 }
 DEFAULT_CASES = [("ngram-simple", 1), ("ngram-mod", 3), ("ngram-map-k", 8), ("ngram-map-k4v", 3)]
-SLOW_CASES = [(t, k) for t in SMALL if t != "draft-simple" for k in (1, 3, 8)
-              if (t, k) not in DEFAULT_CASES]
+SLOW_CASES = [
+    (t, k) for t in SMALL if t != "draft-simple" for k in (1, 3, 8) if (t, k) not in DEFAULT_CASES
+]
 
 
 @pytest.fixture(scope="module")
