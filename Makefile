@@ -2,7 +2,9 @@
 VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.installed-stamp
-PYTEST := $(PY) -m pytest
+# Tests are dominated by single-threaded XLA compilation: one worker per core, whole files per
+# worker so module fixtures (models, compiled engines) are built once.
+PYTEST := $(PY) -m pytest -n auto --dist loadfile
 
 .PHONY: install demo test test-slow test-all lint format bench clean
 
