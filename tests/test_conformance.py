@@ -231,3 +231,12 @@ def test_jax_reproduces_llamacpp_all(idx: int) -> None:
     t0 = time.perf_counter()
     n = _replay_jax(scenario)
     print(f"{IDS[idx]}: {n} rounds in {time.perf_counter() - t0:.1f}s")
+
+
+def test_conformance_vectors_are_present_in_ci() -> None:
+    """Outside CI a checkout without shared/ skips the replays; CI must always run them."""
+    import os
+
+    if not os.environ.get("CI") and not SCENARIOS:
+        pytest.skip(f"{CONFORMANCE_PATH} not present")
+    assert len(SCENARIOS) == 40, CONFORMANCE_PATH

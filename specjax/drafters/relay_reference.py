@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -129,7 +130,20 @@ class RelayReference:
 # conformance vectors
 # --------------------------------------------------------------------------------------------
 
-CONFORMANCE_PATH = Path("/work/shared/conformance/ngram-drafts.jsonl.gz")
+def _conformance_path() -> Path:
+    """$SPECJAX_CONFORMANCE, else `shared/` beside the checkout (as CI lays it out)."""
+    env = os.environ.get("SPECJAX_CONFORMANCE")
+    if env:
+        return Path(env)
+    repo = Path(__file__).resolve().parents[2]
+    for root in (repo.parent / "shared", repo / "shared", Path("/work/shared")):
+        candidate = root / "conformance" / "ngram-drafts.jsonl.gz"
+        if candidate.exists():
+            return candidate
+    return repo.parent / "shared" / "conformance" / "ngram-drafts.jsonl.gz"
+
+
+CONFORMANCE_PATH = _conformance_path()
 
 
 def load_scenarios(path: Path | str = CONFORMANCE_PATH) -> list[dict[str, Any]]:
