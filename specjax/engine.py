@@ -330,18 +330,32 @@ def spec_step(
     logits, cache, hidden = _verify_forward(
         engine, target_params, state.cache, v_tokens, v_pos, draft_len
     )
+    draft = DraftOutput(tokens=d_tokens, valid=d_valid, q=q)
     recent = _recent_tokens(engine, state.history, state.length, state.last_token)
-    result = verify.verify_rows(
-        logits,
-        DraftOutput(tokens=d_tokens, valid=d_valid, q=q),
-        run.sampling,
-        state.length,
-        has_q_B=has_q if q is not None else None,
-        synth_rates_K=run.synth_rates if engine.synthetic else None,
-        eog_V=_eog_mask(engine) if engine.synthetic else None,
-        recent_BW=recent,
-        recent_valid_BW=recent >= 0,
-    )
+
+    def full_verify(logits: Array) -> verify.VerifyResult:
+        return verify.verify_rows(
+            logits,
+            draft,
+            run.sampling,
+            state.length,
+            has_q_B=has_q if q is not None else None,
+            synth_rates_K=run.synth_rates if engine.synthetic else None,
+            eog_V=_eog_mask(engine) if engine.synthetic else None,
+            recent_BW=recent,
+            recent_valid_BW=recent >= 0,
+        )
+
+    if engine.synthetic:
+        result = full_verify(logits)
+    else:
+        # Greedy batches skip building sampling distributions (a sort over V per row).
+        all_greedy = jnp.all(run.sampling.temperature <= 0) & jnp.all(
+            run.sampling.repeat_penalty == 1.0
+        )
+        result = jax.lax.cond(
+            all_greedy, lambda x: verify.verify_greedy(x, draft), full_verify, logits
+        )
     n_acc = jnp.where(active, result.n_accepted, 0).astype(jnp.int32)
     next_token = result.next_token.astype(jnp.int32)
 

@@ -391,6 +391,22 @@ def verify_rows(
     )
 
 
+def verify_greedy(logits_BTV: Array, draft: DraftOutput) -> VerifyResult:
+    """`verify_rows` for a batch in which every row is greedy (temperature <= 0, no penalty,
+    no grammar, no synthetic, no replay): match against the argmax (lowest index on ties,
+    as `target_probs`), without building sampling distributions. Bit-identical results; the
+    engine selects it with `lax.cond` when the whole batch qualifies.
+    """
+    argmax_BT = jnp.argmax(logits_BTV, axis=-1).astype(jnp.int32)
+
+    def row(argmax_T: Array, draft_K: Array, valid_K: Array) -> VerifyResult:
+        k = draft_K.shape[0]
+        n = _prefix_count(argmax_T[:k] == draft_K, valid_K.astype(bool))
+        return _emit(draft_K, n, argmax_T[n], BRANCH_MATCH)
+
+    return jax.vmap(row)(argmax_BT, draft.tokens, draft.valid)
+
+
 # --------------------------------------------------------------------------------------------
 # synthetic acceptance rates (host side)
 

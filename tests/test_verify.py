@@ -411,3 +411,31 @@ def test_verify_rows_synthetic_switch_keeps_replay_rows():
     np.testing.assert_array_equal(np.asarray(out.n_accepted), [0, 2])
     with pytest.raises(ValueError, match="eog_V"):
         verify_rows(logits, draft, params, jnp.asarray([0, 0]), synth_rates_K=jnp.zeros(k))
+
+
+def test_verify_greedy_equals_verify_rows_at_temperature_zero() -> None:
+    """The engine's greedy fast path must be bit-identical to the general verifier."""
+    from specjax.drafters.base import DraftOutput
+    from specjax.sampling import SamplingParams
+    from specjax.verify import verify_greedy, verify_rows
+
+    b, k, v = 6, 4, 9
+    rng = np.random.default_rng(0)
+    # small integer logits: plenty of ties, which must resolve to the lowest index
+    logits = jnp.asarray(rng.integers(0, 3, (b, k + 1, v)), jnp.float32)
+    argmax = np.asarray(jnp.argmax(logits, -1))
+    tokens = argmax[:, :k].copy()
+    tokens[1, 2] = (tokens[1, 2] + 1) % v  # reject at position 2
+    tokens[2, 0] = (tokens[2, 0] + 1) % v  # reject at once
+    valid = np.ones((b, k), bool)
+    valid[3, 2:] = False  # a short draft, fully accepted
+    valid[4] = False  # no draft at all
+    draft = DraftOutput(tokens=jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid))
+    params = SamplingParams.create(batch=b, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
+    fast = verify_greedy(logits, draft)
+    full = verify_rows(logits, draft, params, jnp.arange(b, dtype=jnp.int32) + 10)
+    for name in ("n_accepted", "next_token", "tokens", "branch"):
+        np.testing.assert_array_equal(
+            np.asarray(getattr(fast, name)), np.asarray(getattr(full, name))
+        )
+    np.testing.assert_array_equal(np.asarray(fast.n_accepted), [4, 2, 0, 2, 0, 4])
