@@ -36,7 +36,7 @@ from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
 from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, new_cache
+from specjax.models.llama import commit_kv, forward_compute, forward_fn, new_cache
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -261,14 +261,17 @@ def _verify_forward(
     v_pos: Array,
     draft_len_B: Array,
 ):
-    """Target forward over the verify batch, at the narrowest compiled width that fits."""
+    """Target forward over the verify batch, at the narrowest compiled width that fits.
+
+    The branches only read the cache; the new K/V are written once after the switch.
+    """
     widths = engine.verify_widths()
     T = v_tokens.shape[1]
 
     def branch(width: int):
         def run(operands):
             cache, v_tokens, v_pos = operands
-            out = forward_fn(
+            out = forward_compute(
                 engine.target,
                 target_params,
                 v_tokens[:, :width],
@@ -276,18 +279,29 @@ def _verify_forward(
                 cache,
                 engine.hidden_layers,
             )
-            pad = T - width
-            logits = jnp.pad(out.logits, ((0, 0), (0, pad), (0, 0))) if pad else out.logits
-            hidden = tuple(jnp.pad(h, ((0, 0), (0, pad), (0, 0))) if pad else h for h in out.hidden)
-            return logits, out.cache, hidden
+
+            def pad(x: Array) -> Array:
+                widths_pad = [(0, 0), (0, T - width)] + [(0, 0)] * (x.ndim - 2)
+                return jnp.pad(x, widths_pad) if width < T else x
+
+            return (
+                pad(out.logits),
+                tuple(pad(k) for k in out.k),
+                tuple(pad(v) for v in out.v),
+                tuple(pad(h) for h in out.hidden),
+            )
 
         return run
 
     if len(widths) == 1:
-        return branch(widths[0])((cache, v_tokens, v_pos))
-    needed = jnp.max(draft_len_B) + 1
-    index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed)
-    return jax.lax.switch(index, [branch(w) for w in widths], (cache, v_tokens, v_pos))
+        logits, k, v, hidden = branch(widths[0])((cache, v_tokens, v_pos))
+    else:
+        needed = jnp.max(draft_len_B) + 1
+        index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed)
+        logits, k, v, hidden = jax.lax.switch(
+            index, [branch(w) for w in widths], (cache, v_tokens, v_pos)
+        )
+    return logits, commit_kv(cache, v_pos, k, v), hidden
 
 
 def spec_step(

@@ -130,6 +130,7 @@ class RelayReference:
 # conformance vectors
 # --------------------------------------------------------------------------------------------
 
+
 def _conformance_path() -> Path:
     """$SPECJAX_CONFORMANCE, else `shared/` beside the checkout (as CI lays it out)."""
     env = os.environ.get("SPECJAX_CONFORMANCE")

@@ -61,39 +61,62 @@ def attention_mask(q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
 
 
 def _attention(
-    config: ModelConfig, q_BTHE: Array, k_BSGE: Array, v_BSGE: Array, mask_BTS: Array
+    config: ModelConfig,
+    q_BTHE: Array,
+    k_BSGE: Array,
+    v_BSGE: Array,
+    mask_BTS: Array,
+    k_BTGE: Array,
+    v_BTGE: Array,
+    mask_BTT: Array,
 ) -> Array:
+    """Attention over the cached cells (read-only) and the new tokens, one softmax over both."""
     B, T, H, E = q_BTHE.shape
     G = config.G
+    scale = 1.0 / math.sqrt(E)
     q_BTGRE = q_BTHE.reshape(B, T, G, H // G, E)
-    scores = jnp.einsum(
-        "btgre,bsge->bgrts", q_BTGRE, k_BSGE, preferred_element_type=jnp.float32
-    ) * (1.0 / math.sqrt(E))
-    scores = jnp.where(mask_BTS[:, None, None, :, :], scores, _MASKED)
+    s_cache = jnp.einsum("btgre,bsge->bgrts", q_BTGRE, k_BSGE, preferred_element_type=jnp.float32)
+    s_new = jnp.einsum("btgre,buge->bgrtu", q_BTGRE, k_BTGE, preferred_element_type=jnp.float32)
+    scores = jnp.concatenate(
+        [
+            jnp.where(mask_BTS[:, None, None, :, :], s_cache * scale, _MASKED),
+            jnp.where(mask_BTT[:, None, None, :, :], s_new * scale, _MASKED),
+        ],
+        axis=-1,
+    )
     probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGE.dtype)
-    out = jnp.einsum("bgrts,bsge->btgre", probs, v_BSGE)
+    S = k_BSGE.shape[1]
+    out = jnp.einsum("bgrts,bsge->btgre", probs[..., :S], v_BSGE)
+    out = out + jnp.einsum("bgrtu,buge->btgre", probs[..., S:], v_BTGE.astype(v_BSGE.dtype))
     return out.reshape(B, T, H * E)
 
 
-def forward_fn(
+class ForwardCompute(NamedTuple):
+    logits: Array  # [B, T, V] float32
+    k: tuple[Array, ...]  # per layer [B, T, G, E], rotated at the token positions
+    v: tuple[Array, ...]  # per layer [B, T, G, E]
+    hidden: tuple[Array, ...]
+
+
+def forward_compute(
     config: ModelConfig,
     params: Params,
     tokens_BT: Array,
     positions_BT: Array,
     cache: KVCache,
     hidden_layers: tuple[int, ...] = (),
-) -> ForwardOutput:
-    """One forward over new tokens; returns logits, the updated cache and requested hiddens.
+) -> ForwardCompute:
+    """The forward with the cache read-only: returns logits and the new tokens' K/V.
 
-    `hidden_layers` (static) lists layer indices i in [0, L]: entry i is the residual stream
-    *entering* layer i (i == L: leaving the last layer, before the final norm). EAGLE-3 and
-    MTP drafters read these.
+    New tokens attend to the cached cells and to each other (by position), exactly as if
+    they had been written first; `commit_kv` writes them afterwards. Keeping the cache
+    read-only lets callers branch (`lax.switch` over verify widths) without XLA copying
+    the whole cache into and out of every branch.
     """
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
     cos, sin = rope_angles(positions_BT, inv_freq)
-    cache, slot_BT = write_positions(cache, positions_BT)
-    masks: dict[int, Array] = {}
+    masks: dict[int, tuple[Array, Array]] = {}
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
@@ -113,15 +136,18 @@ def forward_fn(
             q = rms_norm(q, layer["q_norm"], config.norm_eps)
             k = rms_norm(k, layer["k_norm"], config.norm_eps)
         q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
-        k_cache = write_layer(cache.k[i], slot_BT, k)
-        v_cache = write_layer(cache.v[i], slot_BT, v)
-        new_k.append(k_cache)
-        new_v.append(v_cache)
+        k = apply_rope(k, cos, sin).astype(cache.k[i].dtype)
+        v = v.astype(cache.v[i].dtype)
+        new_k.append(k)
+        new_v.append(v)
         window = config.layer_window(i)
         if window not in masks:
-            masks[window] = attention_mask(positions_BT, cache.pos, window)
-        attn = _attention(config, q, k_cache, v_cache, masks[window])
+            masks[window] = (
+                attention_mask(positions_BT, cache.pos, window),
+                attention_mask(positions_BT, positions_BT, window),
+            )
+        mask_cache, mask_new = masks[window]
+        attn = _attention(config, q, cache.k[i], cache.v[i], mask_cache, k, v, mask_new)
         x = x + jnp.einsum("bti,oi->bto", attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
         gate_up = jnp.einsum("btd,od->bto", h, layer["w_gate_up"])
@@ -132,18 +158,49 @@ def forward_fn(
     x = rms_norm(x, params["final_norm"], config.norm_eps)
     head = params["embed"] if config.tie_embeddings else params["lm_head"]
     logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
-    cache = KVCache(
-        k=tuple(new_k),
-        v=tuple(new_v),
+    return ForwardCompute(
+        logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
+    )
+
+
+def commit_kv(
+    cache: KVCache, positions_BT: Array, k: tuple[Array, ...], v: tuple[Array, ...]
+) -> KVCache:
+    """Write new tokens' K/V into the lowest free cells (padding, position -1, is skipped)."""
+    cache, slot_BT = write_positions(cache, positions_BT)
+    return KVCache(
+        k=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.k, k)),
+        v=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.v, v)),
         pos=cache.pos,
         overflow=cache.overflow,
         inv_freq=cache.inv_freq,
     )
-    return ForwardOutput(logits, cache, tuple(hidden[i] for i in hidden_layers))
+
+
+def forward_fn(
+    config: ModelConfig,
+    params: Params,
+    tokens_BT: Array,
+    positions_BT: Array,
+    cache: KVCache,
+    hidden_layers: tuple[int, ...] = (),
+) -> ForwardOutput:
+    """One forward over new tokens; returns logits, the updated cache and requested hiddens.
+
+    `hidden_layers` (static) lists layer indices i in [0, L]: entry i is the residual stream
+    *entering* layer i (i == L: leaving the last layer, before the final norm). EAGLE-3 and
+    MTP drafters read these.
+    """
+    out = forward_compute(config, params, tokens_BT, positions_BT, cache, hidden_layers)
+    cache = commit_kv(cache, positions_BT, out.k, out.v)
+    return ForwardOutput(out.logits, cache, out.hidden)
 
 
 def new_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
-    return KVCache.init(
+    """An empty cache. The optimization barrier keeps XLA from constant-folding attention over
+    an all-empty cache created inside a jitted function (prefill, training), which made
+    compilation take minutes."""
+    cache = KVCache.init(
         batch=batch,
         capacity=capacity,
         n_layers=config.L,
@@ -152,6 +209,7 @@ def new_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
         inv_freq=tuple(rope_frequencies(config)),
         dtype=config.dtype,
     )
+    return jax.lax.optimization_barrier(cache)
 
 
 def init_params(config: ModelConfig, key: Array) -> Params:
