@@ -210,9 +210,7 @@ def _eog_mask(engine: Engine) -> Array:
     return mask
 
 
-def _relay(
-    engine: Engine, drafter_params, state: GenState, budget_B: Array, run: RunParams, key: Array
-):
+def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run: RunParams):
     """llama.cpp's `common_speculative_draft`: fixed priority, first non-empty draft wins."""
     B, K = state.length.shape[0], engine.k_max
     hist = TokenHistory(tokens=state.history, length=state.length)
@@ -232,7 +230,6 @@ def _relay(
             n_min=run.n_min,
             p_min=run.p_min,
             temperature=run.sampling.temperature,
-            key=jax.random.fold_in(key, i),
             seed=run.sampling.seed,
             draft_n_max=run.n_max,
         )
@@ -319,11 +316,10 @@ def spec_step(
     budget = jnp.minimum(S - state.length - 2, remaining_new - 1)
     budget = jnp.clip(budget, 0, K)
     budget = jnp.where(active, budget, 0)
-    round_key = sampling.make_key(run.sampling.seed[0], state.n_rounds, sampling.ROLE_DRAFT)
 
     if engine.drafters:
         d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(
-            engine, drafter_params, state, budget, run, round_key
+            engine, drafter_params, state, budget, run
         )
     else:
         d_tokens = jnp.zeros((B, K), jnp.int32)

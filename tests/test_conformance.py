@@ -137,7 +137,6 @@ def _compiled(drafter: Any) -> tuple[Callable[..., Any], ...]:
             n_min=jnp.int32(0),
             p_min=jnp.float32(0.0),
             temperature=jnp.zeros((1,), jnp.float32),
-            key=jax.random.key(0),
         )
         state, out = drafter.draft(None, state, inp, K)
         return state, out.tokens[0], out.length[0]

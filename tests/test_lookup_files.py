@@ -203,7 +203,6 @@ def _pseudo_output(hist: jax.Array, sl: list[int], n: int) -> DraftInput:
         n_min=jnp.int32(0),
         p_min=jnp.float32(0.0),
         temperature=jnp.zeros((1,), jnp.float32),
-        key=jax.random.key(0),
     )
 
 

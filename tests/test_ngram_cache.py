@@ -47,7 +47,6 @@ def make_input(
         n_min=jnp.int32(0),
         p_min=jnp.float32(0.0),
         temperature=jnp.zeros((len(streams),), jnp.float32),
-        key=jax.random.key(0),
     )
 
 

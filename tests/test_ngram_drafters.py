@@ -85,7 +85,6 @@ class Pair:
         self.begin_fn, self.draft_fn, self.accept_fn = _jitted(drafter, k_max)
         self.state = drafter.init(batch, S)
         self.rng = np.random.default_rng(seed)
-        self.key = jax.random.key(0)
 
     def _history(self, hists: list[list[int]]) -> TokenHistory:
         cells = self.rng.integers(0, 1 << 20, (self.B, S)).astype(np.int32)  # garbage
@@ -112,7 +111,6 @@ class Pair:
             n_min=jnp.int32(0),
             p_min=jnp.float32(0.0),
             temperature=jnp.zeros((self.B,), jnp.float32),
-            key=self.key,
         )
         self.state, out = self.draft_fn(self.state, inp)
         toks, lens = np.asarray(out.tokens), np.asarray(out.length)

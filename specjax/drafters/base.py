@@ -91,8 +91,9 @@ class DraftInput:
     n_min: Array  # [] int32, draft-model drafters clear drafts shorter than this
     p_min: Array  # [] float32, draft-model drafters stop when top-1 prob < p_min
     temperature: Array  # [B] float32, target temperature (probabilistic drafting when > 0)
-    key: Array  # PRNG key for this round (derived from seed/round by the engine)
-    seed: Array | None = None  # [B] target seeds; drafters derive per-position keys from them
+    #: [B] target seeds: drafters derive keys as make_key(seed, position, ROLE_DRAFT) so a
+    #: replay is exact (draft-simple mixes in llama.cpp's 0x85ebca6b first).
+    seed: Array | None = None
     #: [] int32, the draft model's own `draft.n_max` (model drafters stop there); None = K
     draft_n_max: Array | None = None
 
