@@ -27,6 +27,29 @@ def tiny_model(seed: int = 0, **overrides: object) -> Model:
     return init_model(tiny_config(**overrides), seed)
 
 
+def jittered_params(config: ModelConfig, seed: int = 0) -> dict:
+    """init_params with non-trivial norms and biases, so swapped or dropped tensors show
+    (file round-trip tests: all-ones norms would hide a mix-up)."""
+    from specjax.models.llama import init_params
+
+    params = init_params(config, jax.random.PRNGKey(seed))
+    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 64))
+
+    def jitter(x: jax.Array) -> jax.Array:
+        return x + (0.1 * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
+
+    layers = []
+    for layer in params["layers"]:
+        layer = dict(layer)
+        for name in ("attn_norm", "ffn_norm", "bqkv", "q_norm", "k_norm"):
+            if name in layer:
+                layer[name] = jitter(layer[name])
+        layers.append(layer)
+    params["layers"] = tuple(layers)
+    params["final_norm"] = jitter(params["final_norm"])
+    return params
+
+
 def noisy_copy(model: Model, scale: float, seed: int = 1) -> Model:
     """The same architecture with Gaussian noise added to every weight: a draft model that
     agrees with `model` often but not always (partial acceptance in tests)."""

@@ -20,6 +20,7 @@ from specjax.errors import ModelFileError
 from specjax.io import gguf_io, load_gguf, load_model_files, save_gguf
 from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
 from specjax.models.config import rope_frequencies
+from specjax.testing import jittered_params
 from specjax.tokenizer import Tokenizer
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
@@ -64,26 +65,6 @@ CONFIGS = {
 }
 
 
-def random_params(config: ModelConfig, seed: int = 0) -> dict:
-    """init_params with non-trivial norms and biases, so swapped or dropped tensors show."""
-    params = init_params(config, jax.random.PRNGKey(seed))
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 64))
-
-    def jitter(x):
-        return x + (0.1 * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
-
-    layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        for name in ("attn_norm", "ffn_norm", "bqkv", "q_norm", "k_norm"):
-            if name in layer:
-                layer[name] = jitter(layer[name])
-        layers.append(layer)
-    params["layers"] = tuple(layers)
-    params["final_norm"] = jitter(params["final_norm"])
-    return params
-
-
 def logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
     tokens = jnp.asarray([ids], jnp.int32)
     positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
@@ -105,7 +86,7 @@ IDS = [5, 77, 123, 299, 0, 42, 8, 9]
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_f32_round_trip_is_exact(tok, tmp_path, name):
     config = CONFIGS[name]
-    params = random_params(config)
+    params = jittered_params(config)
     path = tmp_path / "m.gguf"
     save_gguf(path, config, params, tok)
     config2, params2, tok2 = load_gguf(path)
@@ -122,7 +103,7 @@ def test_f32_round_trip_is_exact(tok, tmp_path, name):
 def test_llama_rows_are_permuted_for_interleaved_rope(tok, tmp_path):
     """llama.cpp's llama rotates adjacent pairs (2i, 2i+1); specjax rotates (i, i + E/2)."""
     config = CONFIGS["llama"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_gguf(tmp_path / "m.gguf", config, params, tok)
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
     E, H, G = config.E, config.H, config.G
@@ -139,7 +120,7 @@ def test_llama_rows_are_permuted_for_interleaved_rope(tok, tmp_path):
     np.testing.assert_array_equal(v, wqkv[(H + G) * E :])  # V is never permuted
     # qwen archs use NeoX RoPE: rows are stored as they are
     qwen = CONFIGS["qwen2_bias"]
-    qparams = random_params(qwen)
+    qparams = jittered_params(qwen)
     save_gguf(tmp_path / "q.gguf", qwen, qparams, tok)
     stored = next(
         t for t in gguf.GGUFReader(tmp_path / "q.gguf").tensors if t.name == "blk.0.attn_q.weight"
@@ -151,7 +132,7 @@ def test_llama_rows_are_permuted_for_interleaved_rope(tok, tmp_path):
 
 def test_rope_freqs_tensor_matches_llama_cpp_formula(tok, tmp_path, monkeypatch):
     config = CONFIGS["llama_tied_llama3"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_gguf(tmp_path / "m.gguf", config, params, tok)
     tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
     # convert_hf_to_gguf.py (LlamaModel.generate_extra_tensors), written out independently
@@ -201,7 +182,7 @@ def test_fit_llama3_scaling_without_smooth_band():
 )
 def test_lossy_round_trip_is_bounded(tok, tmp_path, dtype, name, rel):
     config = CONFIGS[name]
-    params = random_params(config)
+    params = jittered_params(config)
     save_gguf(tmp_path / "m.gguf", config, params, tok, dtype=dtype)
     config2, params2, _ = load_gguf(tmp_path / "m.gguf")
     assert config2.dtype == {"f16": "float16", "bf16": "bfloat16", "q8_0": "float32"}[dtype]
@@ -249,7 +230,7 @@ def test_quantised_types_load(tok, tmp_path, monkeypatch):
     config = ModelConfig(
         arch="llama", vocab_size=300, dim=256, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=256
     )
-    params = random_params(config)
+    params = jittered_params(config)
     rng = np.random.default_rng(0)
     raw = {
         "blk.0.attn_k.weight": (_random_kquant(rng, 128, 256, QT.Q4_K), QT.Q4_K),
@@ -306,7 +287,7 @@ def test_unknown_architecture(tmp_path):
 
 def test_truncated_and_garbage_files(tok, tmp_path):
     config = CONFIGS["llama"]
-    save_gguf(tmp_path / "m.gguf", config, random_params(config), tok)
+    save_gguf(tmp_path / "m.gguf", config, jittered_params(config), tok)
     data = (tmp_path / "m.gguf").read_bytes()
     (tmp_path / "half.gguf").write_bytes(data[: len(data) // 2])
     with pytest.raises(ModelFileError, match=r"half\.gguf: truncated"):
@@ -341,7 +322,7 @@ def test_unsupported_tensor_type(tok, tmp_path, monkeypatch, qtype, data):
         return real_add(self, name, tensor, raw_shape, raw_dtype)
 
     monkeypatch.setattr(gguf.GGUFWriter, "add_tensor", add)
-    save_gguf(tmp_path / "m.gguf", config, random_params(config), tok)
+    save_gguf(tmp_path / "m.gguf", config, jittered_params(config), tok)
     with pytest.raises(
         ModelFileError,
         match=rf"m\.gguf: tensor blk\.0\.ffn_gate\.weight has unsupported tensor type {qtype.name}",
@@ -351,7 +332,7 @@ def test_unsupported_tensor_type(tok, tmp_path, monkeypatch, qtype, data):
 
 def test_missing_extra_and_misshaped_tensors(tok, tmp_path, monkeypatch):
     config = CONFIGS["qwen2_bias"]
-    params = random_params(config)
+    params = jittered_params(config)
     real_add = gguf.GGUFWriter.add_tensor
 
     def dropping(self, name, *args, **kwargs):
@@ -403,14 +384,14 @@ def test_failed_save_keeps_existing_file(tok, tmp_path, monkeypatch):
 
     monkeypatch.setattr(gguf_io, "_encode_tensor", failing)
     with pytest.raises(RuntimeError, match=r"disk full"):
-        save_gguf(target, config, random_params(config), tok)
+        save_gguf(target, config, jittered_params(config), tok)
     assert target.read_bytes() == b"precious"
     assert sorted(os.listdir(tmp_path)) == ["m.gguf"]  # no temp file left behind
 
 
 def test_save_validation(tok, tmp_path):
     config = CONFIGS["llama"]
-    params = random_params(config)
+    params = jittered_params(config)
     with pytest.raises(ValueError, match=r"dtype must be one of"):
         save_gguf(tmp_path / "m.gguf", config, params, tok, dtype="q4_k")
     bad = dict(params, layers=(params["layers"][0],))
@@ -427,7 +408,7 @@ def test_save_validation(tok, tmp_path):
 
 def test_load_model_files_dispatches_gguf(tok, tmp_path):
     config = CONFIGS["qwen3_qknorm"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_gguf(tmp_path / "m.gguf", config, params, tok)
     config2, params2, _ = load_model_files(tmp_path / "m.gguf")
     assert config2 == config and leaves_equal(params2, params)
@@ -440,7 +421,7 @@ def test_load_model_files_dispatches_gguf(tok, tmp_path):
 def test_llama_cpp_greedy_tokens_match(tok, tmp_path):
     llama_cpp = pytest.importorskip("llama_cpp")
     config = ModelConfig(arch="llama", **BASE)
-    params = random_params(config)
+    params = jittered_params(config)
     params["embed"] = params["embed"] * 50  # make greedy choices far from ties
     params["lm_head"] = params["lm_head"] * 50
     save_gguf(tmp_path / "m.gguf", config, params, tok)

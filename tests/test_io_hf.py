@@ -19,6 +19,7 @@ from specjax.errors import ModelFileError
 from specjax.io import load_hf, load_model_files, save_hf
 from specjax.io.hf_io import config_from_hf, config_to_hf
 from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
+from specjax.testing import jittered_params
 from specjax.tokenizer import Tokenizer
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
@@ -67,25 +68,6 @@ def tok() -> Tokenizer:
     return Tokenizer(hf, bos_id=0, eos_id=0, pad_id=0, add_bos=True)
 
 
-def random_params(config: ModelConfig, seed: int = 0) -> dict:
-    params = init_params(config, jax.random.PRNGKey(seed))
-    keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 64))
-
-    def jitter(x):
-        return x + (0.1 * jax.random.normal(next(keys), x.shape)).astype(x.dtype)
-
-    layers = []
-    for layer in params["layers"]:
-        layer = dict(layer)
-        for name in ("attn_norm", "ffn_norm", "bqkv", "q_norm", "k_norm"):
-            if name in layer:
-                layer[name] = jitter(layer[name])
-        layers.append(layer)
-    params["layers"] = tuple(layers)
-    params["final_norm"] = jitter(params["final_norm"])
-    return params
-
-
 def leaves_equal(a, b) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         x.dtype == y.dtype and bool(jnp.array_equal(x, y))
@@ -108,7 +90,7 @@ def logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_round_trip_is_exact(tok, tmp_path, name):
     config = CONFIGS[name]
-    params = random_params(config)
+    params = jittered_params(config)
     save_hf(tmp_path, config, params, tok)
     assert sorted(os.listdir(tmp_path)) == [
         "config.json",
@@ -134,7 +116,7 @@ def test_hf_round_trip_is_exact(tok, tmp_path, name):
 
 def test_hf_logits_unchanged(tok, tmp_path):
     config = CONFIGS["qwen2_swa"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_hf(tmp_path, config, params, tok)
     config2, params2, _ = load_model_files(tmp_path)
     ids = [5, 77, 123, 299, 0, 42, 8, 9, 10, 11]
@@ -144,7 +126,7 @@ def test_hf_logits_unchanged(tok, tmp_path):
 def test_hf_tensor_names_and_layout(tok, tmp_path):
     """HF q/k/v rows are the specjax rows (no RoPE permutation), split at H*E and (H+G)*E."""
     config = CONFIGS["llama_llama3"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_hf(tmp_path, config, params, tok)
     t = safetensors.numpy.load_file(tmp_path / "model.safetensors")
     E, H, G, F = config.E, config.H, config.G, config.F
@@ -170,7 +152,7 @@ def test_hf_tensor_names_and_layout(tok, tmp_path):
 
 def test_sharded_checkpoint(tok, tmp_path):
     config = CONFIGS["llama_llama3"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_hf(tmp_path, config, params, tok)
     tensors = safetensors.numpy.load_file(tmp_path / "model.safetensors")
     os.remove(tmp_path / "model.safetensors")
@@ -281,7 +263,7 @@ def test_config_errors(change, message):
 # ------------------------------------------------------------------ file errors
 def test_file_errors(tok, tmp_path):
     config = CONFIGS["llama_tied_bias"]
-    params = random_params(config)
+    params = jittered_params(config)
     save_hf(tmp_path, config, params, tok)
     weights = tmp_path / "model.safetensors"
     good = weights.read_bytes()
@@ -323,7 +305,7 @@ def test_file_errors(tok, tmp_path):
 
 def test_save_validation_and_atomic_files(tok, tmp_path):
     config = CONFIGS["llama_llama3"]
-    params = random_params(config)
+    params = jittered_params(config)
     with pytest.raises(ValueError, match=r"parameter layers.0.w_down has shape"):
         bad = dict(params["layers"][0], w_down=jnp.zeros((64, 64)))
         save_hf(tmp_path, config, dict(params, layers=(bad, params["layers"][1])), tok)
@@ -332,7 +314,7 @@ def test_save_validation_and_atomic_files(tok, tmp_path):
         save_hf(tmp_path, swa_llama, init_params(swa_llama, jax.random.PRNGKey(0)), tok)
     assert os.listdir(tmp_path) == []
     qwen2 = ModelConfig(arch="qwen2", **BASE)  # transformers' Qwen2 always has q/k/v biases
-    qparams = random_params(qwen2)
+    qparams = jittered_params(qwen2)
     save_hf(tmp_path, qwen2, qparams, tok)
     config2, params2, _ = load_hf(tmp_path)
     assert config2 == ModelConfig(arch="qwen2", qkv_bias=True, **BASE)
@@ -357,7 +339,7 @@ def test_transformers_logits_match(tok, tmp_path, name):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     config = ModelConfig.from_dict({**CONFIGS[name].to_dict(), "dtype": "float32"})
-    params = random_params(config)
+    params = jittered_params(config)
     save_hf(tmp_path, config, params, tok)
     model = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path, torch_dtype=torch.float32, attn_implementation="eager"
