@@ -334,9 +334,7 @@ def generate(
     prefill_exe = _compiled(
         eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run
     )
-    state_shape = jax.eval_shape(
-        lambda *a: eng.prefill(engine, *a), model.params, drafter_params, tokens_j, lengths_j, run
-    )
+    state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
     loop_exe = _compiled(
         eng.generate_loop_jit, engine, model.params, drafter_params, state_shape, run
     )
