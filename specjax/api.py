@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections.abc import Sequence
 from typing import Any
 
@@ -39,10 +40,47 @@ class Model:
     def new_cache(self, batch: int, capacity: int) -> KVCache:
         return new_cache(self.config, batch, capacity)
 
-    def encode(self, text: str) -> list[int]:
-        if self.tokenizer is None:
+    def encode(
+        self, text: str, *, add_special: bool = True, parse_special: bool = True
+    ) -> list[int]:
+        """Token ids of `text` as llama.cpp's `common_tokenize(ctx, text, add_special,
+        parse_special)`, which its completion tool and server use for text prompts.
+
+        With `add_special` the model's metadata decides: BOS first when it says add_bos
+        (`tokenizer.ggml.add_bos_token`), EOS last when it says add_eos. As upstream, a text
+        that already starts with the BOS token's text (parsed as special) then starts with two
+        BOS tokens, and a warning says so. `parse_special` matches control-token texts.
+        """
+        tok = self.tokenizer
+        if tok is None:
             raise ValueError("this model has no tokenizer; pass token ids instead of text")
-        return list(self.tokenizer.encode(text))
+        ids = list(tok.encode(text, parse_special=parse_special))
+        if not add_special:
+            return ids
+        bos, eos = getattr(tok, "bos_id", None), getattr(tok, "eos_id", None)
+        if getattr(tok, "add_bos", False):
+            if bos is None:
+                raise ValueError("the model's metadata says add_bos but it has no BOS token")
+            ids = [int(bos), *ids]
+            if len(ids) >= 2 and ids[1] == bos:
+                warnings.warn(
+                    "Added a BOS token to the prompt as specified by the model but the prompt "
+                    "also starts with a BOS token. So now the final prompt starts with 2 BOS "
+                    "tokens (as llama.cpp does).",
+                    stacklevel=2,
+                )
+        if getattr(tok, "add_eos", False):
+            if eos is None:
+                raise ValueError("the model's metadata says add_eos but it has no EOS token")
+            ids = [*ids, int(eos)]
+            if len(ids) >= 2 and ids[-2] == eos:
+                warnings.warn(
+                    "Added an EOS token to the prompt as specified by the model but the prompt "
+                    "also ends with an EOS token. So now the final prompt ends with 2 EOS "
+                    "tokens (as llama.cpp does).",
+                    stacklevel=2,
+                )
+        return ids
 
     def decode(self, ids: Sequence[int]) -> str:
         if self.tokenizer is None:
@@ -205,6 +243,8 @@ def _per_row(value: Any, batch: int, name: str) -> np.ndarray:
 
 
 def _tokenize_prompts(model: Model, prompts: Any) -> list[list[int]]:
+    """Text prompts through `Model.encode` (BOS/EOS as the model's metadata says, as
+    llama.cpp); token-id prompts exactly as given."""
     if isinstance(prompts, str):
         prompts = [prompts]
     if isinstance(prompts, np.ndarray):

@@ -2,6 +2,8 @@
 
 Flag names follow llama.cpp where it has them. Generated text goes to stdout; logs, timings
 and statistics go to stderr; `--out FILE.jsonl` writes one JSON record per prompt.
+`--no-compile-cache` / `--compile-cache DIR` choose JAX's persistent compilation cache
+(`specjax.compile_cache`; on by default, so a second identical run skips XLA compilation).
 """
 
 from __future__ import annotations
@@ -12,8 +14,6 @@ import os
 import sys
 from pathlib import Path
 from typing import Any
-
-import yaml
 
 # --config YAML keys are the argparse destinations below (e.g. n_predict, spec_type).
 _GENERATE_DEFAULTS: dict[str, Any] = {
@@ -51,6 +51,8 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "spec_synthetic_acceptance_length": None,
     "spec_synthetic_acceptance_rates": None,
     "verbose": False,
+    # None: the default (SPECJAX_COMPILE_CACHE or the user cache dir); False: off; str: dir
+    "compile_cache": None,
 }
 
 
@@ -99,6 +101,20 @@ def _generate_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-synthetic-acceptance-length", type=float)
     g.add_argument("--spec-synthetic-acceptance-rates", help="comma list of K rates")
     p.add_argument("-v", "--verbose", action="store_true", default=None)
+    c = p.add_mutually_exclusive_group()
+    c.add_argument(
+        "--compile-cache",
+        metavar="DIR",
+        help="persistent compilation cache directory (default: $SPECJAX_COMPILE_CACHE, "
+        "else $XDG_CACHE_HOME/specjax/jax or ~/.cache/specjax/jax)",
+    )
+    c.add_argument(
+        "--no-compile-cache",
+        dest="compile_cache",
+        action="store_const",
+        const=False,
+        help="do not read or write the persistent compilation cache",
+    )
     return p
 
 
@@ -109,6 +125,8 @@ def _load_options(argv: list[str]) -> dict[str, Any]:
         path = Path(args.config)
         if not path.is_file():
             raise SystemExit(f"error: config file {path} not found")
+        import yaml
+
         loaded = yaml.safe_load(path.read_text()) or {}
         unknown = sorted(set(loaded) - set(_GENERATE_DEFAULTS))
         if unknown:
@@ -192,7 +210,13 @@ def generate_main(argv: list[str]) -> int:
     if not opts.get("model"):
         raise SystemExit("error: no model given (-m/--model or `model:` in --config)")
     from specjax.api import generate, load
+    from specjax.compile_cache import set_compile_cache
 
+    cache_opt = opts.get("compile_cache")  # None/True: default, False: off, str: directory
+    if cache_opt is False:
+        set_compile_cache(None)
+    elif isinstance(cache_opt, str) and cache_opt:
+        set_compile_cache(cache_opt)
     spec = _spec_from_options(opts)
     prompts = _read_prompts(opts)
     log = sys.stderr
@@ -253,6 +277,7 @@ def generate_main(argv: list[str]) -> int:
             for i, prompt in enumerate(prompts):
                 record = {
                     "prompt": prompt,
+                    "prompt_tokens": result.prompt_tokens[i],
                     "tokens": result.tokens[i],
                     "text": result.text[i],
                     "finish_reason": result.finish_reasons[i],

@@ -141,3 +141,26 @@ def test_stop_strings_cut_text_and_tokens(gguf_path):
     assert cut.finish_reasons == ["stop"]
     assert cut.tokens[0] == full.tokens[0][: len(cut.tokens[0])]
     assert stop in model.decode(cut.tokens[0])
+
+
+def test_text_prompts_follow_the_models_add_bos(gguf_path, tmp_path, capsys):
+    """llama.cpp tokenizes `-p`/`-f` text with add_special: BOS first when the GGUF says
+    `tokenizer.ggml.add_bos_token = true` (the tiny fixture's tokenizer says false)."""
+    import specjax
+    from specjax.tokenizer import Tokenizer
+
+    model = specjax.load(gguf_path)
+    tok = model.tokenizer
+    assert not tok.add_bos
+    with_bos = Tokenizer(tok.hf_tokenizer, bos_id=0, eos_id=1, pad_id=2, add_bos=True)
+    path = tmp_path / "bos.gguf"
+    save_gguf(str(path), model.config, model.params, with_bos, dtype="f32")
+    records = {}
+    for name, m in (("plain", gguf_path), ("bos", str(path))):
+        out = tmp_path / f"{name}.jsonl"
+        assert cli.main(["generate", "-m", m, "-p", "import os", "-n", "2", "--out", str(out)]) == 0
+        records[name] = json.loads(out.read_text())
+    capsys.readouterr()
+    ids = tok.encode("import os")
+    assert records["plain"]["prompt_tokens"] == ids
+    assert records["bos"]["prompt_tokens"] == [0, *ids]
