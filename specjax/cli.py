@@ -64,7 +64,10 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("-m", "--model", help="target model: GGUF file or Hugging Face directory")
     p.add_argument("-p", "--prompt", action="append", help="prompt (repeat for a batch)")
     p.add_argument(
-        "-f", "--file", help="file with the prompt (or prompts as JSON lines with 'prompt')"
+        "-f",
+        "--file",
+        help="file with the prompt, read as is except that one trailing newline is dropped "
+        "(as llama.cpp's -f); a .jsonl file holds one prompt per line as {'prompt': ...}",
     )
     p.add_argument("-n", "--n-predict", type=int, help="tokens to generate per prompt")
     p.add_argument(
@@ -193,13 +196,15 @@ def _read_prompts(opts: dict[str, Any]) -> list[str]:
         path = Path(opts["file"])
         if not path.is_file():
             raise SystemExit(f"error: prompt file {path} not found")
-        text = path.read_text(encoding="utf-8", errors="replace")
+        # bytes as they are (no newline translation), as llama.cpp's read_file
+        text = path.read_bytes().decode("utf-8", errors="replace")
         if path.suffix == ".jsonl":
             for line in text.splitlines():
                 if line.strip():
                     prompts.append(json.loads(line)["prompt"])
         else:
-            prompts.append(text)
+            # llama.cpp's -f: `if (prompt.back() == '\n') prompt.pop_back();` (one, not "\r\n")
+            prompts.append(text[:-1] if text.endswith("\n") else text)
     if not prompts:
         raise SystemExit("error: no prompt given (use -p/--prompt or -f/--file)")
     return prompts

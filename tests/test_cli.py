@@ -164,3 +164,26 @@ def test_text_prompts_follow_the_models_add_bos(gguf_path, tmp_path, capsys):
     ids = tok.encode("import os")
     assert records["plain"]["prompt_tokens"] == ids
     assert records["bos"]["prompt_tokens"] == [0, *ids]
+
+
+def test_prompt_file_drops_one_trailing_newline(gguf_path, tmp_path, capsys):
+    """llama.cpp's -f: read_file, then `if (prompt.back() == '\\n') prompt.pop_back();`."""
+    cases = {
+        "one.py": (b"import os\n", "import os"),
+        "two.py": (b"import os\n\n", "import os\n"),
+        "none.py": (b"import os", "import os"),
+        "crlf.py": (b"import os\r\n", "import os\r"),  # bytes as read, no newline translation
+        "empty.py": (b"", ""),
+    }
+    for name, (data, expected) in cases.items():
+        path = tmp_path / name
+        path.write_bytes(data)
+        assert cli._read_prompts({"file": str(path)}) == [expected], name
+    out_f, out_p = tmp_path / "f.jsonl", tmp_path / "p.jsonl"
+    base = ["generate", "-m", gguf_path, "-n", "2", "--out"]
+    assert cli.main([*base, str(out_f), "-f", str(tmp_path / "one.py")]) == 0
+    assert cli.main([*base, str(out_p), "-p", "import os"]) == 0
+    capsys.readouterr()
+    record_f, record_p = json.loads(out_f.read_text()), json.loads(out_p.read_text())
+    assert record_f["prompt"] == "import os"
+    assert record_f["prompt_tokens"] == record_p["prompt_tokens"]
