@@ -81,7 +81,12 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("-s", "--seed", type=int)
     p.add_argument("--out", help="write one JSON record per prompt to this .jsonl file")
     g = p.add_argument_group("speculative decoding")
-    g.add_argument("--spec-type", action="append", help="comma list of drafter types (repeatable)")
+    g.add_argument(
+        "--spec-type",
+        action="append",
+        help="comma list of drafter types; repeatable, the lists add up, and `none` empties "
+        "only the list it is in (as llama.cpp)",
+    )
     g.add_argument(
         "--spec-default",
         action="store_true",
@@ -142,14 +147,13 @@ def _load_options(argv: list[str]) -> dict[str, Any]:
 
 
 def _spec_from_options(opts: dict[str, Any]):
-    from specjax.config import SpecConfig
+    from specjax.config import SpecConfig, types_from_values
 
-    types: list[str] = []
+    # each --spec-type value (or YAML list item) is one comma list; `none` empties only its own
     spec_type = opts.get("spec_type")
     if isinstance(spec_type, str):
         spec_type = [spec_type]
-    for item in spec_type or []:
-        types.extend(t for t in str(item).split(","))
+    types = list(types_from_values([str(item) for item in spec_type or []]))
     base = {}
     if opts.get("spec_default"):
         types.append("ngram-mod")

@@ -18,25 +18,49 @@ from specjax.drafters.base import DRAFTER_TYPES, PRIORITY
 NGRAM_CACHE_N_DRAFT = 8
 
 
-def types_from_names(names: str | Iterable[str]) -> tuple[str, ...]:
-    """llama.cpp's `common_speculative_types_from_names`: comma lists, `none` wins, unknown -> error.
-
-    Returns the enabled types in llama.cpp's fixed relay priority order (empty = disabled).
-    """
+def _type_list(names: str | Iterable[str]) -> list[str]:
+    """One `--spec-type` value as upstream's `common_speculative_types_from_names`: names in
+    order, a `none` returns `["none"]` at once (later names unchecked), an unknown name raises."""
     if isinstance(names, str):
         names = [names]
     flat: list[str] = []
     for item in names:
         flat.extend(part.strip() for part in str(item).split(",") if part.strip())
+    types: list[str] = []
     for name in flat:
         if name not in DRAFTER_TYPES:
             raise ValueError(
                 f"unknown speculative type: {name}; valid types: {', '.join(DRAFTER_TYPES)}"
             )
-    if "none" in flat:
-        return ()
-    enabled = set(flat)
+        if name == "none":
+            return ["none"]
+        types.append(name)
+    return types
+
+
+def _by_priority(types: Iterable[str]) -> tuple[str, ...]:
+    enabled = set(types)
     return tuple(t for t in PRIORITY if t in enabled)
+
+
+def types_from_names(names: str | Iterable[str]) -> tuple[str, ...]:
+    """llama.cpp's `common_speculative_types_from_names` on ONE list (a comma string or a list
+    of names): `none` anywhere in the list empties it, an unknown name raises ValueError.
+
+    Returns the enabled types in llama.cpp's fixed relay priority order (empty = disabled).
+    """
+    return _by_priority(_type_list(names))
+
+
+def types_from_values(values: str | Iterable[str]) -> tuple[str, ...]:
+    """Several `--spec-type` values (the flag given several times), as llama.cpp's arg parser:
+    each value is one comma list parsed by `types_from_names`, so `none` empties only the list
+    it appears in, and the lists' types are appended together (upstream keeps `none` entries,
+    which enable nothing). `--spec-type ngram-mod --spec-type none` keeps ngram-mod.
+    """
+    if isinstance(values, str):
+        values = [values]
+    return _by_priority(t for value in values for t in _type_list(value) if t != "none")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -187,3 +187,24 @@ def test_prompt_file_drops_one_trailing_newline(gguf_path, tmp_path, capsys):
     record_f, record_p = json.loads(out_f.read_text()), json.loads(out_p.read_text())
     assert record_f["prompt"] == "import os"
     assert record_f["prompt_tokens"] == record_p["prompt_tokens"]
+
+
+@pytest.mark.parametrize(
+    "flags, types",
+    [
+        (["--spec-type", "ngram-mod", "--spec-type", "none"], ("ngram-mod",)),
+        (["--spec-type", "ngram-mod,none", "--spec-type", "ngram-simple"], ("ngram-simple",)),
+        (["--spec-type", "none", "--spec-default"], ("ngram-mod",)),
+        (["--spec-type", "ngram-simple,none"], None),
+    ],
+)
+def test_repeated_spec_type_none_empties_only_its_list(flags, types):
+    spec = cli._spec_from_options(cli._load_options(["-m", "x", "-p", "y", *flags]))
+    assert (spec.types if spec is not None else None) == types
+
+
+def test_yaml_spec_type_list_items_are_separate_values(tmp_path):
+    preset = tmp_path / "p.yaml"
+    preset.write_text("spec_type: [ngram-mod, 'ngram-simple,none']\n")
+    spec = cli._spec_from_options(cli._load_options(["--config", str(preset)]))
+    assert spec is not None and spec.types == ("ngram-mod",)

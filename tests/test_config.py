@@ -2,7 +2,7 @@
 
 import pytest
 
-from specjax.config import SpecConfig, output_limits, types_from_names
+from specjax.config import SpecConfig, output_limits, types_from_names, types_from_values
 from specjax.drafters.base import DRAFTER_TYPES, PRIORITY
 
 
@@ -21,6 +21,26 @@ def test_types_follow_fixed_priority_not_given_order():
     assert types_from_names(["ngram-cache", "ngram-simple"]) == ("ngram-simple", "ngram-cache")
     assert types_from_names("ngram-mod,none") == ()
     assert len(DRAFTER_TYPES) == 11 and set(PRIORITY) == set(DRAFTER_TYPES) - {"none"}
+
+
+def test_none_empties_only_its_own_list():
+    # common/arg.cpp: each --spec-type value goes through common_speculative_types_from_names
+    # and is appended to the list; a `none` there returns {NONE} for that value only.
+    assert types_from_values(["ngram-mod", "none"]) == ("ngram-mod",)
+    assert types_from_values(["ngram-mod,none", "draft-simple"]) == ("draft-simple",)
+    assert types_from_values(["none", "draft-simple,ngram-simple"]) == (
+        "ngram-simple",
+        "draft-simple",
+    )
+    assert types_from_values(["none"]) == types_from_values([]) == ()
+    assert types_from_values("ngram-mod,none") == ()  # one value = one list
+    assert types_from_values(["ngram-mod", "ngram-mod"]) == ("ngram-mod",)
+    # upstream returns at the first `none`: later names of that list are not looked at
+    assert types_from_names("none,bogus") == ()
+    with pytest.raises(ValueError, match="unknown speculative type: bogus"):
+        types_from_names("bogus,none")
+    with pytest.raises(ValueError, match="unknown speculative type: bogus"):
+        types_from_values(["none", "bogus"])
 
 
 def test_unknown_type_lists_valid_names():
