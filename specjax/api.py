@@ -242,6 +242,76 @@ def _per_row(value: Any, batch: int, name: str) -> np.ndarray:
     return arr
 
 
+def _n_predict(value: Any, batch: int) -> np.ndarray:
+    """Per-row max_new_tokens as llama.cpp's n_predict: >= 1 tokens, or -1 (and -2, which
+    llama-completion names "until context filled") = until the context is full. Returns -1
+    for those rows; 0 and other negatives raise."""
+    arr = _per_row(value, batch, "max_new_tokens")
+    bad = arr[(arr == 0) | (arr < -2)]
+    if bad.size:
+        raise ValueError(
+            f"max_new_tokens must be >= 1, or -1 to generate until the context is full; "
+            f"got {int(bad[0])}"
+        )
+    return np.where(arr < 0, -1, arr)
+
+
+def _sampling_args(
+    batch: int, temperature: Any, top_k: Any, top_p: Any, min_p: Any, repeat_penalty: Any
+) -> dict[str, np.ndarray]:
+    """Sampling parameters (scalars or one per prompt) checked and normalised as llama.cpp.
+
+    Values llama.cpp's samplers read as "off" are clamped to the off value, which behaves the
+    same: temperature < 0 -> 0 (its --temp clamps; <= 0 is greedy), top_k < 0 -> 0 (<= 0 is
+    off), top_p > 1 -> 1 (>= 1 is off), min_p < 0 -> 0 (<= 0 is off). top_p <= 0 keeps the
+    single most likely token, as upstream's top-p does. Values llama.cpp refuses raise:
+    a repeat penalty that is not finite and > 0 (its --repeat-penalty check), NaN anywhere.
+    min_p > 1 raises too: upstream's min-p then keeps only the most likely token (greedy),
+    which is surely not what was meant; say temperature 0 for that.
+    """
+
+    def values(name: str, value: Any) -> np.ndarray:
+        try:
+            arr = np.asarray(value, np.float64)
+        except (TypeError, ValueError):
+            raise ValueError(f"{name} must be a number, got {value!r}") from None
+        if arr.ndim == 0:
+            arr = np.full((batch,), float(arr))
+        if arr.shape != (batch,):
+            raise ValueError(f"{name} has {arr.size} values for {batch} prompts")
+        if np.isnan(arr).any():
+            raise ValueError(f"{name} must be a number, got nan")
+        return arr
+
+    temp = values("temperature", temperature)
+    k = values("top_k", top_k)
+    if not np.all(np.isfinite(k) & (k == np.round(k))):
+        raise ValueError(f"top_k must be an integer, got {k[~(k == np.round(k))][0]}")
+    p = values("top_p", top_p)
+    mp = values("min_p", min_p)
+    if (mp > 1).any():
+        raise ValueError(
+            f"min_p must be in [0, 1], got {mp[mp > 1][0]} (above 1 llama.cpp keeps only the "
+            "most likely token: use temperature 0 for greedy decoding)"
+        )
+    rp = values("repeat_penalty", repeat_penalty)
+    rp32 = rp.astype(np.float32)  # the penalty divides float32 logits
+    with np.errstate(divide="ignore", over="ignore"):
+        inverse = np.float32(1.0) / np.where(rp32 > 0, rp32, np.float32(1.0))
+    bad_rp = ~(np.isfinite(rp32) & (rp32 > 0) & np.isfinite(inverse))
+    if bad_rp.any():
+        raise ValueError(
+            f"repeat_penalty must be finite and greater than 0 (1 = off), got {rp[bad_rp][0]}"
+        )
+    return {
+        "temperature": np.maximum(temp, 0.0).astype(np.float32),
+        "top_k": np.maximum(k, 0).astype(np.int32),
+        "top_p": np.minimum(p, 1.0).astype(np.float32),
+        "min_p": np.maximum(mp, 0.0).astype(np.float32),
+        "repeat_penalty": rp.astype(np.float32),
+    }
+
+
 def _tokenize_prompts(model: Model, prompts: Any) -> list[list[int]]:
     """Text prompts through `Model.encode` (BOS/EOS as the model's metadata says, as
     llama.cpp); token-id prompts exactly as given."""
@@ -309,7 +379,10 @@ def generate(
 
     With `spec` (and `draft` for draft-simple) the run is speculative; at temperature 0 its
     output equals plain greedy decoding token for token. `max_new_tokens` and `seed` may be
-    given per prompt. `stop` strings end a row's text at their first occurrence (applied on
+    given per prompt; `max_new_tokens=-1` generates until EOG or a full context (n_ctx, by
+    default the model's training context), as llama.cpp's n_predict -1. Sampling parameters
+    follow llama.cpp (see `_sampling_args`: "off" values clamped, refused values raise
+    ValueError). `stop` strings end a row's text at their first occurrence (applied on
     the host after the device loop, which itself stops at end-of-generation tokens and
     max_new_tokens); the row's tokens are cut after the token completing the stop string.
     Compilation is cached per static shape; `timings["compile_seconds"]`
@@ -319,16 +392,20 @@ def generate(
 
     prompt_ids = _tokenize_prompts(model, prompts)
     B = len(prompt_ids)
-    max_new = _per_row(max_new_tokens, B, "max_new_tokens")
+    max_new = _n_predict(max_new_tokens, B)
+    if (max_new < 0).any():
+        # until the context is full; llama.cpp's -c 0: the model's training context
+        if n_ctx is None:
+            n_ctx = int(model.config.max_position)
+        max_new = np.where(max_new < 0, n_ctx + 1, max_new)  # the context stop comes first
     seeds = _per_row(seed, B, "seed")
+    sampling_args = _sampling_args(B, temperature, top_k, top_p, min_p, repeat_penalty)
     spec = spec if spec is not None and spec.enabled else None
     drafters, drafter_params = build_drafters(spec, model, draft, temperature=temperature)
     k_max = spec.resolved_k_max() if spec else 0
     T, S, out_cap = build_engine_inputs(
         model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max
     )
-    if max_new.min() < 1:
-        raise ValueError(f"max_new_tokens must be >= 1, got {int(max_new.min())}")
     synth = None
     if spec is not None and spec.synthetic:
         from specjax.verify import resolve_synthetic_rates
@@ -354,11 +431,7 @@ def generate(
     run = eng.RunParams(
         sampling=sampling.SamplingParams.create(
             batch=B,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
+            **{name: jnp.asarray(value) for name, value in sampling_args.items()},
             seed=jnp.asarray(seeds % (1 << 32), jnp.uint32),
         ),
         max_new=jnp.asarray(max_new, jnp.int32),

@@ -77,3 +77,81 @@ def test_generate_reports_the_prompt_tokens_it_ran(plain_ids):
     ids = specjax.generate(model, [plain_ids], max_new_tokens=2)
     assert text.prompt_tokens == [[BOS, *plain_ids]]
     assert ids.prompt_tokens == [plain_ids]
+
+
+# ------------------------------------------------------------------ sampling parameters
+# llama.cpp: --temp clamps to >= 0 (common/arg.cpp) and temp <= 0 is greedy; top-k <= 0,
+# top-p >= 1 and min-p <= 0 are "off" (src/llama-sampler.cpp); --repeat-penalty must be finite
+# and > 0; n_predict -1 generates until the context is full.
+
+
+def test_sampling_args_clamp_what_llama_cpp_reads_as_off():
+    from specjax.api import _sampling_args
+
+    args = _sampling_args(2, -0.5, -3, 1.5, -0.2, 1.1)
+    assert args["temperature"].tolist() == [0.0, 0.0]
+    assert args["top_k"].tolist() == [0, 0]
+    assert args["top_p"].tolist() == [1.0, 1.0]
+    assert args["min_p"].tolist() == [0.0, 0.0]
+    kept = _sampling_args(2, [0.7, 2.0], [5, 0], [0.9, 0.0], [0.05, 1.0], [1.0, 0.5])
+    assert kept["top_k"].tolist() == [5, 0] and kept["top_p"].tolist()[1] == 0.0
+    assert kept["min_p"].tolist()[1] == 1.0 and kept["repeat_penalty"].tolist() == [1.0, 0.5]
+    assert kept["temperature"].tolist() == pytest.approx([0.7, 2.0])
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(min_p=1.5), r"min_p must be in \[0, 1\], got 1.5"),
+        (dict(repeat_penalty=0.0), "repeat_penalty must be finite and greater than 0.*got 0.0"),
+        (dict(repeat_penalty=-1.0), "repeat_penalty must be finite and greater than 0.*got -1.0"),
+        (dict(repeat_penalty=float("inf")), "repeat_penalty must be finite.*got inf"),
+        (dict(repeat_penalty=1e-39), "repeat_penalty must be finite.*got 1e-39"),
+        (dict(temperature=float("nan")), "temperature must be a number, got nan"),
+        (dict(top_p=float("nan")), "top_p must be a number, got nan"),
+        (dict(top_k=2.5), "top_k must be an integer, got 2.5"),
+        (dict(top_k="many"), "top_k must be a number, got 'many'"),
+        (dict(max_new_tokens=0), "max_new_tokens must be >= 1, or -1 .*got 0"),
+        (dict(max_new_tokens=-3), "max_new_tokens must be >= 1, or -1 .*got -3"),
+        (dict(max_new_tokens=[4, 0]), "max_new_tokens must be >= 1, or -1 .*got 0"),
+        (dict(temperature=[0.5, 0.5, 0.5]), "temperature has 3 values for 2 prompts"),
+    ],
+)
+def test_refused_sampling_values_raise_naming_the_value(kwargs, message):
+    model = specjax.init_model(tiny_config(), 0)
+    kwargs = {"max_new_tokens": 4, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        specjax.generate(model, [[1, 2, 3], [4, 5]], **kwargs)
+
+
+@pytest.fixture(scope="module")
+def ctx_model() -> Model:
+    return specjax.init_model(tiny_config(max_position=32), 0)  # no tokenizer: no EOG
+
+
+def test_out_of_range_values_run_as_llama_cpp_reads_them(ctx_model):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+
+    def run(**kw):
+        base = dict(max_new_tokens=6, n_ctx=32, seed=3, temperature=1.5)
+        return specjax.generate(ctx_model, prompts, **{**base, **kw}).tokens
+
+    reference = run()
+    assert run(top_p=1.5) == run(top_p=1.0) == reference
+    assert run(top_k=-4) == reference
+    assert run(min_p=-0.5) == reference
+    greedy = run(temperature=0.0)
+    assert run(temperature=-1.0) == greedy != reference
+
+
+def test_n_predict_minus_one_generates_until_the_context_is_full(ctx_model):
+    prompts = [[5, 6, 7], [8, 9, 10, 11, 12]]
+    for n_ctx in (32, None):  # None: llama.cpp's -c 0, the model's training context (32)
+        out = specjax.generate(ctx_model, prompts, max_new_tokens=-1, n_ctx=n_ctx)
+        assert out.finish_reasons == ["context", "context"]
+        # every cache cell used: L prompt tokens + n - 1 generated ones fill the 32 cells
+        assert [len(t) for t in out.tokens] == [32 - 3 + 1, 32 - 5 + 1]
+    mixed = specjax.generate(ctx_model, prompts, max_new_tokens=[-1, 4], n_ctx=32)
+    assert [len(t) for t in mixed.tokens] == [30, 4]
+    assert mixed.finish_reasons == ["context", "length"]
+    assert mixed.tokens[0] == out.tokens[0] and mixed.tokens[1] == out.tokens[1][:4]

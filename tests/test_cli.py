@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -208,3 +209,37 @@ def test_yaml_spec_type_list_items_are_separate_values(tmp_path):
     preset.write_text("spec_type: [ngram-mod, 'ngram-simple,none']\n")
     spec = cli._spec_from_options(cli._load_options(["--config", str(preset)]))
     assert spec is not None and spec.types == ("ngram-mod",)
+
+
+def test_sampling_values_follow_llama_cpp(gguf_path, tmp_path, capsys):
+    def run(*flags):
+        out = tmp_path / "o.jsonl"
+        args = ["generate", "-m", gguf_path, "-p", "import os", "--out", str(out), *flags]
+        assert cli.main(args) == 0
+        capsys.readouterr()
+        return json.loads(out.read_text())
+
+    sampled = ["-n", "6", "--temp", "1.5", "-s", "4"]
+    reference = run(*sampled)["tokens"]
+    assert run(*sampled, "--top-p", "1.5")["tokens"] == reference  # top-p >= 1 is off
+    assert run(*sampled, "--top-k", "-2")["tokens"] == reference  # top-k <= 0 is off
+    assert run(*sampled, "--min-p", "-1")["tokens"] == reference  # min-p <= 0 is off
+    greedy = run("-n", "6", "--temp", "0")["tokens"]
+    assert run("-n", "6", "--temp", "-1")["tokens"] == greedy  # --temp clamps to 0
+    record = run("-n", "-1", "-c", "40")  # until the context is full (no EOG on this path)
+    assert record["finish_reason"] == "context"
+    assert len(record["tokens"]) == 40 - len(record["prompt_tokens"]) + 1
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--repeat-penalty", "0"], "repeat_penalty must be finite and greater than 0"),
+        (["--min-p", "2"], r"min_p must be in \[0, 1\], got 2.0"),
+        (["-n", "0"], "max_new_tokens must be >= 1, or -1"),
+        (["-n", "-5"], "got -5"),
+    ],
+)
+def test_refused_sampling_values_are_errors(gguf_path, capsys, flags, message):
+    assert cli.main(["generate", "-m", gguf_path, "-p", "x", *flags]) == 1
+    assert re.search(message, capsys.readouterr().err)
