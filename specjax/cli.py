@@ -298,6 +298,29 @@ def generate_main(argv: list[str]) -> int:
     return 0
 
 
+#: Subcommands and their one-line descriptions (`specjax --help`).
+_COMMAND_HELP = {
+    "generate": "generate text, plain or speculative (llama.cpp's flags)",
+    "train": "train a model from a YAML config (how the shipped models were made)",
+    "lookup-create": "build a static n-gram lookup cache from a text (llama-lookup-create)",
+    "lookup-merge": "merge lookup cache files (llama-lookup-merge)",
+    "lookup-stats": "measure lookup-cache drafting on a text (llama-lookup-stats)",
+}
+
+
+def _usage() -> str:
+    width = max(len(name) for name in _COMMAND_HELP) + 2
+    lines = [
+        "usage: specjax COMMAND [options]",
+        "",
+        "commands:",
+        *(f"  {name:<{width}}{text}" for name, text in _COMMAND_HELP.items()),
+        "",
+        "`specjax COMMAND --help` lists a command's options.",
+    ]
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
@@ -309,9 +332,16 @@ def main(argv: list[str] | None = None) -> int:
         "lookup-merge": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_merge_main(a),
         "lookup-stats": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_stats_main(a),
     }
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
-        print("usage: specjax {" + ",".join(commands) + "} [options]", file=sys.stderr)
-        return 0 if argv and argv[0] in ("-h", "--help") else 2
+    if argv and argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if not argv or argv[0] not in commands:
+        if argv:
+            hint = " (options go after a command: `specjax generate -m ...`)"
+            hint = hint if argv[0].startswith("-") else ""
+            print(f"specjax: unknown command {argv[0]!r}{hint}\n", file=sys.stderr)
+        print(_usage(), file=sys.stderr)
+        return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
         return int(commands[argv[0]](argv[1:]) or 0)

@@ -243,3 +243,20 @@ def test_sampling_values_follow_llama_cpp(gguf_path, tmp_path, capsys):
 def test_refused_sampling_values_are_errors(gguf_path, capsys, flags, message):
     assert cli.main(["generate", "-m", gguf_path, "-p", "x", *flags]) == 1
     assert re.search(message, capsys.readouterr().err)
+
+
+def test_top_level_help_lists_the_subcommands(capsys):
+    assert cli.main(["--help"]) == 0
+    captured = capsys.readouterr()
+    listed = [line.split()[0] for line in captured.out.splitlines() if line.startswith("  ")]
+    assert listed == ["generate", "train", "lookup-create", "lookup-merge", "lookup-stats"]
+    assert "--n-predict" not in captured.out and captured.err == ""
+    assert cli.main(["-h"]) == 0 and capsys.readouterr().out == captured.out
+    assert cli.main([]) == 2 and capsys.readouterr().err == captured.out
+    assert cli.main(["-m", "model.gguf"]) == 2
+    assert "options go after a command: `specjax generate -m" in capsys.readouterr().err
+    assert cli.main(["bogus"]) == 2
+    assert "unknown command 'bogus'" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as exit_info:  # a command's own help: its options
+        cli.main(["generate", "--help"])
+    assert exit_info.value.code == 0 and "--n-predict" in capsys.readouterr().out
