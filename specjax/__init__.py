@@ -8,15 +8,22 @@ Public API (see README.md):
                               spec=specjax.SpecConfig(types=("ngram-mod", "draft-simple")),
                               draft=specjax.load("models/code-draft/code-draft-f16.gguf"))
     print(result.text[0]); print(result.stats)
+
+Importing specjax turns on JAX's persistent compilation cache (see `specjax.compile_cache`):
+`specjax.set_compile_cache(path | None)` or `SPECJAX_COMPILE_CACHE=0|DIR` change that.
 """
 
 from specjax.api import GenerationResult, Model, SpecReport, forward, generate, init_model, load
 from specjax.cache import KVCache
+from specjax.compile_cache import enable_default as _enable_compile_cache
+from specjax.compile_cache import set_compile_cache
 from specjax.config import SpecConfig, types_from_names
 from specjax.errors import CacheOverflowError, ModelFileError, SpecjaxError, VocabMismatchError
 from specjax.models.config import ModelConfig, RopeScaling
 
 __version__ = "0.1.0"
+
+_enable_compile_cache()
 
 __all__ = [
     "CacheOverflowError",
@@ -34,5 +41,6 @@ __all__ = [
     "generate",
     "init_model",
     "load",
+    "set_compile_cache",
     "types_from_names",
 ]

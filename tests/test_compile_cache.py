@@ -1,0 +1,143 @@
+"""The persistent compilation cache: on by default in the user cache dir, off by env var,
+option or API, and a second process loads the executables the first one compiled.
+
+Each scenario runs in a fresh Python process (JAX opens its cache once per process, and the
+rest of the suite runs with the cache off, see conftest.py). JAX's own monitoring events are
+the independent witness: `backend_compile` durations count compile requests (served by XLA or
+by the cache), `/jax/compilation_cache/cache_misses` counts executables compiled and written,
+`/jax/compilation_cache/cache_hits` those loaded from disk.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from specjax import cli
+
+# Runs in the child process: configures the cache as told, compiles, reports what happened.
+_CHILD = r"""
+import json, sys
+import jax
+
+events, compiles = {}, [0]
+jax.monitoring.register_event_listener(
+    lambda name, **kw: events.__setitem__(name, events.get(name, 0) + 1))
+jax.monitoring.register_event_duration_secs_listener(
+    lambda name, secs, **kw: compiles.__setitem__(0, compiles[0] + (name == "COMPILE_EVENT")))
+
+import specjax
+from specjax import compile_cache
+
+mode = sys.argv[1]
+if mode.startswith("set:"):
+    specjax.set_compile_cache(mode[4:] or None)
+tokens = None
+if mode == "generate":
+    from specjax.testing import tiny_model
+
+    out = specjax.generate(tiny_model(0), [[5, 6, 7, 8, 9]], max_new_tokens=6)
+    tokens = out.tokens
+else:
+    jax.block_until_ready(jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7)))
+print(json.dumps({
+    "dir": compile_cache.current(),
+    "hits": events.get("/jax/compilation_cache/cache_hits", 0),
+    "misses": events.get("/jax/compilation_cache/cache_misses", 0),
+    "compiles": compiles[0],
+    "tokens": tokens,
+}))
+"""
+
+
+def _run(mode: str, tmp_path: Path, cache_env: str | None) -> dict:
+    from specjax.testing import COMPILE_EVENT
+
+    env = dict(os.environ)
+    env["XDG_CACHE_HOME"] = str(tmp_path / "xdg")
+    env.pop("JAX_COMPILATION_CACHE_DIR", None)
+    if cache_env is None:
+        env.pop("SPECJAX_COMPILE_CACHE", None)
+    else:
+        env["SPECJAX_COMPILE_CACHE"] = cache_env
+    code = _CHILD.replace("COMPILE_EVENT", COMPILE_EVENT)
+    proc = subprocess.run(
+        [sys.executable, "-c", code, mode],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _entries(path: Path) -> list[Path]:
+    return sorted(path.glob("*-cache")) if path.is_dir() else []
+
+
+def test_default_dir_is_created_and_filled(tmp_path):
+    report = _run("jit", tmp_path, cache_env=None)
+    expected = tmp_path / "xdg" / "specjax" / "jax"
+    assert report["dir"] == str(expected)
+    # a few-millisecond compilation is written too (min compile time 0, no min entry size)
+    assert report["misses"] >= 1
+    assert len(_entries(expected)) == report["misses"]
+
+
+def test_env_var_turns_it_off(tmp_path):
+    report = _run("jit", tmp_path, cache_env="0")
+    assert report["dir"] is None
+    assert report["compiles"] >= 1
+    assert not _entries(tmp_path / "xdg" / "specjax" / "jax")
+    assert report["hits"] == report["misses"] == 0
+
+
+def test_set_compile_cache_none_turns_it_off(tmp_path):
+    report = _run("set:", tmp_path, cache_env=None)
+    assert report["dir"] is None
+    assert not _entries(tmp_path / "xdg" / "specjax" / "jax")
+
+
+def test_set_compile_cache_chooses_the_dir(tmp_path):
+    chosen = tmp_path / "chosen"
+    report = _run(f"set:{chosen}", tmp_path, cache_env="0")
+    assert report["dir"] == str(chosen.resolve())
+    assert _entries(chosen)
+
+
+def test_second_process_loads_the_engine_from_the_cache(tmp_path):
+    cache_dir = tmp_path / "cache"
+    cold = _run("generate", tmp_path, cache_env=str(cache_dir))
+    assert cold["misses"] >= 2  # at least the prefill and the generation loop
+    n_entries = len(_entries(cache_dir))
+    assert n_entries == cold["misses"]
+    warm = _run("generate", tmp_path, cache_env=str(cache_dir))
+    assert warm["misses"] == 0, "a second identical run compiled again"
+    assert warm["hits"] == warm["compiles"] >= 2
+    assert warm["tokens"] == cold["tokens"]
+    assert len(_entries(cache_dir)) == n_entries
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        ([], None),
+        (["--no-compile-cache"], False),
+        (["--compile-cache", "/tmp/x"], "/tmp/x"),
+    ],
+)
+def test_cli_options(argv, expected):
+    opts = cli._load_options(["-m", "model.gguf", "-p", "x", *argv])
+    assert opts["compile_cache"] == expected
+
+
+def test_cli_options_are_exclusive():
+    with pytest.raises(SystemExit):
+        cli._load_options(["-m", "m.gguf", "--no-compile-cache", "--compile-cache", "/tmp/x"])
