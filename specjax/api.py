@@ -19,7 +19,7 @@ import numpy as np
 
 from specjax import engine as eng
 from specjax import sampling
-from specjax.cache import KVCache, check_overflow
+from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward_fn, init_params, new_cache
@@ -37,8 +37,17 @@ class Model:
     #: End-of-generation ids; None = the tokenizer's (EOS/EOT/...).
     eog: tuple[int, ...] | None = None
 
-    def new_cache(self, batch: int, capacity: int) -> KVCache:
-        return new_cache(self.config, batch, capacity)
+    def new_cache(
+        self,
+        batch: int,
+        capacity: int,
+        cache_type_k: str | None = None,
+        cache_type_v: str | None = None,
+    ) -> KVCache:
+        """An empty KV cache; K/V types `f32`/`f16`/`bf16` (default: the model's dtype)."""
+        k = cache_dtype(cache_type_k) if cache_type_k else None
+        v = cache_dtype(cache_type_v) if cache_type_v else None
+        return new_cache(self.config, batch, capacity, k, v)
 
     def encode(
         self, text: str, *, add_special: bool = True, parse_special: bool = True
@@ -100,11 +109,34 @@ class Model:
         return tuple(sorted(int(i) for i in ids))
 
 
-def load(path: str) -> Model:
-    """Load a GGUF file or a Hugging Face directory (config.json + safetensors + tokenizer.json)."""
+def default_compute_dtype(file_dtype: str) -> str:
+    """The parameter dtype `load` picks: float32 on CPU, the file's dtype elsewhere.
+
+    XLA's CPU backend has no half-precision matmul: it converts F16/BF16 weights to float32
+    inside every step (a copy of all weights per token), so on CPU they are converted once,
+    at load time. GPUs and TPUs compute in the file's dtype.
+    """
+    if jax.default_backend() == "cpu" and file_dtype in ("float16", "bfloat16"):
+        return "float32"
+    return file_dtype
+
+
+def load(path: str, dtype: str | None = None) -> Model:
+    """Load a GGUF file or a Hugging Face directory (config.json + safetensors + tokenizer.json).
+
+    `dtype` ("float32" / "float16" / "bfloat16") is the parameter and compute dtype; default:
+    `default_compute_dtype` of the file's dtype (float32 on CPU).
+    """
     from specjax.io import load_model_files
 
-    config, params, tokenizer = load_model_files(path)
+    if dtype is None:
+        config, params, tokenizer = load_model_files(path)
+        wanted = default_compute_dtype(config.dtype)
+        if wanted != config.dtype:
+            config = dataclasses.replace(config, dtype=wanted)
+            params = jax.tree.map(lambda x: np.asarray(x).astype(wanted), params)
+    else:
+        config, params, tokenizer = load_model_files(path, dtype=dtype)
     return Model(
         config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer, path=str(path)
     )
@@ -374,6 +406,8 @@ def generate(
     spec: SpecConfig | None = None,
     draft: Model | None = None,
     stop: Sequence[str] = (),
+    cache_type_k: str = "f16",
+    cache_type_v: str = "f16",
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -385,7 +419,8 @@ def generate(
     ValueError). `stop` strings end a row's text at their first occurrence (applied on
     the host after the device loop, which itself stops at end-of-generation tokens and
     max_new_tokens); the row's tokens are cut after the token completing the stop string.
-    Compilation is cached per static shape; `timings["compile_seconds"]`
+    `cache_type_k` / `cache_type_v` (`f32`, `f16`, `bf16`; llama.cpp's `-ctk` / `-ctv`) set
+    the target's KV cache types, F16 by default as in llama.cpp. Compilation is cached per static shape; `timings["compile_seconds"]`
     reports it apart from prefill/decode time.
     """
     from specjax.drafters.registry import build_drafters
@@ -423,6 +458,8 @@ def generate(
         out_capacity=out_cap,
         eog_ids=model.eog_ids,
         synthetic=synth is not None,
+        cache_type_k=cache_dtype(cache_type_k),
+        cache_type_v=cache_dtype(cache_type_v),
     )
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompt_ids):
@@ -484,6 +521,7 @@ def generate(
         "tokens_per_second": generated / max(t2 - t1, 1e-9),
         "n_rounds": int(n_rounds),
         "compile_seconds": t0 - tc,
+        "kv_cache_bytes": state.cache.nbytes,
     }
     stats = None
     if spec is not None:

@@ -2,9 +2,12 @@
 
 Layout (design notes section 5):
 
-    k[l], v[l]  [B, S, G, E]  per-layer tuple (never stacked: donated per layer to the jit)
+    k[l], v[l]  [B, G, S, E]  per-layer tuple (never stacked: donated per layer to the jit);
+                              the layout attention contracts over, so no step re-lays it out
     pos         [B, S] int32  position held by each cell, -1 = empty cell
     overflow    [B] bool      sticky flag: some write of this row found no free cell
+
+K and V have their own dtypes (llama.cpp's `-ctk` / `-ctv`; F16 by default in `generate`).
 
 Invariants:
 * Row b is llama.cpp's sequence b. Cells are never shared between rows.
@@ -14,6 +17,9 @@ Invariants:
   cells), so holes left by a mid-range `seq_rm` are reused. Cell order carries no meaning:
   attention visibility derives from positions alone (key visible iff pos_k >= 0 and
   pos_k <= pos_q, and pos_q - pos_k < window on sliding-window layers).
+* Because new tokens take the lowest free cells, every occupied cell lies below the
+  high-water mark `used_cells(cache)`; attention reads only a bucket of cells covering it
+  (`window_sizes`), so per-token cost follows the used context, not the capacity.
 * A token whose row has no free cell is dropped and sets `overflow[row]`; the host checks
   the flag after the jitted call and raises (`check_overflow`). Nothing is overwritten.
 """
@@ -27,6 +33,21 @@ import numpy as np
 from specjax.errors import CacheOverflowError
 from specjax.pytree import pytree_dataclass, static_field
 from specjax.types import EMPTY_POS, Array
+
+#: Cache types accepted by `-ctk` / `-ctv` (llama.cpp's names) and their JAX dtypes.
+CACHE_TYPES: dict[str, str] = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
+
+#: Smallest attention window (llama.cpp pads its `n_kv` to 256 cells too).
+MIN_WINDOW = 256
+
+
+def cache_dtype(name: str) -> str:
+    """`f16` / `float16` -> "float16"; a clear ValueError for anything else."""
+    if name in CACHE_TYPES:
+        return CACHE_TYPES[name]
+    if name in CACHE_TYPES.values():
+        return name
+    raise ValueError(f"unsupported KV cache type {name!r}; supported: {', '.join(CACHE_TYPES)}")
 
 
 @pytree_dataclass
@@ -50,6 +71,12 @@ class KVCache:
     def n_layers(self) -> int:
         return len(self.k)
 
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the cache's arrays (K, V, positions, flags)."""
+        leaves = jax.tree.leaves(self)
+        return int(sum(x.size * x.dtype.itemsize for x in leaves))
+
     @staticmethod
     def init(
         *,
@@ -60,17 +87,43 @@ class KVCache:
         head_dim: int,
         inv_freq: tuple[float, ...],
         dtype: jnp.dtype | str = jnp.float32,
+        v_dtype: jnp.dtype | str | None = None,
     ) -> KVCache:
         if batch <= 0 or capacity <= 0:
             raise ValueError(f"cache batch and capacity must be positive, got {batch}, {capacity}")
-        shape = (batch, capacity, n_kv_heads, head_dim)
+        shape = (batch, n_kv_heads, capacity, head_dim)
+        v_dtype = dtype if v_dtype is None else v_dtype
         return KVCache(
             k=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
-            v=tuple(jnp.zeros(shape, dtype) for _ in range(n_layers)),
+            v=tuple(jnp.zeros(shape, v_dtype) for _ in range(n_layers)),
             pos=jnp.full((batch, capacity), EMPTY_POS, jnp.int32),
             overflow=jnp.zeros((batch,), bool),
             inv_freq=tuple(float(f) for f in inv_freq),
         )
+
+
+def window_sizes(capacity: int) -> tuple[int, ...]:
+    """Static attention windows for a capacity: 256, 512, 1024, ... and the capacity itself."""
+    sizes = []
+    w = MIN_WINDOW
+    while w < capacity:
+        sizes.append(w)
+        w *= 2
+    sizes.append(capacity)
+    return tuple(sizes)
+
+
+def used_cells(pos_BS: Array) -> Array:
+    """High-water mark: 1 + the highest occupied cell index over all rows (0 when empty)."""
+    S = pos_BS.shape[1]
+    idx = jnp.arange(1, S + 1, dtype=jnp.int32)
+    return jnp.max(jnp.where(pos_BS >= 0, idx[None, :], 0))
+
+
+def window_index(pos_BS: Array) -> Array:
+    """Index into `window_sizes(S)` of the smallest window covering every occupied cell."""
+    sizes = window_sizes(pos_BS.shape[1])
+    return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < used_cells(pos_BS)).astype(jnp.int32)
 
 
 def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:
@@ -106,9 +159,14 @@ def write_positions(cache: KVCache, positions_BT: Array) -> tuple[KVCache, Array
     )
 
 
-def write_layer(buf_BSGE: Array, slot_BT: Array, new_BTGE: Array) -> Array:
-    rows_BT = jnp.arange(buf_BSGE.shape[0], dtype=jnp.int32)[:, None] + jnp.zeros_like(slot_BT)
-    return buf_BSGE.at[rows_BT, slot_BT].set(new_BTGE.astype(buf_BSGE.dtype), mode="drop")
+def write_layer(buf_BGSE: Array, slot_BT: Array, new_BTGE: Array) -> Array:
+    """Scatter new tokens' [B, T, G, E] rows into cells `slot_BT` (S = not written)."""
+    B, G = buf_BGSE.shape[0], buf_BGSE.shape[1]
+    T = slot_BT.shape[1]
+    rows = jnp.broadcast_to(jnp.arange(B, dtype=jnp.int32)[:, None, None], (B, T, G))
+    heads = jnp.broadcast_to(jnp.arange(G, dtype=jnp.int32)[None, None, :], (B, T, G))
+    slots = jnp.broadcast_to(slot_BT[:, :, None], (B, T, G))
+    return buf_BGSE.at[rows, heads, slots].set(new_BTGE.astype(buf_BGSE.dtype), mode="drop")
 
 
 def check_overflow(cache: KVCache) -> None:

@@ -36,7 +36,7 @@ from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
 from specjax.models.config import ModelConfig
-from specjax.models.llama import commit_kv, forward_compute, forward_fn, new_cache
+from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -61,6 +61,9 @@ class Engine:
     eog_ids: tuple[int, ...] = ()
     penalty_window: int = 64
     synthetic: bool = False
+    #: KV cache dtypes of the target (llama.cpp's `-ctk` / `-ctv`); None = the model's dtype.
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -129,12 +132,21 @@ def prefill(
     positions_BT = jnp.where(
         jnp.arange(T)[None, :] < lengths_B[:, None], jnp.arange(T)[None, :], -1
     )
-    cache = new_cache(engine.target, B, S)
-    out = forward_fn(
-        engine.target, target_params, tokens_BT, positions_BT, cache, engine.hidden_layers
-    )
+    cache = new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v)
     last_idx = jnp.maximum(lengths_B - 1, 0)
-    logits_BV = jnp.take_along_axis(out.logits, last_idx[:, None, None], axis=1)[:, 0]
+    out = forward_compute(
+        engine.target,
+        target_params,
+        tokens_BT,
+        positions_BT,
+        cache,
+        engine.hidden_layers,
+        cache_empty=True,
+        logit_index=last_idx,
+    )
+    cache = commit_kv(cache, positions_BT, out.k, out.v)
+    assert out.logits is not None
+    logits_BV = out.logits[:, 0]
     history = jnp.zeros((B, S), jnp.int32).at[:, :T].set(jnp.where(positions_BT >= 0, tokens_BT, 0))
     window = _history_window(history, lengths_B, engine.penalty_window)
     logits_BV = jax.vmap(sampling.apply_penalties)(
@@ -165,7 +177,7 @@ def prefill(
     stats = stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1))
     stats = stats_mod.record_begin(stats, jnp.ones((B,), bool))
     return GenState(
-        cache=out.cache,
+        cache=cache,
         history=history,
         length=lengths_B.astype(jnp.int32),
         last_token=first.astype(jnp.int32),
@@ -298,7 +310,7 @@ def _verify_forward(
         logits, k, v, hidden = jax.lax.switch(
             index, [branch(w) for w in widths], (cache, v_tokens, v_pos)
         )
-    return logits, commit_kv(cache, v_pos, k, v), hidden
+    return logits, commit_kv(cache, v_pos, k, v, after=logits), hidden
 
 
 def spec_step(

@@ -133,22 +133,22 @@ def _row_mask(batch: int, seq: IntLike) -> Array:
     return jnp.arange(batch, dtype=jnp.int32) == _i32(seq)
 
 
-def _rotate(k_BSGE: Array, delta_BS: Array, inv_freq: tuple[float, ...]) -> Array:
+def _rotate(k_BGSE: Array, delta_BS: Array, inv_freq: tuple[float, ...]) -> Array:
     """Rotate stored keys by a per-cell position delta (rotate-half RoPE), float32 math."""
-    half = k_BSGE.shape[-1] // 2
+    half = k_BGSE.shape[-1] // 2
     if len(inv_freq) != half:
         raise ValueError(
             f"cache.inv_freq has {len(inv_freq)} entries for a head dimension of "
-            f"{k_BSGE.shape[-1]} (need {half})"
+            f"{k_BGSE.shape[-1]} (need {half})"
         )
     freq = jnp.asarray(inv_freq, jnp.float32)[None, None, :]
     angle = delta_BS.astype(jnp.float32)[:, :, None] * freq  # [B, S, E/2]
-    c = jnp.cos(angle)[:, :, None, :]
-    s = jnp.sin(angle)[:, :, None, :]
-    x = k_BSGE.astype(jnp.float32)
+    c = jnp.cos(angle)[:, None, :, :]
+    s = jnp.sin(angle)[:, None, :, :]
+    x = k_BGSE.astype(jnp.float32)
     x1, x2 = x[..., :half], x[..., half:]
-    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(k_BSGE.dtype)
-    return jnp.where((delta_BS != 0)[:, :, None, None], out, k_BSGE)
+    out = jnp.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1).astype(k_BGSE.dtype)
+    return jnp.where((delta_BS != 0)[:, None, :, None], out, k_BGSE)
 
 
 def _move(cache: K, new_pos_BS: Array) -> K:
@@ -199,10 +199,22 @@ def seq_cp(cache: M, src: IntLike, dst: IntLike, p0: IntLike, p1: IntLike) -> M:
     slot_1S, overflow_1 = assign_slots(cache.pos[dst_c][None, :], copy_pos_S[None, :])
     slot_S = slot_1S[0]  # S = not copied
     pos = cache.pos.at[dst_c, slot_S].set(copy_pos_S, mode="drop")
-    k = tuple(buf.at[dst_c, slot_S].set(buf[src_c], mode="drop") for buf in cache.k)
-    v = tuple(buf.at[dst_c, slot_S].set(buf[src_c], mode="drop") for buf in cache.v)
+    k = tuple(_copy_cells(buf, src_c, dst_c, slot_S) for buf in cache.k)
+    v = tuple(_copy_cells(buf, src_c, dst_c, slot_S) for buf in cache.v)
     overflow = cache.overflow | (_row_mask(B, dst_c) & overflow_1[0])
     return replace(cache, k=k, v=v, pos=pos, overflow=overflow)
+
+
+def _copy_cells(buf_BGSE: Array, src: Array, dst: Array, slot_S: Array) -> Array:
+    """Copy every cell of row `src` to cell `slot_S[cell]` of row `dst` (S = not copied)."""
+    cells_SGE = jnp.swapaxes(buf_BGSE[src], 0, 1)  # advanced indices first: [S, G, E]
+    return buf_BGSE.at[dst, :, slot_S].set(cells_SGE, mode="drop")
+
+
+def _copy_cells(buf_BGSE: Array, src: Array, dst: Array, slot_S: Array) -> Array:
+    """Copy every cell of row `src` to cell `slot_S[cell]` of row `dst` (S = not copied)."""
+    cells_SGE = jnp.swapaxes(buf_BGSE[src], 0, 1)  # advanced indices first: [S, G, E]
+    return buf_BGSE.at[dst, :, slot_S].set(cells_SGE, mode="drop")
 
 
 def seq_keep(cache: M, seq: IntLike) -> M:

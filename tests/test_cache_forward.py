@@ -285,7 +285,7 @@ def test_padding_is_finite_and_never_written() -> None:
     assert r.cell_positions(0) == [0, 1] + [-1] * (S - 2)
     assert r.cell_positions(1) == [-1] * S
     assert not np.asarray(r.cache.k[0][1]).any() and not np.asarray(r.cache.v[1][1]).any()
-    assert not np.asarray(r.cache.k[1][0, 2:]).any()
+    assert not np.asarray(r.cache.k[1][0, :, 2:]).any()
     assert_close(r, list(logits[0, 2:]), a[:2], range(2))
     # A padding step after data: row 0 unchanged, still finite.
     logits = r.step(np.array([[3], [4]]), np.array([[-1], [-1]]))

@@ -43,6 +43,11 @@ def rope_np(x_GE: np.ndarray, pos: int) -> np.ndarray:
     return np.concatenate([x1 * c - x2 * s, x2 * c + x1 * s], axis=-1)
 
 
+def cells(buf: Array) -> np.ndarray:
+    """A cache buffer [B, G, S, E] as [B, S, G, E]: row, cell, head, dim."""
+    return np.swapaxes(np.asarray(buf, np.float32), 1, 2)
+
+
 def _write(cache: KVCache, positions_BT: Array, k_BTGE: Array, v_BTGE: Array) -> KVCache:
     cache, slot_BT = write_positions(cache, positions_BT)
     k = (write_layer(cache.k[0], slot_BT, k_BTGE),)
@@ -137,7 +142,7 @@ def assert_matches(cache: KVCache, ref: Ref) -> None:
     pos = np.asarray(cache.pos)
     np.testing.assert_array_equal(pos, ref.pos(), err_msg="cell positions")
     np.testing.assert_array_equal(np.asarray(cache.overflow), np.array(ref.overflow))
-    k, v = np.asarray(cache.k[0]), np.asarray(cache.v[0])
+    k, v = cells(cache.k[0]), cells(cache.v[0])
     for row in range(B):
         assert sorted(pos[row][pos[row] >= 0].tolist()) == ref.positions(row)
         expect = ref.positions(row)
@@ -301,8 +306,8 @@ def test_seq_add_shifts_rerotates_and_drops_negative_positions() -> None:
     assert row_pos(d, 1)[:8] == [-1, -1, -1, 0, 1, 2, 3, 4]
     assert_matches(d.cache, d.ref)  # keys equal rope(base, new position)
     assert row_pos(d, 2)[:8] == list(range(8))
-    k_before = np.asarray(filled().cache.k[0])
-    np.testing.assert_array_equal(np.asarray(d.cache.k[0][2]), k_before[2])  # other rows untouched
+    k_before = cells(filled().cache.k[0])
+    np.testing.assert_array_equal(cells(d.cache.k[0])[2], k_before[2])  # other rows untouched
 
 
 def test_seq_add_then_inverse_restores_keys() -> None:
@@ -311,7 +316,7 @@ def test_seq_add_then_inverse_restores_keys() -> None:
     np.testing.assert_array_equal(np.asarray(cache.pos), np.asarray(d.cache.pos))
     np.testing.assert_allclose(np.asarray(cache.k[0]), np.asarray(d.cache.k[0]), atol=2e-4)
     moved = memory.seq_add(d.cache, 0, -1, -1, 1000)
-    assert not np.allclose(np.asarray(moved.k[0][0, 1:8]), np.asarray(d.cache.k[0][0, 1:8]))
+    assert not np.allclose(cells(moved.k[0])[0, 1:8], cells(d.cache.k[0])[0, 1:8])
 
 
 def test_seq_div_halves_positions_and_rerotates() -> None:
@@ -327,12 +332,8 @@ def test_seq_cp_copies_range_into_lowest_free_cells() -> None:
     d = filled((8, 3, 0))
     d.apply(("cp", 0, 1, 2, 6))  # positions 2..5 of row 0 -> row 1 cells 3..6
     assert row_pos(d, 1)[:8] == [0, 1, 2, 2, 3, 4, 5, -1]
-    np.testing.assert_array_equal(
-        np.asarray(d.cache.k[0][1, 3:7]), np.asarray(d.cache.k[0][0, 2:6])
-    )
-    np.testing.assert_array_equal(
-        np.asarray(d.cache.v[0][1, 3:7]), np.asarray(d.cache.v[0][0, 2:6])
-    )
+    np.testing.assert_array_equal(cells(d.cache.k[0])[1, 3:7], cells(d.cache.k[0])[0, 2:6])
+    np.testing.assert_array_equal(cells(d.cache.v[0])[1, 3:7], cells(d.cache.v[0])[0, 2:6])
     d.apply(("cp", 0, 0, -1, -1))  # onto itself: no-op
     d.apply(("cp", 0, 2, -1, -1))
     assert row_pos(d, 2) == row_pos(d, 0)
@@ -405,7 +406,7 @@ def test_bfloat16_keys_keep_dtype_after_shift() -> None:
     moved = memory.seq_add(cache, 0, -1, -1, 4)
     assert moved.k[0].dtype == jnp.bfloat16
     expect = np.stack([rope_np(base_key(t), t + 4) for t in range(T)])
-    np.testing.assert_allclose(np.asarray(moved.k[0][0, :T], np.float32), expect, atol=3e-2)
+    np.testing.assert_allclose(cells(moved.k[0])[0, :T], expect, atol=3e-2)
 
 
 def test_host_validation_names_the_numbers() -> None:

@@ -3,9 +3,15 @@
 Invariants:
 * `positions[b, t] == -1` marks padding: its K/V are not written and its logits are garbage
   (finite, never NaN) and must be ignored by the caller.
-* The cache is written before attention, so a token attends to itself, to earlier tokens of
-  the same call and to cached cells, all decided by positions (see specjax.cache).
-* Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32.
+* `forward_compute` reads the cache and never writes it: new tokens attend to the cached cells,
+  to each other and to optional `extra` cells (a drafter's scratch), all by position (see
+  specjax.cache), in one softmax; `commit_kv` writes the new K/V afterwards. So a token
+  attends to itself and to earlier tokens of the same call exactly as if written first.
+* Attention reads only the cells below the cache's high-water mark, rounded up to one of
+  `window_sizes(S)` (a `lax.switch` per layer), so cost follows the used context.
+* Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
+  K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
+  dtype.
 """
 
 from __future__ import annotations
@@ -16,8 +22,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, write_layer, write_positions
+from specjax.cache import KVCache, window_index, window_sizes, write_layer, write_positions
 from specjax.models.config import ModelConfig, rope_frequencies
+from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
 _MASKED = -1e30  # finite: a query that sees no key (padding) gets a uniform row, not NaN
@@ -27,6 +34,15 @@ class ForwardOutput(NamedTuple):
     logits: Array  # [B, T, V] float32
     cache: KVCache
     hidden: tuple[Array, ...]  # one [B, T, D] per requested layer (see `forward_fn`)
+
+
+@pytree_dataclass
+class ExtraKV:
+    """Extra cells attended besides the cache (a drafter's scratch of its own drafted tokens)."""
+
+    k: tuple[Array, ...]  # per layer [B, G, X, E]
+    v: tuple[Array, ...]  # per layer [B, G, X, E]
+    pos: Array  # [B, X] int32, -1 = empty
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
@@ -60,39 +76,76 @@ def attention_mask(q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
     return visible
 
 
-def _attention(
+def _attend(
+    q_BGRTE: Array, segments: list[tuple[Array, Array, Array]], q_pos_BT: Array, window: int
+) -> Array:
+    """One softmax over several key/value segments (k, v [B, G, S_i, E], pos [B, S_i])."""
+    E = q_BGRTE.shape[-1]
+    scale = 1.0 / math.sqrt(E)
+    dtype = q_BGRTE.dtype
+    scores = []
+    for k, _, pos in segments:
+        s = jnp.einsum(
+            "bgrte,bgse->bgrts", q_BGRTE, k.astype(dtype), preferred_element_type=jnp.float32
+        )
+        mask = attention_mask(q_pos_BT, pos, window)[:, None, None]
+        scores.append(jnp.where(mask, s * scale, _MASKED))
+    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(dtype)
+    out, start = None, 0
+    for _, v, pos in segments:
+        n = pos.shape[1]
+        part = jnp.einsum("bgrts,bgse->bgrte", probs[..., start : start + n], v.astype(dtype))
+        out = part if out is None else out + part
+        start += n
+    assert out is not None
+    return out
+
+
+def _layer_attention(
     config: ModelConfig,
+    layer_index: int,
     q_BTHE: Array,
-    k_BSGE: Array,
-    v_BSGE: Array,
-    mask_BTS: Array,
     k_BTGE: Array,
     v_BTGE: Array,
-    mask_BTT: Array,
+    positions_BT: Array,
+    cache: KVCache,
+    cache_empty: bool,
+    window_idx: Array,
+    extra: ExtraKV | None,
 ) -> Array:
-    """Attention over the cached cells (read-only) and the new tokens, one softmax over both."""
+    """Attention of the new tokens over the cache window, `extra` cells and each other."""
     B, T, H, E = q_BTHE.shape
     G = config.G
-    scale = 1.0 / math.sqrt(E)
-    q_BTGRE = q_BTHE.reshape(B, T, G, H // G, E)
-    s_cache = jnp.einsum("btgre,bsge->bgrts", q_BTGRE, k_BSGE, preferred_element_type=jnp.float32)
-    s_new = jnp.einsum("btgre,buge->bgrtu", q_BTGRE, k_BTGE, preferred_element_type=jnp.float32)
-    scores = jnp.concatenate(
-        [
-            jnp.where(mask_BTS[:, None, None, :, :], s_cache * scale, _MASKED),
-            jnp.where(mask_BTT[:, None, None, :, :], s_new * scale, _MASKED),
-        ],
-        axis=-1,
-    )
-    probs = jax.nn.softmax(scores, axis=-1).astype(v_BSGE.dtype)
-    S = k_BSGE.shape[1]
-    out = jnp.einsum("bgrts,bsge->btgre", probs[..., :S], v_BSGE)
-    out = out + jnp.einsum("bgrtu,buge->btgre", probs[..., S:], v_BTGE.astype(v_BSGE.dtype))
-    return out.reshape(B, T, H * E)
+    q = q_BTHE.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, E]
+    window = config.layer_window(layer_index)
+    own = [(k_BTGE.transpose(0, 2, 1, 3), v_BTGE.transpose(0, 2, 1, 3), positions_BT)]
+    if extra is not None:
+        own.append((extra.k[layer_index], extra.v[layer_index], extra.pos))
+
+    if cache_empty:
+        out = _attend(q, own, positions_BT, window)
+    else:
+        k_c, v_c, pos_c = cache.k[layer_index], cache.v[layer_index], cache.pos
+        sizes = window_sizes(cache.capacity)
+
+        def branch(W: int):
+            def run(ops: tuple[Array, ...]) -> Array:
+                q, k_c, v_c, pos_c = ops
+                segments = [(k_c[:, :, :W], v_c[:, :, :W], pos_c[:, :W]), *own]
+                return _attend(q, segments, positions_BT, window)
+
+            return run
+
+        ops = (q, k_c, v_c, pos_c)
+        if len(sizes) == 1:
+            out = branch(sizes[0])(ops)
+        else:
+            out = jax.lax.switch(window_idx, [branch(W) for W in sizes], ops)
+    return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
 class ForwardCompute(NamedTuple):
-    logits: Array  # [B, T, V] float32
+    logits: Array | None  # [B, T, V] float32 ([B, 1, V] with `logit_index`; None if not asked)
     k: tuple[Array, ...]  # per layer [B, T, G, E], rotated at the token positions
     v: tuple[Array, ...]  # per layer [B, T, G, E]
     hidden: tuple[Array, ...]
@@ -105,18 +158,25 @@ def forward_compute(
     positions_BT: Array,
     cache: KVCache,
     hidden_layers: tuple[int, ...] = (),
+    *,
+    cache_empty: bool = False,
+    extra: ExtraKV | None = None,
+    logits: bool = True,
+    logit_index: Array | None = None,
 ) -> ForwardCompute:
     """The forward with the cache read-only: returns logits and the new tokens' K/V.
 
-    New tokens attend to the cached cells and to each other (by position), exactly as if
-    they had been written first; `commit_kv` writes them afterwards. Keeping the cache
-    read-only lets callers branch (`lax.switch` over verify widths) without XLA copying
-    the whole cache into and out of every branch.
+    New tokens attend to the cached cells (none with `cache_empty`, static: prefill of a
+    fresh cache reads nothing), to `extra` cells and to each other (by position), exactly as if they had been written
+    first; `commit_kv` writes them afterwards. Keeping the cache read-only lets callers
+    branch (`lax.switch` over verify widths) without XLA copying the whole cache into and
+    out of every branch. `logits=False` skips the LM head; `logit_index [B]` computes the
+    logits of one token per row only (prefill needs just the last prompt token's).
     """
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
     cos, sin = rope_angles(positions_BT, inv_freq)
-    masks: dict[int, tuple[Array, Array]] = {}
+    window_idx = window_index(cache.pos)
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
@@ -136,18 +196,15 @@ def forward_compute(
             q = rms_norm(q, layer["q_norm"], config.norm_eps)
             k = rms_norm(k, layer["k_norm"], config.norm_eps)
         q = apply_rope(q, cos, sin)
+        # Rounded to the cache dtypes first, so a token reads its batch-mates exactly as it
+        # would read them from the cache: a verify batch equals one-token-at-a-time decoding.
         k = apply_rope(k, cos, sin).astype(cache.k[i].dtype)
         v = v.astype(cache.v[i].dtype)
         new_k.append(k)
         new_v.append(v)
-        window = config.layer_window(i)
-        if window not in masks:
-            masks[window] = (
-                attention_mask(positions_BT, cache.pos, window),
-                attention_mask(positions_BT, positions_BT, window),
-            )
-        mask_cache, mask_new = masks[window]
-        attn = _attention(config, q, cache.k[i], cache.v[i], mask_cache, k, v, mask_new)
+        attn = _layer_attention(
+            config, i, q, k, v, positions_BT, cache, cache_empty, window_idx, extra
+        )
         x = x + jnp.einsum("bti,oi->bto", attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
         gate_up = jnp.einsum("btd,od->bto", h, layer["w_gate_up"])
@@ -155,18 +212,36 @@ def forward_compute(
         x = x + jnp.einsum("btf,of->bto", jax.nn.silu(gate) * up, layer["w_down"])
     if config.L in hidden_layers:
         hidden[config.L] = x
-    x = rms_norm(x, params["final_norm"], config.norm_eps)
-    head = params["embed"] if config.tie_embeddings else params["lm_head"]
-    logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
+    out_logits = None
+    if logits:
+        if logit_index is not None:
+            x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)
+        x = rms_norm(x, params["final_norm"], config.norm_eps)
+        head = params["embed"] if config.tie_embeddings else params["lm_head"]
+        out_logits = jnp.einsum("btd,vd->btv", x, head, preferred_element_type=jnp.float32)
     return ForwardCompute(
-        logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
+        out_logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
     )
 
 
 def commit_kv(
-    cache: KVCache, positions_BT: Array, k: tuple[Array, ...], v: tuple[Array, ...]
+    cache: KVCache,
+    positions_BT: Array,
+    k: tuple[Array, ...],
+    v: tuple[Array, ...],
+    after: Array | None = None,
 ) -> KVCache:
-    """Write new tokens' K/V into the lowest free cells (padding, position -1, is skipped)."""
+    """Write new tokens' K/V into the lowest free cells (padding, position -1, is skipped).
+
+    `after`: an array computed from every read of `cache` (the logits, or the last hidden).
+    XLA's CPU runtime runs independent ops concurrently, so an in-place write that does not
+    depend on the reads makes it copy every layer's K and V first. The write positions are
+    made to depend on one element of `after` (a NaN there drops the write; it cannot be
+    constant-folded), which orders the write after the reads and keeps the update in place.
+    """
+    if after is not None:
+        probe = after.reshape(-1)[0]
+        positions_BT = jnp.where(probe != probe, -1, positions_BT)
     cache, slot_BT = write_positions(cache, positions_BT)
     return KVCache(
         k=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.k, k)),
@@ -192,14 +267,24 @@ def forward_fn(
     MTP drafters read these.
     """
     out = forward_compute(config, params, tokens_BT, positions_BT, cache, hidden_layers)
-    cache = commit_kv(cache, positions_BT, out.k, out.v)
+    cache = commit_kv(cache, positions_BT, out.k, out.v, after=out.logits)
+    assert out.logits is not None
     return ForwardOutput(out.logits, cache, out.hidden)
 
 
-def new_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
-    """An empty cache. The optimization barrier keeps XLA from constant-folding attention over
-    an all-empty cache created inside a jitted function (prefill, training), which made
-    compilation take minutes."""
+def new_cache(
+    config: ModelConfig,
+    batch: int,
+    capacity: int,
+    dtype: str | None = None,
+    v_dtype: str | None = None,
+) -> KVCache:
+    """An empty cache (K in `dtype`, V in `v_dtype`; default: the model's dtype).
+
+    The optimization barrier keeps XLA from constant-folding attention over an all-empty cache
+    created inside a jitted function (prefill, training), which made compilation take minutes.
+    """
+    k_dtype = dtype or config.dtype
     cache = KVCache.init(
         batch=batch,
         capacity=capacity,
@@ -207,7 +292,8 @@ def new_cache(config: ModelConfig, batch: int, capacity: int) -> KVCache:
         n_kv_heads=config.G,
         head_dim=config.E,
         inv_freq=tuple(rope_frequencies(config)),
-        dtype=config.dtype,
+        dtype=k_dtype,
+        v_dtype=v_dtype or k_dtype,
     )
     return jax.lax.optimization_barrier(cache)
 
