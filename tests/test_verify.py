@@ -141,6 +141,83 @@ def test_rejection_preserves_target_distribution(name, logits, q, allowed, tempe
         assert np.all(n_acc == 1)
 
 
+# K = 2: the joint distribution of the first two emitted tokens. A two-token "model" over V = 4:
+# the target gives P1 at the first position and P2[x1] at the second (it depends on the first
+# token, as a real model's does); the drafter drafts d0 ~ Q1, d1 ~ Q2[d0]. The verify batch's
+# row 1 therefore holds P2[d0]. When d0 is rejected only one token is emitted, and the next
+# round (id_last = x1, a fresh draft e0 ~ Q2[x1]) emits the second. Exact target joint:
+# P(x1, x2) = P1[x1] * P2[x1, x2].
+P1 = np.array([0.40, 0.30, 0.20, 0.10])
+P2 = np.array(
+    [[0.10, 0.20, 0.30, 0.40], [0.50, 0.20, 0.20, 0.10], [0.25] * 4, [0.70, 0.10, 0.10, 0.10]]
+)
+Q1 = np.array([0.10, 0.20, 0.30, 0.40])
+Q2 = np.array(
+    [[0.40, 0.30, 0.20, 0.10], [0.10, 0.10, 0.40, 0.40], [0.60, 0.20, 0.10, 0.10], [0.25] * 4]
+)
+#: chi-square quantile at 1 - 1e-4 for 15 degrees of freedom (scipy.stats.chi2.ppf).
+CHI2_CRIT_15 = 44.263
+
+
+def _two_token_joint(verifier, n_trials: int = N_TRIALS) -> np.ndarray:
+    """Per trial the first two emitted tokens, flattened as x1 * 4 + x2 (a fresh jit per call,
+    so a monkeypatched verifier is traced)."""
+    lp1, lp2 = jnp.asarray(_log(P1)), jnp.asarray(_log(P2))
+    q1, q2 = jnp.asarray(Q1, jnp.float32), jnp.asarray(Q2, jnp.float32)
+
+    def trial(seed):
+        params = SamplingParams.create(temperature=1.0, **PLAIN, seed=seed)
+        d0 = jax.random.categorical(make_key(seed, 1, ROLE_DRAFT), jnp.log(q1)).astype(jnp.int32)
+        d1 = jax.random.categorical(make_key(seed, 2, ROLE_DRAFT), jnp.log(q2[d0]))
+        first = verifier(
+            jnp.stack([lp1, lp2[d0], lp1]),  # row 2 (the bonus) is not looked at here
+            jnp.stack([d0, d1.astype(jnp.int32)]),
+            jnp.ones((2,), bool),
+            jnp.stack([q1, q2[d0]]),
+            params,
+            jnp.int32(0),
+        )
+        x1 = first.tokens[0]
+        e0 = jax.random.categorical(make_key(seed, 2, ROLE_DRAFT), jnp.log(q2[x1]))
+        second = verifier(  # the next round, used when only x1 was emitted
+            jnp.stack([lp2[x1], lp1, lp1]),
+            jnp.stack([e0.astype(jnp.int32), jnp.int32(0)]),
+            jnp.asarray([True, False]),
+            jnp.stack([q2[x1], q2[x1]]),
+            params,
+            jnp.int32(1),
+        )
+        x2 = jnp.where(first.n_accepted >= 1, first.tokens[1], second.tokens[0])
+        return x1 * 4 + x2
+
+    seeds = jnp.arange(n_trials, dtype=jnp.uint32)
+    return np.asarray(jax.jit(jax.vmap(trial))(seeds))
+
+
+def test_rejection_k2_preserves_the_joint_of_two_emitted_tokens(monkeypatch):
+    import specjax.verify as verify_module
+
+    joint = (P1[:, None] * P2).reshape(-1)
+    samples = _two_token_joint(verify_rejection)
+    stat, df = _chi2(samples, joint)
+    assert df == 15 and stat < CHI2_CRIT_15, stat
+
+    # power: verifiers broken only at K >= 2 fail the same test
+    def wrong_row(logits_TV, draft_K, valid_K, q_KV, params, pos0):
+        # tests d1 against the first position's p instead of P2[d0]
+        logits_TV = logits_TV.at[1].set(logits_TV[0])
+        return verify_rejection(logits_TV, draft_K, valid_K, q_KV, params, pos0)
+
+    assert _chi2(_two_token_joint(wrong_row, 4000), joint)[0] > CHI2_CRIT_15
+    # acceptance that is not a prefix: d1 accepted after d0 was rejected
+    monkeypatch.setattr(
+        verify_module,
+        "_prefix_count",
+        lambda accept_K, valid_K: jnp.sum(accept_K & valid_K).astype(jnp.int32),
+    )
+    assert _chi2(_two_token_joint(verify_rejection, 4000), joint)[0] > CHI2_CRIT_15
+
+
 def test_rejection_zero_residual_falls_back_to_target_draw():
     # p == q and the draft token has q = 0 -> rejected with zero residual -> target's own draw,
     # which is what match emits for a token it can never sample.
