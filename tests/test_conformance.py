@@ -43,7 +43,6 @@ from specjax.drafters.relay_reference import (
 
 register_reference("ngram-cache", lambda params, n_seq: NgramCacheImplRef(n_seq))
 
-S = 16384  # history capacity: power of two above the longest scenario (14646 tokens)
 K = 64  # static draft width (>= every scenario's n_max)
 
 #: llama.cpp type name -> JAX drafter factory from the conformance `params`.
@@ -63,6 +62,16 @@ JAX_FACTORIES: dict[str, Callable[[dict[str, int]], Any]] = {
 }
 
 SCENARIOS: list[dict[str, Any]] = load_scenarios() if CONFORMANCE_PATH.exists() else []
+
+
+def history_capacity(scenarios: list[dict[str, Any]]) -> int:
+    """One history capacity for every scenario (so each drafter configuration compiles once):
+    the smallest power of two above the longest recorded stream, whatever the vectors hold."""
+    longest = max((len(s["tokens"]) for s in scenarios), default=0)
+    return 1 << max(4, longest.bit_length())
+
+
+S = history_capacity(SCENARIOS)
 IDS = [f"{i}-{s['types']}" for i, s in enumerate(SCENARIOS)]
 
 #: Default (fast) JAX subset: the shortest-prompt scenario of each single-type configuration,

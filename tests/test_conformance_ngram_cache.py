@@ -27,11 +27,12 @@ from specjax.drafters.ngram_cache_reference import NgramCacheImplRef
 
 rr.register_reference("ngram-cache", lambda params, n_seq: NgramCacheImplRef(n_seq))
 
-S = 16384  # history capacity above the longest scenario (14646 tokens)
 K = 8
 DRAFTER = NgramCache(reset_on_begin=False, table_size=8192, block=64)
 
 SCENARIOS = rr.load_scenarios() if rr.CONFORMANCE_PATH.exists() else []
+# history capacity: the smallest power of two above the longest recorded stream
+S = 1 << max(4, max((len(s["tokens"]) for s in SCENARIOS), default=0).bit_length())
 PURE = [i for i, s in enumerate(SCENARIOS) if rr.scenario_types(s) == ["ngram-cache"]]
 MIXED = [
     i
