@@ -11,8 +11,7 @@ Invariants:
   Loading a file gives the same in-memory order llama.cpp gets (its insertion order is the file
   order), so drafting from a loaded cache breaks ties exactly as upstream.
 * Results of computations (`create_static_cache`, `merge_caches`) are returned in the order
-  llama.cpp's `common_ngram_cache_save` would write them (libstdc++ iteration order, see
-  `specjax.drafters.ngram_cache_reference`), so their files are llama.cpp's files.
+  llama.cpp's `common_ngram_cache_save` would write them (libstdc++ iteration order, `stl_iteration_order`), so their files are llama.cpp's files.
 * Malformed files raise `specjax.errors.ModelFileError` naming the file and the byte offset.
   Upstream keeps the first of duplicated n-grams/tokens (emplace) and silently ignores a trailing
   partial n-gram; here duplicates are kept-first too, but any trailing bytes are an error.
@@ -35,15 +34,444 @@ import time
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters import ngram_cache_reference as ref
+from specjax.drafters.ngram_cache import (
+    HASH_MULT,
+    HASH_SEED,
+    MIN_PERCENT_LAX,
+    MIN_PERCENT_STRICT,
+    MIN_SAMPLE_LAX,
+    MIN_SAMPLE_STRICT,
+    NGRAM_MAX,
+    NGRAM_MIN,
+    NGRAM_STATIC,
+    LookupTable,
+    NgramCacheTables,
+    context_cache,
+)
 from specjax.errors import ModelFileError
-
-CacheDict = dict[tuple[int, int, int, int], dict[int, int]]
 
 _I32 = np.dtype("=i4")
 _INT32_MIN, _INT32_MAX = -(2**31), 2**31 - 1
+
+# ---------------------------------------------------------------------------------------------
+# llama.cpp's host algorithms (common/ngram-cache.cpp) and libstdc++ iteration order
+# ---------------------------------------------------------------------------------------------
+
+TOKEN_NULL = -1
+
+#: libstdc++ `_Prime_rehash_policy` bucket counts of a map grown one insertion at a time
+#: (max_load_factor 1): 13 buckets for elements 0..12, 29 from the 14th, ... (measured with
+#: GCC 12; each is the first listed prime >= 2 * previous).
+BUCKET_CHAIN = (
+    13,
+    29,
+    59,
+    127,
+    257,
+    541,
+    1109,
+    2357,
+    5087,
+    10273,
+    20753,
+    42043,
+    85229,
+    172933,
+    351061,
+    712697,
+    1447153,
+    2938679,
+    5967347,
+    12117689,
+    24607243,
+    49969847,
+    101473717,
+    206062531,
+)
+
+_FIB = 11400714819323198485
+_M64 = (1 << 64) - 1
+
+Ngram = tuple[int, int, int, int]
+Part = dict[int, int]
+Cache = dict[Ngram, Part]
+
+
+def i32(x: int) -> int:
+    """Wrap a Python int to int32 (two's complement), as upstream's int arithmetic does."""
+    x &= 0xFFFFFFFF
+    return x - (1 << 32) if x & 0x80000000 else x
+
+
+def token_hash(token: int) -> int:
+    """`std::hash<int32_t>`: the value as size_t (sign-extended)."""
+    return token & _M64
+
+
+def ngram_hash(ngram: Sequence[int]) -> int:
+    """`common_ngram_hash_function`: XOR over the 4 slots of `token * 11400714819323198485`."""
+    h = 0
+    for t in ngram:
+        h ^= ((t & _M64) * _FIB) & _M64
+    return h
+
+
+def make_ngram(tokens: Sequence[int]) -> Ngram:
+    """A 4-slot n-gram from up to 4 tokens (the rest `TOKEN_NULL`)."""
+    t = list(tokens) + [TOKEN_NULL] * (NGRAM_MAX - len(tokens))
+    return (int(t[0]), int(t[1]), int(t[2]), int(t[3]))
+
+
+def stl_iteration_order(hashes: Sequence[int]) -> list[int]:
+    """Iteration order (indices into `hashes`) of a libstdc++ unordered map built by inserting
+    distinct keys with these hash codes, in this order, into a default-constructed map."""
+    n = len(hashes)
+    if n == 0:
+        return []
+    h = np.asarray([int(x) for x in hashes], dtype=np.uint64)
+    order = np.zeros((0,), np.int64)  # the list, as indices into h
+    start = 0
+    for m in BUCKET_CHAIN:
+        end = min(n, m)
+        # the list of the previous phase is re-inserted (rehash), then the new elements
+        seq = np.concatenate([order, np.arange(start, end, dtype=np.int64)])
+        groups = h[seq] % np.uint64(m)
+        _, first = np.unique(groups, return_index=True)
+        head = np.empty(m if m <= 4 * len(seq) + 64 else 0, np.int64)
+        if head.size:
+            head[groups[first].astype(np.int64)] = first
+            gs = head[groups.astype(np.int64)]
+        else:
+            lookup = dict(zip(groups[first].tolist(), first.tolist(), strict=True))
+            gs = np.asarray([lookup[g] for g in groups.tolist()], np.int64)
+        pos = np.arange(len(seq), dtype=np.int64)
+        order = seq[np.lexsort((-pos, -gs))]
+        start = end
+        if end == n:
+            return order.tolist()
+    raise ValueError(f"unordered_map with {n} elements is beyond the modelled bucket chain")
+
+
+def part_items(part: Part) -> list[tuple[int, int]]:
+    """(token, count) pairs of a part in libstdc++ iteration order."""
+    items = list(part.items())
+    if len(items) <= 1:
+        return items
+    return [items[i] for i in stl_iteration_order([token_hash(t) for t, _ in items])]
+
+
+def cache_keys(cache: Cache) -> list[Ngram]:
+    """The n-grams of a cache in libstdc++ iteration order."""
+    keys = list(cache.keys())
+    if len(keys) <= 1:
+        return keys
+    return [keys[i] for i in stl_iteration_order([ngram_hash(k) for k in keys])]
+
+
+def to_file_order(cache: Cache) -> Cache:
+    """What `common_ngram_cache_save` writes, as a dict in file order (outer and inner)."""
+    return {ng: dict(part_items(cache[ng])) for ng in cache_keys(cache)}
+
+
+# ---------------------------------------------------------------------------------------------
+# common/ngram-cache.cpp
+# ---------------------------------------------------------------------------------------------
+
+
+def ngram_cache_update(
+    cache: Cache, ngram_min: int, ngram_max: int, inp: Sequence[int], nnew: int
+) -> None:
+    """`common_ngram_cache_update`: count `inp[i]` after `inp[i-s:i]` for the last `nnew` i."""
+    n = len(inp)
+    for size in range(ngram_min, ngram_max + 1):
+        for i in range(max(n - nnew, size), n):
+            ng = make_ngram(inp[i - size : i])
+            tok = int(inp[i])
+            part = cache.get(ng)
+            if part is None:
+                cache[ng] = {tok: 1}
+            else:
+                part[tok] = part.get(tok, 0) + 1
+
+
+def _try_draft_static(nc_static: Cache, ngram_static: Ngram) -> int:
+    part = nc_static.get(ngram_static)
+    if part is None:
+        return TOKEN_NULL
+    max_count = 0
+    total = 0
+    best = TOKEN_NULL
+    for tok, count in part_items(part):
+        if count > max_count:
+            best, max_count = tok, count
+        total = i32(total + count)
+    if total < MIN_SAMPLE_LAX[NGRAM_STATIC - 1]:
+        return TOKEN_NULL
+    if i32(100 * max_count) < i32(MIN_PERCENT_LAX[NGRAM_STATIC - 1] * total):
+        return TOKEN_NULL
+    return best
+
+
+def _try_draft_primary(
+    nc_primary: Cache,
+    ngrams: Sequence[Ngram | None],
+    part_static: Part,
+    min_sample: Sequence[int],
+    min_percent: Sequence[int],
+) -> int:
+    for i in range(len(ngrams) - 1, -1, -1):
+        ng = ngrams[i]
+        if ng is None:
+            continue
+        part = nc_primary.get(ng)
+        if part is None:
+            continue
+        max_p = max_s = total = 0
+        best = TOKEN_NULL
+        items = list(part.items())
+        # only ties need the libstdc++ order; find the best product first
+        prods = []
+        for tok, count in items:
+            sc = part_static.get(tok)
+            cs = i32(100 * sc) if sc is not None else 1
+            prods.append((i32(count * cs), count, cs, tok))
+            total = i32(total + count)
+        top = max(p[0] for p in prods)
+        if sum(1 for p in prods if p[0] == top) > 1:
+            ordered = [items.index(it) for it in part_items(part)]
+            prods = [prods[j] for j in ordered]
+        for prod, count, cs, tok in prods:
+            if prod > i32(max_p * max_s):
+                best, max_p, max_s = tok, count, cs
+        if total < min_sample[i]:
+            continue
+        if i32(100 * max_p) < i32(min_percent[i] * total):
+            continue
+        return best
+    return TOKEN_NULL
+
+
+def ngram_cache_draft(
+    inp: Sequence[int],
+    draft: list[int],
+    n_draft: int,
+    ngram_min: int,
+    ngram_max: int,
+    nc_context: Cache,
+    nc_dynamic: Cache,
+    nc_static: Cache,
+) -> None:
+    """`common_ngram_cache_draft`: extend `draft` (which starts as `[id_last]`) in place."""
+    assert len(draft) == 1
+    inp_size = len(inp)
+    if inp_size < NGRAM_STATIC:
+        return
+
+    def tok_at(j: int) -> int:
+        return int(inp[j]) if j < inp_size else draft[1 + j - inp_size]
+
+    while len(draft) - 1 < n_draft:
+        end = inp_size + len(draft) - 1
+        ngram_static = make_ngram([tok_at(j) for j in range(end - NGRAM_STATIC, end)])
+        part_static = nc_static.get(ngram_static, {})
+        ngrams: list[Ngram | None] = []
+        for size in range(ngram_min, ngram_max + 1):
+            start = end - size
+            ok = start >= 0
+            ngrams.append(make_ngram([tok_at(j) for j in range(start, end)]) if ok else None)
+        tok = _try_draft_primary(nc_context, ngrams, part_static, MIN_SAMPLE_LAX, MIN_PERCENT_LAX)
+        if tok == TOKEN_NULL:
+            tok = _try_draft_primary(
+                nc_dynamic, ngrams, part_static, MIN_SAMPLE_STRICT, MIN_PERCENT_STRICT
+            )
+        if tok == TOKEN_NULL:
+            tok = _try_draft_static(nc_static, ngram_static)
+        if tok == TOKEN_NULL:
+            break
+        draft.append(tok)
+
+
+def ngram_cache_merge(target: Cache, add: Cache) -> None:
+    """`common_ngram_cache_merge`: add the counts of `add` into `target` (in place)."""
+    for ng in cache_keys(add):
+        part = add[ng]
+        tpart = target.get(ng)
+        if tpart is None:
+            target[ng] = dict(part)  # a copy keeps the source's order
+            continue
+        for tok, count in part_items(part):
+            tpart[tok] = tpart.get(tok, 0) + count
+
+
+def copy_cache(cache: Cache) -> Cache:
+    return {ng: dict(part) for ng, part in cache.items()}
+
+
+# ---------------------------------------------------------------------------------------------
+# common/speculative.cpp: common_speculative_impl_ngram_cache
+# ---------------------------------------------------------------------------------------------
+
+
+def build_cache(
+    tokens: Iterable[int], ngram_min: int = NGRAM_MIN, ngram_max: int = NGRAM_MAX
+) -> Cache:
+    """A cache holding every n-gram of `tokens` (one `ngram_cache_update` over all of them)."""
+    toks = [int(t) for t in tokens]
+    cache: Cache = {}
+    ngram_cache_update(cache, ngram_min, ngram_max, toks, len(toks))
+    return cache
+
+
+CacheDict = Cache
+
+# ---------------------------------------------------------------------------------------------
+# device tables for the ngram-cache drafter
+# ---------------------------------------------------------------------------------------------
+
+
+def hash_words_np(words: np.ndarray) -> np.ndarray:
+    """uint32 hash of int32 rows `[..., W]` (host twin of `ngram_cache.hash_words`)."""
+    w = np.ascontiguousarray(words, dtype=np.int32).view(np.uint32)
+    h = np.full(w.shape[:-1], HASH_SEED, np.uint32)
+    with np.errstate(over="ignore"):
+        for k in range(w.shape[-1]):
+            h = (h ^ w[..., k]) * np.uint32(HASH_MULT)
+        h ^= h >> np.uint32(16)
+        h *= np.uint32(0x85EBCA6B)
+        h ^= h >> np.uint32(13)
+        h *= np.uint32(0xC2B2AE35)
+        h ^= h >> np.uint32(16)
+    return h
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << max(0, (max(1, n) - 1).bit_length())
+
+
+def _np_hash_table(h: np.ndarray, size: int) -> tuple[np.ndarray, int]:
+    """Linear-probing table of `len(h)` keys with hashes `h`: (slots -> key index, max probes)."""
+    slots = np.full((size,), -1, np.int32)
+    n = h.shape[0]
+    if n == 0:
+        return slots, 1
+    home = (h & np.uint32(size - 1)).astype(np.int64)
+    probe = np.zeros((n,), np.int64)
+    pending = np.arange(n)
+    while pending.size:
+        pos = (home[pending] + probe[pending]) & (size - 1)
+        free = slots[pos] == -1
+        cand, cpos = pending[free], pos[free]
+        upos, first = np.unique(cpos, return_index=True)
+        slots[upos] = cand[first]
+        won = np.zeros((n,), bool)
+        won[cand[first]] = True
+        pending = pending[~won[pending]]
+        probe[pending] += 1
+    return slots, int(probe.max()) + 1
+
+
+def build_lookup_table(
+    cache: dict[tuple[int, int, int, int], dict[int, int]],
+    min_shape: tuple[int, int, int, int] | None = None,
+) -> LookupTable | None:
+    """Device table of a cache dict (`specjax.lookup` form: insertion order = file order).
+
+    None for an empty cache. Parts are laid out in libstdc++ iteration order so the first
+    maximum of a window is upstream's choice. `min_shape = (n-grams, entries, longest part,
+    probes)` pads the arrays (and static sizes) to at least these, so caches of different sizes
+    share one compiled program (an empty cache then gives a table that never matches).
+    """
+    if not cache and min_shape is None:
+        return None
+    pad_g, pad_e, pad_len, pad_probe = min_shape or (0, 0, 0, 0)
+    G = max(len(cache), pad_g)
+    ng_keys = np.zeros((G, 4), np.int32)
+    ng_off = np.zeros((G,), np.int32)
+    ng_len = np.zeros((G,), np.int32)
+    ng_sum = np.zeros((G,), np.int32)
+    best_tok = np.zeros((G,), np.int32)
+    best_cnt = np.zeros((G,), np.int32)
+    ent_tok: list[int] = []
+    ent_count: list[int] = []
+    ent_ng: list[int] = []
+    for g, (ng, part) in enumerate(cache.items()):
+        if len(ng) != 4:
+            raise ValueError(f"n-gram {ng!r} does not have 4 slots")
+        items = part_items(part)
+        ng_keys[g] = ng
+        ng_off[g] = len(ent_tok)
+        ng_len[g] = len(items)
+        total, bt, bc = 0, -1, 0
+        for tok, count in items:
+            if count > bc:
+                bt, bc = tok, count
+            total = i32(total + count)
+            ent_tok.append(tok)
+            ent_count.append(count)
+            ent_ng.append(g)
+        ng_sum[g], best_tok[g], best_cnt[g] = total, bt, bc
+    n_real, e_real = len(cache), len(ent_tok)
+    E = max(e_real, pad_e)
+    ent_ng_a = np.full((E,), -1, np.int32)
+    ent_ng_a[:e_real] = ent_ng
+    ent_tok_a = np.full((E,), -1, np.int32)
+    ent_tok_a[:e_real] = ent_tok
+    ent_count_a = np.zeros((E,), np.int32)
+    ent_count_a[:e_real] = ent_count
+    ng_keys[n_real:] = -2  # padding n-grams: never hashed, never matched
+    ng_slots, ng_probe = _np_hash_table(hash_words_np(ng_keys[:n_real]), _next_pow2(2 * G))
+    pair_slots, pair_probe = _np_hash_table(
+        hash_words_np(np.stack([ent_ng_a[:e_real], ent_tok_a[:e_real]], axis=-1)),
+        _next_pow2(2 * E),
+    )
+    return LookupTable(
+        ng_keys=jnp.asarray(ng_keys),
+        ng_off=jnp.asarray(ng_off),
+        ng_len=jnp.asarray(ng_len),
+        ng_sum=jnp.asarray(ng_sum),
+        ng_best_tok=jnp.asarray(best_tok),
+        ng_best_count=jnp.asarray(best_cnt),
+        ng_slots=jnp.asarray(ng_slots),
+        ent_ng=jnp.asarray(ent_ng_a),
+        ent_tok=jnp.asarray(ent_tok_a),
+        ent_count=jnp.asarray(ent_count_a),
+        pair_slots=jnp.asarray(pair_slots),
+        ng_probe=max(ng_probe, pad_probe),
+        pair_probe=max(pair_probe, pad_probe),
+        max_len=max(int(ng_len.max(initial=0)), pad_len, 1),
+    )
+
+
+def make_tables(
+    static: CacheDict | None,
+    dynamic: CacheDict | None,
+    min_shape: tuple[int, int, int, int] | None = None,
+) -> NgramCacheTables | None:
+    """The ngram-cache drafter's params from cache dicts (None when both are empty/absent);
+    `min_shape` as in `build_lookup_table`."""
+    st = build_lookup_table(static or {}, min_shape) if static or min_shape else None
+    dy = build_lookup_table(dynamic or {}, min_shape) if dynamic or min_shape else None
+    if st is None and dy is None:
+        return None
+    return NgramCacheTables(static=st, dynamic=dy)
+
+
+def load_tables(
+    static_path: str | os.PathLike[str] | None = None,
+    dynamic_path: str | os.PathLike[str] | None = None,
+) -> NgramCacheTables | None:
+    """The drafter's params from llama.cpp cache files (None when neither is given).
+
+    A dynamic cache that does not exist yet is empty (it is created at the end of the run, as
+    llama.cpp's lookup example does); a missing static cache is an error."""
+    static = load_cache(static_path) if static_path else None
+    has_dynamic = bool(dynamic_path) and os.path.exists(os.fspath(dynamic_path or ""))
+    dynamic = load_cache(dynamic_path) if has_dynamic and dynamic_path else None
+    return make_tables(static, dynamic)
+
 
 # ---------------------------------------------------------------------------------------------
 # file format
@@ -153,19 +581,19 @@ def save_cache(path: str | os.PathLike[str], cache: CacheDict) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
-def create_static_cache(tokens: Iterable[int], ngram_size: int = ref.NGRAM_STATIC) -> CacheDict:
+def create_static_cache(tokens: Iterable[int], ngram_size: int = NGRAM_STATIC) -> CacheDict:
     """`lookup-create`: every n-gram of size `ngram_size` of `tokens` and its followers."""
-    if not 1 <= ngram_size <= ref.NGRAM_MAX:
-        raise ValueError(f"ngram_size must be in 1..{ref.NGRAM_MAX}, got {ngram_size}")
-    return ref.to_file_order(ref.build_cache(tokens, ngram_size, ngram_size))
+    if not 1 <= ngram_size <= NGRAM_MAX:
+        raise ValueError(f"ngram_size must be in 1..{NGRAM_MAX}, got {ngram_size}")
+    return to_file_order(build_cache(tokens, ngram_size, ngram_size))
 
 
 def merge_caches(target: CacheDict, *others: CacheDict) -> CacheDict:
     """`common_ngram_cache_merge` of `others` into (a copy of) `target`, in file order."""
-    merged = ref.copy_cache(target)
+    merged = copy_cache(target)
     for other in others:
-        ref.ngram_cache_merge(merged, other)
-    return ref.to_file_order(merged)
+        ngram_cache_merge(merged, other)
+    return to_file_order(merged)
 
 
 def update_dynamic_cache(path: str | os.PathLike[str], *contexts: CacheDict) -> CacheDict:
@@ -182,18 +610,14 @@ def tables_from_cache(
     static: CacheDict | None = None,
     dynamic: CacheDict | None = None,
     min_shape: tuple[int, int, int, int] | None = None,
-) -> Any:
-    """Device tables (the ngram-cache drafter's params, `NgramCacheTables`) from cache dicts;
-    None if both are empty. `min_shape` pads them (see `build_lookup_table`)."""
-    from specjax.drafters.ngram_cache import make_tables
-
+) -> NgramCacheTables | None:
+    """Device tables (the ngram-cache drafter's params) from cache dicts; None if both are
+    empty. `min_shape` pads them (see `build_lookup_table`)."""
     return make_tables(static, dynamic, min_shape)
 
 
 def cache_from_state(state: Any, row: int) -> CacheDict:
     """A row's device context cache as a cache dict (in-memory insertion order)."""
-    from specjax.drafters.ngram_cache import context_cache
-
     return context_cache(state, row)
 
 
@@ -272,12 +696,12 @@ def lookup_stats(
         raise ValueError(f"n_ctx must be > 0, got {n_ctx}")
     inp = [int(t) for t in tokens]
     nc_static = static if static is not None else {}
-    nc_dynamic = ref.copy_cache(dynamic or {})
-    nc_context: ref.Cache = {}
+    nc_dynamic = copy_cache(dynamic or {})
+    nc_context: Cache = {}
     n_input = len(inp)
     n_drafted = n_accept = 0
     t_draft = 0.0
-    lo, hi = ref.NGRAM_MIN, ref.NGRAM_MAX
+    lo, hi = NGRAM_MIN, NGRAM_MAX
     i_start = 0
     while i_start + n_ctx < n_input:
         inp_slice = inp[i_start : i_start + n_ctx]
@@ -285,7 +709,7 @@ def lookup_stats(
         while len(out) < n_ctx:
             draft = [out[-1]]
             t0 = time.perf_counter()
-            ref.ngram_cache_draft(out, draft, n_draft, lo, hi, nc_context, nc_dynamic, nc_static)
+            ngram_cache_draft(out, draft, n_draft, lo, hi, nc_context, nc_dynamic, nc_static)
             t_draft += time.perf_counter() - t0
             n_drafted += len(draft) - 1
             for j in range(1, len(draft)):
@@ -294,14 +718,14 @@ def lookup_stats(
                 n_accept += 1
                 out.append(draft[j])
                 t0 = time.perf_counter()
-                ref.ngram_cache_update(nc_context, lo, hi, out, 1)
+                ngram_cache_update(nc_context, lo, hi, out, 1)
                 t_draft += time.perf_counter() - t0
             if len(out) < n_ctx:
                 out.append(inp_slice[len(out)])
                 t0 = time.perf_counter()
-                ref.ngram_cache_update(nc_context, lo, hi, out, 1)
+                ngram_cache_update(nc_context, lo, hi, out, 1)
                 t_draft += time.perf_counter() - t0
-        ref.ngram_cache_merge(nc_dynamic, nc_context)
+        ngram_cache_merge(nc_dynamic, nc_context)
         nc_context = {}
         i_start += n_ctx
     return LookupStats(
@@ -373,7 +797,7 @@ def lookup_create_main(argv: Sequence[str] | None = None) -> int:
     )
     _add_input_args(p)
     p.add_argument("-lcs", "--lookup-cache-static", required=True, help="output cache file")
-    p.add_argument("--ngram-size", type=int, default=ref.NGRAM_STATIC, help=argparse.SUPPRESS)
+    p.add_argument("--ngram-size", type=int, default=NGRAM_STATIC, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     try:
         ids, _ = _tokenize(args, _read_text(args))
@@ -473,20 +897,27 @@ def lookup_stats_main(argv: Sequence[str] | None = None) -> int:
 
 
 __all__ = [
+    "Cache",
     "CacheDict",
     "LookupStats",
+    "build_lookup_table",
     "cache_from_state",
     "cache_stats",
     "create_static_cache",
     "decode_cache",
     "encode_cache",
+    "hash_words_np",
     "load_cache",
+    "load_tables",
     "lookup_create_main",
     "lookup_merge_main",
     "lookup_stats",
     "lookup_stats_main",
+    "make_tables",
     "merge_caches",
     "save_cache",
+    "stl_iteration_order",
     "tables_from_cache",
+    "to_file_order",
     "update_dynamic_cache",
 ]

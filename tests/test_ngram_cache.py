@@ -2,8 +2,8 @@
 
 Every test drives the JAX drafter and `NgramCacheImplRef` (which reproduces llama.cpp's recorded
 drafts, see test_conformance_ngram_cache.py) through the same rounds and compares the drafts.
-Shapes are fixed (B=2, S=40, K=8, padded read-only tables) so one compilation serves all
-hypothesis examples.
+Shapes are fixed (B=2, S=40, K=8, padded read-only tables) so one compilation per combination
+of present caches serves all hypothesis examples.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from specjax.drafters.base import DraftInput, TokenHistory
-from specjax.drafters.ngram_cache import NgramCache, context_cache, make_tables
+from specjax.drafters.ngram_cache import NgramCache, NgramCacheTables, context_cache
 from specjax.drafters.ngram_cache_reference import (
     NgramCacheImplRef,
     build_cache,
@@ -27,6 +27,7 @@ from specjax.drafters.ngram_cache_reference import (
     stl_iteration_order,
     token_hash,
 )
+from specjax.lookup import build_lookup_table, make_tables
 
 B, S, K = 2, 40, 8
 PAD = (256, 256, 8, 16)  # read-only table shape: n-grams, entries, longest part, probes
@@ -55,6 +56,17 @@ def jitted(drafter: NgramCache, k_max: int) -> tuple[Any, Any]:
     return jax.jit(drafter.begin), jax.jit(functools.partial(drafter.draft, k_max=k_max))
 
 
+def padded_tables(static: Any, dynamic: Any) -> NgramCacheTables | None:
+    """Tables padded to PAD (one compile per combination of present caches). An absent cache
+    stays None: without a static cache the drafter reads its part summaries, with one it scans
+    (both paths are exercised)."""
+    st_t = build_lookup_table(static, PAD) if static is not None else None
+    dy_t = build_lookup_table(dynamic, PAD) if dynamic is not None else None
+    if st_t is None and dy_t is None:
+        return None
+    return NgramCacheTables(static=st_t, dynamic=dy_t)
+
+
 def drafts_of(out: Any) -> list[list[int]]:
     toks, valid = np.asarray(out.tokens), np.asarray(out.valid)
     assert (np.cumprod(valid, axis=1) == valid).all(), "valid must be a prefix mask"
@@ -75,7 +87,7 @@ def replay(
 ) -> tuple[Any, list[Any]]:
     """Run `rounds` = [(advance per row, drafting per row, n_max per row)] through both."""
     begin, draft = jitted(drafter, k_max)
-    params = make_tables(static, dynamic, PAD if pad else None)
+    params = padded_tables(static, dynamic) if pad else make_tables(static, dynamic)
     if refs is None:
         refs = [
             NgramCacheImplRef(
@@ -152,7 +164,7 @@ def test_repetitive_history_long_drafts() -> None:
         for ng in want:  # same insertion order inside every part (drives ties)
             assert list(got[ng]) == list(want[ng])
     _, draft = jitted(DRAFTER, K)
-    params = make_tables(None, None, PAD)
+    params = padded_tables(None, None)
     _, out = draft(params, state, make_input(streams, [30, 30], [True, True], [0, 0]))
     assert all(len(d) == 8 for d in drafts_of(out))
 
@@ -274,3 +286,15 @@ def test_static_weight_beats_frequent_token() -> None:
     assert NgramCacheImplRef(1, static=static).draft_one(0, stream[:37], stream[37]) == []
     assert NgramCacheImplRef(1).draft_one(0, stream[:37], stream[37])[:1] == [1]
     replay(DRAFTER, [stream, stream], [37, 20], [([1, 1], [True, True], [0, 0])], static=static)
+
+
+@pytest.mark.parametrize("a,b", [(1, 14), (14, 1), (1, 3), (3, 1)])
+def test_context_tie_follows_libstdcxx_order(a: int, b: int) -> None:
+    """No static cache: (9, 9) is followed once by a, then once by b (a 50% tie that passes the
+    size-2 threshold); upstream drafts the first in libstdc++ order: the later insertion when
+    both share a bucket (mod 13), else the later bucket group."""
+    s = [5, 9, 9, a, 6, 9, 9, b, 7, 8, 9, 9]
+    streams = [(s + [0] * S)[: S + 1]] * B
+    want = NgramCacheImplRef(1).draft_one(0, s[:11], s[11])
+    assert want[:1] == [b]  # the later insertion / later group wins in both layouts
+    replay(DRAFTER, streams, [11, 11], [([1, 1], [True, True], [0, 0])])

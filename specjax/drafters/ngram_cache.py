@@ -2,19 +2,24 @@
 
 Three caches map an n-gram (up to 4 tokens, -1 padded) to counts of the tokens that followed it:
 
-* **context** (per row, `NgramCacheState`): four open-addressing tables (linear probing), one
-  per n-gram size, of `(n-gram, token)` pairs with `table_size` slots each (a power of two;
-  default `next_pow2((capacity + 1) / max_load)`: room for every pair of a full history). Each
-  slot holds the n-gram, the token, its count and the stream position at which the pair was
-  first seen (its insertion stamp). Drafting scans a size's table with one vectorised compare,
-  so a step costs O(4 * table_size) per row.
+* **context** (per row, `NgramCacheState`), per n-gram size (4 sub-tables of `table_size` slots,
+  a power of two; default `next_pow2((capacity + 1) / max_load)`: room for every pair of a full
+  history), two open-addressing (linear probing) hash tables:
+  - the *pair table*: `(n-gram, token)` -> count, the stream position at which the pair was first
+    seen (its insertion stamp) and its libstdc++ bucket-group stamp `gs` (see ties below);
+  - the *part table*: n-gram -> its part's summary: sum of counts, the best member (token, count,
+    gs, stamp) and the first stamp of each of the 13 phase-0 buckets.
+  Ingestion adds only the new stream positions (blocks of `block` positions, O(block) gathers
+  and scatters per sub-table and probe); a draft step probes the part table once per size.
+  Nothing in a round scales with `table_size`, except the context part of drafting WITH a static
+  cache (weights depend on the query, so the part's members are scanned: O(table_size)).
 * **dynamic** and **static** (shared by all rows, read-only while generating): `LookupTable`s
-  built on the host from llama.cpp cache files (`specjax.lookup`), passed as the drafter's
-  `params` (`NgramCacheTables`, or None when no file is used). Their parts are stored
+  built on the host from llama.cpp cache files (`specjax.lookup.make_tables`), passed as the
+  drafter's `params` (`NgramCacheTables`, or None when no file is used). Their parts are stored
   contiguously in libstdc++ iteration order, with per-n-gram sums and the count-only best token
   precomputed. The dynamic cache is updated on the host after a run (see
-  `specjax.lookup.update_dynamic_cache` / `specjax.lookup.cache_from_state`), as llama.cpp's
-  lookup example does; the server (and this drafter) never writes files.
+  `specjax.lookup.update_dynamic_cache` / `context_cache`), as llama.cpp's lookup example does;
+  this module reads no files and imports no host tooling.
 
 Invariants (`draft`, per drafting row, exactly upstream's `common_speculative_impl_ngram_cache`):
 * The stream is `history[0:length] + [last_token]`. Positions `[cache_size, length+1)` not yet
@@ -31,27 +36,34 @@ Invariants (`draft`, per drafting row, exactly upstream's `common_speculative_im
 * Ties between equally weighted candidates go to the first in the C++ map's iteration order.
   Exact for the dynamic/static caches (precomputed on the host) and for context parts with at
   most 13 distinct tokens (libstdc++'s first 13-bucket phase: latest bucket group first, latest
-  insertion first within a group). A context part with more distinct tokens is ordered the
-  same way, ignoring the reordering of earlier rehashes: ties there can differ from upstream.
-  Without a static cache no tie in such a part can pass the thresholds, so the deviation needs
-  a static cache.
+  insertion first within a group, i.e. the largest `(gs, stamp)` where `gs` is the first stamp
+  of the member's bucket `token mod 13` in its part). A context part with more distinct tokens
+  is ordered the same way, ignoring the reordering of earlier rehashes: ties there can differ
+  from upstream. Without a static cache no tie in such a part can pass the thresholds, so the
+  deviation needs a static cache. Without a static cache every weight is 1, so a part's best
+  member is the largest `(count, gs, stamp)`, kept up to date on every ingestion (counts only
+  grow: the new best is the old best or one of the pairs just counted).
 * `begin` resets the row's context cache and `cache_size` when `reset_on_begin` (default).
   Upstream's `begin` is a no-op (bug #27852: the stale cache of the previous request is kept and
   the new prompt is only ingested beyond the old `cache_size`; acceptance fell from 86% to 11%);
   `reset_on_begin=False` reproduces it. `process/accept/rollback` are no-ops as upstream.
+* Loops over rows are batched by hand (no `vmap` of a `while_loop`, whose batching would select
+  between old and new tables every iteration), and every table update is a scatter of the few
+  new entries into the donated state, out-of-range indices dropped.
 
 Capacity and full policy: a new pair is inserted only while its size's table holds fewer than
 `max_load * table_size` pairs and a free slot is found within `max_probe` linear probes;
 otherwise it is dropped (counted in `n_dropped`; a later occurrence may insert it with a partial
 count if a probe limit was the cause) while pairs already present keep counting. Results equal
 upstream's exactly while `n_dropped == 0`. Read-only tables hold everything they are built from.
+The part table never holds more n-grams than the pair table holds pairs.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -59,22 +71,19 @@ import numpy as np
 from jax import lax
 
 from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
-from specjax.drafters.ngram_cache_reference import (
-    MIN_PERCENT_LAX,
-    MIN_PERCENT_STRICT,
-    MIN_SAMPLE_LAX,
-    MIN_SAMPLE_STRICT,
-    N_DRAFT,
-    NGRAM_MAX,
-    NGRAM_STATIC,
-    i32,
-    part_items,
-)
 from specjax.pytree import pytree_dataclass, replace, static_field
 from specjax.types import Array
 
-if TYPE_CHECKING:
-    from specjax.config import SpecConfig
+# llama.cpp's constants (common/ngram-cache.h, common/speculative.cpp)
+NGRAM_MIN = 1
+NGRAM_MAX = 4
+NGRAM_STATIC = 2
+N_DRAFT = 8
+#: Thresholds, index = n-gram size - 1 (context cache: lax, dynamic cache: strict).
+MIN_SAMPLE_LAX = (2, 2, 1, 1)
+MIN_PERCENT_LAX = (66, 50, 50, 50)
+MIN_SAMPLE_STRICT = (4, 3, 2, 2)
+MIN_PERCENT_STRICT = (75, 66, 66, 66)
 
 #: Buckets of a libstdc++ unordered_map holding 1..13 elements (first growth phase).
 _PHASE0_BUCKETS = 13
@@ -82,34 +91,19 @@ _INT_MIN = np.iinfo(np.int32).min
 _INT_MAX = np.iinfo(np.int32).max
 
 # ---------------------------------------------------------------------------------------------
-# hashing (identical on host and device)
+# hashing (`specjax.lookup.hash_words_np` is the host twin)
 # ---------------------------------------------------------------------------------------------
 
-_H0 = 0x811C9DC5
-_HM = 0x9E3779B1
-
-
-def hash_words_np(words: np.ndarray) -> np.ndarray:
-    """uint32 hash of int32 rows `[..., W]` (host twin of `hash_words`)."""
-    w = np.ascontiguousarray(words, dtype=np.int32).view(np.uint32)
-    h = np.full(w.shape[:-1], _H0, np.uint32)
-    with np.errstate(over="ignore"):
-        for k in range(w.shape[-1]):
-            h = (h ^ w[..., k]) * np.uint32(_HM)
-        h ^= h >> np.uint32(16)
-        h *= np.uint32(0x85EBCA6B)
-        h ^= h >> np.uint32(13)
-        h *= np.uint32(0xC2B2AE35)
-        h ^= h >> np.uint32(16)
-    return h
+HASH_SEED = 0x811C9DC5
+HASH_MULT = 0x9E3779B1
 
 
 def hash_words(words: Array) -> Array:
     """uint32 hash of int32 rows `[..., W]` (murmur3-finalised multiply-xor)."""
     w = lax.bitcast_convert_type(words.astype(jnp.int32), jnp.uint32)
-    h = jnp.full(w.shape[:-1], _H0, jnp.uint32)
+    h = jnp.full(w.shape[:-1], HASH_SEED, jnp.uint32)
     for k in range(w.shape[-1]):
-        h = (h ^ w[..., k]) * jnp.uint32(_HM)
+        h = (h ^ w[..., k]) * jnp.uint32(HASH_MULT)
     h = h ^ (h >> jnp.uint32(16))
     h = h * jnp.uint32(0x85EBCA6B)
     h = h ^ (h >> jnp.uint32(13))
@@ -132,7 +126,7 @@ def _next_pow2(n: int) -> int:
 
 @pytree_dataclass
 class LookupTable:
-    """A read-only n-gram cache on device (built by `build_lookup_table`).
+    """A read-only n-gram cache on device (built by `specjax.lookup.build_lookup_table`).
 
     N-gram `g` owns entries `[off[g], off[g] + len[g])` in libstdc++ iteration order.
     `ng_slots` / `pair_slots` are linear-probing hash tables (-1 = empty) over the n-gram keys
@@ -167,100 +161,6 @@ class NgramCacheTables:
     dynamic: LookupTable | None = None
 
 
-def _np_hash_table(h: np.ndarray, size: int) -> tuple[np.ndarray, int]:
-    """Linear-probing table of `len(h)` keys with hashes `h`: (slots -> key index, max probes)."""
-    slots = np.full((size,), -1, np.int32)
-    n = h.shape[0]
-    if n == 0:
-        return slots, 1
-    home = (h & np.uint32(size - 1)).astype(np.int64)
-    probe = np.zeros((n,), np.int64)
-    pending = np.arange(n)
-    while pending.size:
-        pos = (home[pending] + probe[pending]) & (size - 1)
-        free = slots[pos] == -1
-        cand, cpos = pending[free], pos[free]
-        upos, first = np.unique(cpos, return_index=True)
-        slots[upos] = cand[first]
-        won = np.zeros((n,), bool)
-        won[cand[first]] = True
-        pending = pending[~won[pending]]
-        probe[pending] += 1
-    return slots, int(probe.max()) + 1
-
-
-def build_lookup_table(
-    cache: dict[tuple[int, int, int, int], dict[int, int]],
-    min_shape: tuple[int, int, int, int] | None = None,
-) -> LookupTable | None:
-    """Device table of a cache dict (`specjax.lookup` form: insertion order = file order).
-
-    None for an empty cache. Parts are laid out in libstdc++ iteration order so the first
-    maximum of a window is upstream's choice. `min_shape = (n-grams, entries, longest part,
-    probes)` pads the arrays (and static sizes) to at least these, so caches of different sizes
-    share one compiled program (an empty cache then gives a table that never matches).
-    """
-    if not cache and min_shape is None:
-        return None
-    pad_g, pad_e, pad_len, pad_probe = min_shape or (0, 0, 0, 0)
-    G = max(len(cache), pad_g)
-    ng_keys = np.zeros((G, 4), np.int32)
-    ng_off = np.zeros((G,), np.int32)
-    ng_len = np.zeros((G,), np.int32)
-    ng_sum = np.zeros((G,), np.int32)
-    best_tok = np.zeros((G,), np.int32)
-    best_cnt = np.zeros((G,), np.int32)
-    ent_tok: list[int] = []
-    ent_count: list[int] = []
-    ent_ng: list[int] = []
-    for g, (ng, part) in enumerate(cache.items()):
-        if len(ng) != 4:
-            raise ValueError(f"n-gram {ng!r} does not have 4 slots")
-        items = part_items(part)
-        ng_keys[g] = ng
-        ng_off[g] = len(ent_tok)
-        ng_len[g] = len(items)
-        total, bt, bc = 0, -1, 0
-        for tok, count in items:
-            if count > bc:
-                bt, bc = tok, count
-            total = i32(total + count)
-            ent_tok.append(tok)
-            ent_count.append(count)
-            ent_ng.append(g)
-        ng_sum[g], best_tok[g], best_cnt[g] = total, bt, bc
-    n_real, e_real = len(cache), len(ent_tok)
-    E = max(e_real, pad_e)
-    ent_ng_a = np.full((E,), -1, np.int32)
-    ent_ng_a[:e_real] = ent_ng
-    ent_tok_a = np.full((E,), -1, np.int32)
-    ent_tok_a[:e_real] = ent_tok
-    ent_count_a = np.zeros((E,), np.int32)
-    ent_count_a[:e_real] = ent_count
-    ng_keys[n_real:] = -2  # padding n-grams: never hashed, never matched
-    ng_slots, ng_probe = _np_hash_table(hash_words_np(ng_keys[:n_real]), _next_pow2(2 * G))
-    pair_slots, pair_probe = _np_hash_table(
-        hash_words_np(np.stack([ent_ng_a[:e_real], ent_tok_a[:e_real]], axis=-1)),
-        _next_pow2(2 * E),
-    )
-    return LookupTable(
-        ng_keys=jnp.asarray(ng_keys),
-        ng_off=jnp.asarray(ng_off),
-        ng_len=jnp.asarray(ng_len),
-        ng_sum=jnp.asarray(ng_sum),
-        ng_best_tok=jnp.asarray(best_tok),
-        ng_best_count=jnp.asarray(best_cnt),
-        ng_slots=jnp.asarray(ng_slots),
-        ent_ng=jnp.asarray(ent_ng_a),
-        ent_tok=jnp.asarray(ent_tok_a),
-        ent_count=jnp.asarray(ent_count_a),
-        pair_slots=jnp.asarray(pair_slots),
-        ng_probe=max(ng_probe, pad_probe),
-        pair_probe=max(pair_probe, pad_probe),
-        max_len=max(int(ng_len.max(initial=0)), pad_len, 1),
-    )
-
-
 def _find_ngram(table: LookupTable, key_4: Array) -> Array:
     """Index of n-gram `key` in `table`, -1 if absent (one key, `[4]`)."""
     size = table.ng_slots.shape[0]
@@ -291,6 +191,25 @@ def _static_weights(table: LookupTable | None, g2: Array, toks: Array) -> Array:
     return jnp.where((g2 >= 0) & (count > 0), jnp.int32(100) * count, jnp.int32(1))
 
 
+def _pick_table(table: LookupTable, keys_4x4, key_ok, g2, static):
+    """Best token per n-gram size of a read-only cache (first maximum in iteration order)."""
+    g = jax.vmap(lambda k: _find_ngram(table, k))(keys_4x4)  # [4]
+    g = jnp.where(key_ok, g, -1)
+    gc = jnp.maximum(g, 0)
+    j = jnp.arange(table.max_len, dtype=jnp.int32)
+    inside = (g >= 0)[:, None] & (j[None, :] < table.ng_len[gc][:, None])
+    idx = jnp.where(inside, table.ng_off[gc][:, None] + j[None, :], 0)
+    toks = table.ent_tok[idx]
+    cnts = table.ent_count[idx]
+    w = _static_weights(static, g2, toks)
+    pm = jnp.where(inside, cnts * w, _INT_MIN)
+    win = jnp.argmax(pm, axis=1)
+    top = jnp.take_along_axis(pm, win[:, None], axis=1)[:, 0]
+    best_tok = jnp.take_along_axis(toks, win[:, None], axis=1)[:, 0]
+    best_cnt = jnp.take_along_axis(cnts, win[:, None], axis=1)[:, 0]
+    return best_tok, best_cnt, table.ng_sum[gc], (g >= 0) & (top > 0)
+
+
 # ---------------------------------------------------------------------------------------------
 # drafter state and config
 # ---------------------------------------------------------------------------------------------
@@ -300,15 +219,22 @@ def _static_weights(table: LookupTable | None, g2: Array, toks: Array) -> Array:
 class NgramCacheState:
     """Per-row context cache, one sub-table per n-gram size (leaves have leading dimension B).
 
-    Sub-table `s-1` holds the `(n-gram of size s, token)` pairs; its n-grams use columns
-    `0..s-1` of `keys` (the rest -1). A slot is empty iff its count is 0.
+    Sub-table `s-1` holds the `(n-gram of size s, token)` pairs (pair table) and the n-grams of
+    size s (part table); n-grams use columns `0..s-1` of their keys (the rest -1). A pair slot
+    is empty iff its count is 0, a part slot iff `ng_occ` is False.
     """
 
-    keys: Array  # [B, 4, N, 4] int32
+    keys: Array  # [B, 4, N, 4] int32 pair table: n-gram
     tok: Array  # [B, 4, N] int32 following token
     count: Array  # [B, 4, N] int32, 0 = empty slot
     stamp: Array  # [B, 4, N] int32 stream position of the pair's first occurrence
-    n_used: Array  # [B, 4] int32 occupied slots per sub-table
+    gs: Array  # [B, 4, N] int32 first stamp of the pair's bucket (token mod 13) in its part
+    ng_keys: Array  # [B, 4, N, 4] int32 part table: n-gram
+    ng_occ: Array  # [B, 4, N] bool occupied part slot
+    ng_sum: Array  # [B, 4, N] int32 sum of the part's counts (int32 wrap, as upstream)
+    ng_best: Array  # [B, 4, N, 4] int32 best member (count, gs, stamp, token)
+    ng_heads: Array  # [B, 4, N, 13] int32 first stamp per bucket (INT_MAX = none yet)
+    n_used: Array  # [B, 4] int32 occupied pair slots per sub-table
     n_dropped: Array  # [B] int32 new pairs dropped because a sub-table was full
     cache_size: Array  # [B] int32 stream tokens ingested (upstream `cache_size`)
 
@@ -364,45 +290,40 @@ class NgramCache(ModelFreeDrafter):
 
     def init(self, batch: int, capacity: int) -> NgramCacheState:
         n = self.slots_for(capacity)
+
+        # distinct buffers per field, so that the whole state can be donated
+        def z(*shape: int, fill: int = 0) -> Array:
+            return jnp.full((batch, *shape), fill, jnp.int32)
+
         return NgramCacheState(
-            keys=jnp.full((batch, NGRAM_MAX, n, 4), -1, jnp.int32),
-            tok=jnp.zeros((batch, NGRAM_MAX, n), jnp.int32),
-            count=jnp.zeros((batch, NGRAM_MAX, n), jnp.int32),
-            stamp=jnp.zeros((batch, NGRAM_MAX, n), jnp.int32),
-            n_used=jnp.zeros((batch, NGRAM_MAX), jnp.int32),
-            n_dropped=jnp.zeros((batch,), jnp.int32),
-            cache_size=jnp.zeros((batch,), jnp.int32),
+            keys=z(NGRAM_MAX, n, 4, fill=-1),
+            tok=z(NGRAM_MAX, n),
+            count=z(NGRAM_MAX, n),
+            stamp=z(NGRAM_MAX, n),
+            gs=z(NGRAM_MAX, n),
+            ng_keys=z(NGRAM_MAX, n, 4, fill=-1),
+            ng_occ=jnp.zeros((batch, NGRAM_MAX, n), bool),
+            ng_sum=z(NGRAM_MAX, n),
+            ng_best=z(NGRAM_MAX, n, 4),
+            ng_heads=z(NGRAM_MAX, n, _PHASE0_BUCKETS, fill=_INT_MAX),
+            n_used=z(NGRAM_MAX),
+            n_dropped=z(),
+            cache_size=z(),
         )
 
     def begin(self, state: NgramCacheState, history: TokenHistory) -> NgramCacheState:
         del history
         if not self.reset_on_begin:
             return state  # upstream: no-op (bug #27852)
+        # empty = count 0 / ng_occ False; the other fields are rewritten on insertion
         return replace(
             state,
             count=jnp.zeros_like(state.count),
+            ng_occ=jnp.zeros_like(state.ng_occ),
             n_used=jnp.zeros_like(state.n_used),
             n_dropped=jnp.zeros_like(state.n_dropped),
             cache_size=jnp.zeros_like(state.cache_size),
         )
-
-    # ------------------------------------------------------------------ params
-    def load_params(
-        self, static_path: str | None = None, dynamic_path: str | None = None
-    ) -> NgramCacheTables | None:
-        """Device tables from llama.cpp cache files (None when neither is given).
-
-        A dynamic cache that does not exist yet is empty (it is created at the end of the
-        run, as llama.cpp's lookup example does); a missing static cache is an error.
-        """
-        import os
-
-        from specjax.lookup import load_cache
-
-        static = load_cache(static_path) if static_path else None
-        has_dynamic = bool(dynamic_path) and os.path.exists(str(dynamic_path))
-        dynamic = load_cache(str(dynamic_path)) if has_dynamic else None
-        return make_tables(static, dynamic)
 
     # ------------------------------------------------------------------ draft
     def draft(
@@ -420,22 +341,8 @@ class NgramCache(ModelFreeDrafter):
             return state, DraftOutput(
                 tokens=jnp.zeros((B, k_max), jnp.int32), valid=jnp.zeros((B, k_max), bool)
             )
-
-        def row(keys, tok, count, stamp, tokens_S, length, last, active):
-            return _draft_row(
-                tables, keys, tok, count, stamp, tokens_S, length, last, active, n_steps
-            )
-
-        toks, n = jax.vmap(row)(
-            state.keys,
-            state.tok,
-            state.count,
-            state.stamp,
-            inp.history.tokens,
-            length,
-            last,
-            drafting & (length + 1 >= NGRAM_STATIC),
-        )
+        active = drafting & (length + 1 >= NGRAM_STATIC)
+        toks, n = _draft_rows(tables, state, inp.history.tokens, length, last, active, n_steps)
         idx = jnp.arange(k_max, dtype=jnp.int32)[None, :]
         valid = (idx < n[:, None]) & ((inp.n_max[:, None] <= 0) | (idx < inp.n_max[:, None]))
         valid = valid & drafting[:, None]
@@ -447,194 +354,308 @@ class NgramCache(ModelFreeDrafter):
         self, state: NgramCacheState, tokens_BS: Array, length: Array, last: Array, grow: Array
     ) -> NgramCacheState:
         """Count stream positions `[cache_size, length+1)` of the rows in `grow` into their
-        context caches (see `context_update`) and set their `cache_size = length + 1`."""
+        context caches (see `context_update`) and set their `cache_size = length + 1`.
+
+        One loop iteration takes `block` positions of every row (rows batched by hand)."""
+        B, S = tokens_BS.shape
         n_slots = state.count.shape[2]
         cap = int(self.max_load * n_slots)
         lookup_mode = self.context_update == "lookup"
-        blk, max_probe = self.block, self.max_probe
+        blk = self.block
         sizes = jnp.arange(1, NGRAM_MAX + 1, dtype=jnp.int32)
         col = jnp.arange(NGRAM_MAX, dtype=jnp.int32)
-
-        def row(keys, tok, count, stamp, n_used, n_dropped, c0, tokens_S, length, last, grow):
-            target = jnp.where(grow, length + 1, c0)
-            S = tokens_S.shape[0]
-
-            def stream_at(i: Array) -> Array:
-                return jnp.where(i == length, last, tokens_S[jnp.clip(i, 0, S - 1)])
-
-            def body(carry):
-                p, keys, tok, count, stamp, n_used, n_dropped = carry
-                i = p + jnp.arange(blk, dtype=jnp.int32)  # follower positions [W]
-                lo = jnp.maximum(c0, sizes) if lookup_mode else c0 + sizes  # [4]
-                valid = (i[None, :] >= lo[:, None]) & (i[None, :] < target)  # [4, W]
-                src = i[None, :, None] - sizes[:, None, None] + col[None, None, :]  # [4, W, 4]
-                ng = jnp.where(col[None, None, :] < sizes[:, None, None], stream_at(src), -1)
-                nxt = jnp.broadcast_to(stream_at(i)[None, :, None], (NGRAM_MAX, blk, 1))
-                k5 = jnp.concatenate([ng, nxt], axis=-1)  # [4, W, 5]
-                eq = jnp.all(k5[:, :, None, :] == k5[:, None, :, :], axis=-1)  # [4, W, W]
-                eq = eq & valid[:, :, None] & valid[:, None, :]
-                w = jnp.arange(blk, dtype=jnp.int32)
-                rep = valid & (jnp.argmax(eq, axis=2).astype(jnp.int32) == w[None, :])
-                add = jnp.sum(eq, axis=2).astype(jnp.int32)
-                stamp_new = jnp.broadcast_to(i[None, :], (NGRAM_MAX, blk))
-                ins = jax.vmap(_insert, in_axes=(0, 0, 0, 0, 0, 0, 0, 0, 0, None, None))
-                keys, tok, count, stamp, n_used, dropped = ins(
-                    keys, tok, count, stamp, n_used, k5, add, stamp_new, rep, cap, max_probe
-                )
-                return p + blk, keys, tok, count, stamp, n_used, n_dropped + jnp.sum(dropped)
-
-            carry = (c0, keys, tok, count, stamp, n_used, n_dropped)
-            carry = lax.while_loop(lambda c: c[0] < target, body, carry)
-            _, keys, tok, count, stamp, n_used, n_dropped = carry
-            return keys, tok, count, stamp, n_used, n_dropped, target
-
-        keys, tok, count, stamp, n_used, n_dropped, cache_size = jax.vmap(row)(
-            state.keys,
-            state.tok,
-            state.count,
-            state.stamp,
-            state.n_used,
-            state.n_dropped,
-            state.cache_size,
-            tokens_BS,
-            length,
-            last,
-            grow,
+        c0 = state.cache_size
+        target = jnp.where(grow, length + 1, c0)
+        lo = (
+            jnp.maximum(c0[:, None], sizes[None, :])
+            if lookup_mode
+            else c0[:, None] + sizes[None, :]
         )
-        return NgramCacheState(
-            keys=keys,
-            tok=tok,
-            count=count,
-            stamp=stamp,
-            n_used=n_used,
-            n_dropped=n_dropped.astype(jnp.int32),
-            cache_size=cache_size,
-        )
+        w = jnp.arange(blk, dtype=jnp.int32)
+
+        def stream_at(i: Array) -> Array:  # i [B, ...] stream positions
+            flat = i.reshape(B, -1)
+            got = jnp.take_along_axis(tokens_BS, jnp.clip(flat, 0, S - 1), axis=1)
+            got = jnp.where(flat == length[:, None], last[:, None], got)
+            return got.reshape(i.shape)
+
+        def body(carry: tuple[Array, NgramCacheState]) -> tuple[Array, NgramCacheState]:
+            p, st = carry
+            i = p[:, None] + w[None, :]  # [B, W] follower positions
+            valid = (i[:, None, :] >= lo[:, :, None]) & (i[:, None, :] < target[:, None, None])
+            src = i[:, None, :, None] - sizes[None, :, None, None] + col[None, None, None, :]
+            ng = jnp.where(
+                col[None, None, None, :] < sizes[None, :, None, None], stream_at(src), -1
+            )
+            nxt = jnp.broadcast_to(stream_at(i)[:, None, :, None], (B, NGRAM_MAX, blk, 1))
+            k5 = jnp.concatenate([ng, nxt], axis=-1)  # [B, 4, W, 5]
+            eq = jnp.all(k5[:, :, :, None, :] == k5[:, :, None, :, :], axis=-1)  # [B,4,W,W]
+            eq = eq & valid[:, :, :, None] & valid[:, :, None, :]
+            rep = valid & (jnp.argmax(eq, axis=-1).astype(jnp.int32) == w[None, None, :])
+            add = jnp.sum(eq, axis=-1).astype(jnp.int32)
+            stamp_new = jnp.broadcast_to(i[:, None, :], (B, NGRAM_MAX, blk))
+            st = _count_pairs(st, k5, add, stamp_new, rep, cap, self.max_probe)
+            return p + blk, st
+
+        _, state = lax.while_loop(lambda c: jnp.any(c[0] < target), body, (c0, state))
+        return replace(state, cache_size=target)
 
 
-def _insert(keys, tok, count, stamp, n_used, k5_O, add_O, stamp_O, rep_O, cap, max_probe):
-    """Add `add` to the count of each unique pair `k5` (where `rep`) in one sub-table,
-    inserting new pairs while there is room. Returns the table and the number dropped."""
-    n = count.shape[0]
-    home = _home(hash_words(k5_O), n)
-    o = jnp.arange(k5_O.shape[0], dtype=jnp.int32)
-    ng_O, tk_O = k5_O[:, :4], k5_O[:, 4]
+# ---------------------------------------------------------------------------------------------
+# table updates (all rows and sizes at once; tables flattened to [B * 4 * N, ...])
+# ---------------------------------------------------------------------------------------------
 
-    def body(carry):
-        probe, pending, keys, tok, count, stamp, n_used, n_dropped = carry
-        pos = (home + probe) & (n - 1)
+
+def _flat(a: Array) -> Array:
+    """[B, 4, N, ...] -> [B * 4 * N, ...] (a bitcast of the donated buffer)."""
+    return a.reshape((-1,) + a.shape[3:])
+
+
+def _earlier_claim(loc: Array, empty: Array) -> Array:
+    """[..., W] True where an earlier entry (lower index) claims the same empty slot."""
+    o = jnp.arange(loc.shape[-1], dtype=jnp.int32)
+    same = (loc[..., :, None] == loc[..., None, :]) & empty[..., None, :]
+    lower = (o[None, :] < o[:, None]).reshape((1,) * (same.ndim - 2) + same.shape[-2:])
+    return jnp.any(same & lower, axis=-1)
+
+
+def _better(a: tuple[Array, ...], b: tuple[Array, ...]) -> Array:
+    """Lexicographic `(count, gs, stamp) a > b` (upstream's first maximum, see docstring)."""
+    (ca, ga, sa), (cb, gb, sb) = a, b
+    return (ca > cb) | ((ca == cb) & ((ga > gb) | ((ga == gb) & (sa > sb))))
+
+
+def _count_pairs(
+    st: NgramCacheState,
+    k5: Array,
+    add: Array,
+    stamp_new: Array,
+    rep: Array,
+    cap: int,
+    max_probe: int,
+) -> NgramCacheState:
+    """Add `add` to the count of each unique pair `k5 [B, 4, W, 5]` (where `rep`), inserting
+    new pairs while there is room, and update their parts' summaries."""
+    B, G, W, _ = k5.shape
+    n = st.count.shape[2]
+    total = B * G * n
+    base = ((jnp.arange(B)[:, None] * G + jnp.arange(G)[None, :]) * n)[:, :, None]  # [B, 4, 1]
+    ng_O, tk_O = k5[..., :4], k5[..., 4]
+    keys, tok, count, stamp = _flat(st.keys), _flat(st.tok), _flat(st.count), _flat(st.stamp)
+
+    # ---- pair table: find or insert every representative
+    home = _home(hash_words(k5), n)
+
+    def pair_body(c):
+        probe, pending, keys, tok, count, stamp, n_used, n_drop, at, new = c
+        pos = base + ((home + probe) & (n - 1))
         occ = count[pos] > 0
         match = occ & jnp.all(keys[pos] == ng_O, axis=-1) & (tok[pos] == tk_O)
         found = pending & match
         empty = pending & ~occ
-        earlier = (pos[:, None] == pos[None, :]) & empty[None, :] & (o[None, :] < o[:, None])
-        winner = empty & ~jnp.any(earlier, axis=1)
-        rank = jnp.cumsum(winner.astype(jnp.int32)) - 1
-        allowed = winner & (n_used + rank < cap)
-        refused = winner & ~allowed
-        w_idx = jnp.where(allowed, pos, n)
+        winner = empty & ~_earlier_claim(pos, empty)
+        rank = jnp.cumsum(winner.astype(jnp.int32), axis=-1) - 1
+        allowed = winner & (n_used[..., None] + rank < cap)
+        w_idx = jnp.where(allowed, pos, total)
         keys = keys.at[w_idx].set(ng_O, mode="drop")
         tok = tok.at[w_idx].set(tk_O, mode="drop")
-        stamp = stamp.at[w_idx].set(stamp_O, mode="drop")
-        count = count.at[w_idx].set(add_O, mode="drop")
-        count = count.at[jnp.where(found, pos, n)].add(add_O, mode="drop")
+        stamp = stamp.at[w_idx].set(stamp_new, mode="drop")
+        count = count.at[w_idx].set(add, mode="drop")
+        count = count.at[jnp.where(found, pos, total)].add(add, mode="drop")
         advance = pending & occ & ~match
         probe = probe + advance.astype(jnp.int32)
-        give_up = advance & (probe >= max_probe)
-        dropped = refused | give_up
-        n_used = n_used + jnp.sum(allowed).astype(jnp.int32)
-        n_dropped = n_dropped + jnp.sum(dropped).astype(jnp.int32)
+        dropped = (winner & ~allowed) | (advance & (probe >= max_probe))
+        n_used = n_used + jnp.sum(allowed, axis=-1).astype(jnp.int32)
+        n_drop = n_drop + jnp.sum(dropped, axis=(1, 2)).astype(jnp.int32)
+        at = jnp.where(found | allowed, pos, at)
         pending = pending & ~found & ~allowed & ~dropped
-        return probe, pending, keys, tok, count, stamp, n_used, n_dropped
+        return probe, pending, keys, tok, count, stamp, n_used, n_drop, at, new | allowed
 
-    carry = (jnp.zeros_like(o), rep_O, keys, tok, count, stamp, n_used, jnp.int32(0))
-    carry = lax.while_loop(lambda c: jnp.any(c[1]), body, carry)
-    return carry[2:]
+    zero = jnp.zeros((B, G, W), jnp.int32)
+    carry = (zero, rep, keys, tok, count, stamp, st.n_used, st.n_dropped, zero + total, rep & False)
+    _, _, keys, tok, count, stamp, n_used, n_dropped, at, new = lax.while_loop(
+        lambda c: jnp.any(c[1]), pair_body, carry
+    )
+    hit = at < total
+
+    # ---- part table: find or create the part of every counted pair
+    ng_keys, ng_occ, ng_heads = _flat(st.ng_keys), _flat(st.ng_occ), _flat(st.ng_heads)
+    ng_sum, ng_best = _flat(st.ng_sum), _flat(st.ng_best)
+    ng_home = _home(hash_words(ng_O), n)
+
+    def part_body(c):
+        probe, pending, ng_keys, ng_occ, ng_heads, ng_sum, ng_best, g = c
+        pos = base + ((ng_home + probe) & (n - 1))
+        occ = ng_occ[pos]
+        match = occ & jnp.all(ng_keys[pos] == ng_O, axis=-1)
+        found = pending & match
+        empty = pending & ~occ
+        winner = empty & ~_earlier_claim(pos, empty)
+        w_idx = jnp.where(winner, pos, total)
+        ng_keys = ng_keys.at[w_idx].set(ng_O, mode="drop")
+        ng_occ = ng_occ.at[w_idx].set(True, mode="drop")
+        ng_heads = ng_heads.at[w_idx].set(_INT_MAX, mode="drop")
+        ng_sum = ng_sum.at[w_idx].set(0, mode="drop")
+        ng_best = ng_best.at[w_idx].set(0, mode="drop")
+        advance = pending & occ & ~match
+        probe = probe + advance.astype(jnp.int32)
+        g = jnp.where(found | winner, pos, g)
+        pending = pending & ~found & ~winner & (probe < n)
+        return probe, pending, ng_keys, ng_occ, ng_heads, ng_sum, ng_best, g
+
+    part_carry = (zero, hit, ng_keys, ng_occ, ng_heads, ng_sum, ng_best, zero + total)
+    _, _, ng_keys, ng_occ, ng_heads, ng_sum, ng_best, g = lax.while_loop(
+        lambda c: jnp.any(c[1]), part_body, part_carry
+    )
+    hit = hit & (g < total)
+
+    # ---- bucket-group stamps of new pairs, part sums, best members
+    gsafe = jnp.minimum(g, total - 1)
+    bucket = jnp.remainder(tk_O, _PHASE0_BUCKETS)
+    head_idx = jnp.where(new & hit, gsafe * _PHASE0_BUCKETS + bucket, total * _PHASE0_BUCKETS)
+    heads_flat = ng_heads.reshape(-1).at[head_idx].min(stamp_new, mode="drop")
+    gs = _flat(st.gs)
+    at_safe = jnp.minimum(at, total - 1)
+    gs_O = jnp.where(
+        new, heads_flat[jnp.minimum(head_idx, total * _PHASE0_BUCKETS - 1)], gs[at_safe]
+    )
+    gs = gs.at[jnp.where(new & hit, at, total)].set(gs_O, mode="drop")
+    ng_sum = ng_sum.at[jnp.where(hit, g, total)].add(add, mode="drop")
+    key_O = (count[at_safe], gs_O, stamp[at_safe])
+    # the block's best pair per part (pairs of one block are distinct: no equal keys)
+    same = (g[..., :, None] == g[..., None, :]) & hit[..., None, :]
+    beaten = jnp.any(
+        same
+        & _better(tuple(k[..., None, :] for k in key_O), tuple(k[..., :, None] for k in key_O)),
+        axis=-1,
+    )
+    old = ng_best[gsafe]  # [B, 4, W, 4]
+    win = hit & ~beaten & _better(key_O, (old[..., 0], old[..., 1], old[..., 2]))
+    best_new = jnp.stack([*key_O, tk_O], axis=-1)
+    ng_best = ng_best.at[jnp.where(win, g, total)].set(best_new, mode="drop")
+
+    shape = st.count.shape
+    return replace(
+        st,
+        keys=keys.reshape(st.keys.shape),
+        tok=tok.reshape(shape),
+        count=count.reshape(shape),
+        stamp=stamp.reshape(shape),
+        gs=gs.reshape(shape),
+        ng_keys=ng_keys.reshape(st.ng_keys.shape),
+        ng_occ=ng_occ.reshape(shape),
+        ng_sum=ng_sum.reshape(shape),
+        ng_best=ng_best.reshape(st.ng_best.shape),
+        ng_heads=heads_flat.reshape(st.ng_heads.shape),
+        n_used=n_used,
+        n_dropped=n_dropped,
+    )
 
 
 # ---------------------------------------------------------------------------------------------
-# drafting (one row)
+# drafting (all rows at once)
 # ---------------------------------------------------------------------------------------------
 
 
-def _pick_part(m, tok, count, stamp, w):
-    """One part of the context cache (members `m` of a sub-table): upstream's `try_draft`
-    choice (token, its count), the sum of counts, and whether a positive maximum exists."""
+def _find_parts(st: NgramCacheState, keys_B44: Array, ok_B4: Array) -> Array:
+    """Flat part-table index of each row's n-gram of each size (`[B, 4]`), -1 if absent."""
+    B = keys_B44.shape[0]
+    n = st.count.shape[2]
+    base = (jnp.arange(B)[:, None] * NGRAM_MAX + jnp.arange(NGRAM_MAX)[None, :]) * n
+    home = _home(hash_words(keys_B44), n)
+    ng_keys, ng_occ = _flat(st.ng_keys), _flat(st.ng_occ)
+
+    def body(c):
+        probe, pending, g = c
+        pos = base + ((home + probe) & (n - 1))
+        occ = ng_occ[pos]
+        match = occ & jnp.all(ng_keys[pos] == keys_B44, axis=-1)
+        g = jnp.where(pending & match, pos, g)
+        probe = probe + 1
+        return probe, pending & occ & ~match & (probe < n), g
+
+    init = (jnp.zeros((B, NGRAM_MAX), jnp.int32), ok_B4, jnp.full((B, NGRAM_MAX), -1, jnp.int32))
+    return lax.while_loop(lambda c: jnp.any(c[1]), body, init)[2]
+
+
+def _pick_part(m, tok, count, stamp, gs, w):
+    """One part of the context cache (members `m` of a sub-table), weights `w`: upstream's
+    `try_draft` choice (token, its count), the sum of counts, and whether a positive maximum
+    exists. Scans the sub-table (used only with a static cache)."""
     prod = count * w  # int32 wrap as upstream
     top = jnp.max(jnp.where(m, prod, _INT_MIN))
     total = jnp.sum(jnp.where(m, count, 0)).astype(jnp.int32)
     tied = m & (prod == top)
-    # libstdc++ iteration order of a <= 13 element map: latest bucket group first, then latest
-    bucket = jnp.remainder(tok, _PHASE0_BUCKETS)
-    heads = (
-        jnp.full((_PHASE0_BUCKETS,), _INT_MAX, jnp.int32)
-        .at[bucket]
-        .min(jnp.where(m, stamp, _INT_MAX))
-    )
-    gs = heads[bucket]
     best_gs = jnp.max(jnp.where(tied, gs, -1))
     win = jnp.argmax(jnp.where(tied & (gs == best_gs), stamp, -1))
     return tok[win], count[win], total, jnp.any(m) & (top > 0)
 
 
-def _pick_table(table: LookupTable, keys_4x4, key_ok, g2, static):
-    """Best token per n-gram size of a read-only cache (first maximum in iteration order)."""
-    g = jax.vmap(lambda k: _find_ngram(table, k))(keys_4x4)  # [4]
-    g = jnp.where(key_ok, g, -1)
-    gc = jnp.maximum(g, 0)
-    j = jnp.arange(table.max_len, dtype=jnp.int32)
-    inside = (g >= 0)[:, None] & (j[None, :] < table.ng_len[gc][:, None])
-    idx = jnp.where(inside, table.ng_off[gc][:, None] + j[None, :], 0)
-    toks = table.ent_tok[idx]
-    cnts = table.ent_count[idx]
-    w = _static_weights(static, g2, toks)
-    pm = jnp.where(inside, cnts * w, _INT_MIN)
-    win = jnp.argmax(pm, axis=1)
-    top = jnp.take_along_axis(pm, win[:, None], axis=1)[:, 0]
-    best_tok = jnp.take_along_axis(toks, win[:, None], axis=1)[:, 0]
-    best_cnt = jnp.take_along_axis(cnts, win[:, None], axis=1)[:, 0]
-    return best_tok, best_cnt, table.ng_sum[gc], (g >= 0) & (top > 0)
+def _pick_context_scan(st_row: NgramCacheState, tail, key_ok, g2, static):
+    """Context picks of one row by scanning its sub-tables (static weights differ per query)."""
+    picks = []
+    for s in range(1, NGRAM_MAX + 1):
+        m = (st_row.count[s - 1] > 0) & key_ok[s - 1]
+        for k in range(s):
+            m = m & (st_row.keys[s - 1, :, k] == tail[NGRAM_MAX - s + k])
+        w = _static_weights(static, g2, st_row.tok[s - 1])
+        picks.append(
+            _pick_part(
+                m, st_row.tok[s - 1], st_row.count[s - 1], st_row.stamp[s - 1], st_row.gs[s - 1], w
+            )
+        )
+    return tuple(jnp.stack(x) for x in zip(*picks, strict=True))
 
 
 def _first_ok(best_tok, best_cnt, total, ok, thresholds) -> tuple[Array, Array]:
-    """Largest n-gram size passing the thresholds: (found, token)."""
-    min_sample, min_percent = (jnp.asarray(t) for t in thresholds)
+    """Largest n-gram size passing the thresholds (last axis = size): (found, token)."""
+    lead = (1,) * (ok.ndim - 1)
+    min_sample, min_percent = (jnp.asarray(t).reshape(lead + (-1,)) for t in thresholds)
     ok = ok & (total >= min_sample) & (jnp.int32(100) * best_cnt >= min_percent * total)
-    size_idx = jnp.arange(4, dtype=jnp.int32)
-    pick = jnp.max(jnp.where(ok, size_idx, -1))
-    return pick >= 0, best_tok[jnp.maximum(pick, 0)]
+    size_idx = jnp.arange(NGRAM_MAX, dtype=jnp.int32).reshape(lead + (-1,))
+    pick = jnp.max(jnp.where(ok, size_idx, -1), axis=-1)
+    tok = jnp.take_along_axis(best_tok, jnp.maximum(pick, 0)[..., None], axis=-1)[..., 0]
+    return pick >= 0, tok
 
 
-def _draft_row(
-    tables: NgramCacheTables, keys, tok, count, stamp, tokens_S, length, last, active, n_steps: int
+def _draft_rows(
+    tables: NgramCacheTables, st: NgramCacheState, tokens_BS, length, last, active, n_steps: int
 ) -> tuple[Array, Array]:
-    S = tokens_S.shape[0]
+    """`[B, n_steps]` drafted tokens and `[B]` their number (rows in `active` only)."""
+    B, S = tokens_BS.shape
     inp_size = length + 1
-    ipos = inp_size + jnp.arange(-NGRAM_MAX, 0, dtype=jnp.int32)  # positions L-4..L-1
-    tail0 = jnp.where(ipos == length, last, tokens_S[jnp.clip(ipos, 0, S - 1)])
+    ipos = inp_size[:, None] + jnp.arange(-NGRAM_MAX, 0, dtype=jnp.int32)[None, :]  # L-4..L-1
+    tail0 = jnp.take_along_axis(tokens_BS, jnp.clip(ipos, 0, S - 1), axis=1)
+    tail0 = jnp.where(ipos == length[:, None], last[:, None], tail0)
     static, dynamic = tables.static, tables.dynamic
     sizes = jnp.arange(1, NGRAM_MAX + 1, dtype=jnp.int32)
     slot = jnp.arange(NGRAM_MAX, dtype=jnp.int32)
+    src = NGRAM_MAX - sizes[:, None] + slot[None, :]  # [4 sizes, 4 slots]
+    best = _flat(st.ng_best)
+    ng_sum = _flat(st.ng_sum)
 
     def body(carry):
-        step, tail, out, active = carry
+        step, tail, out, n, active = carry
         L = inp_size + step
         # key_s = last s tokens of stream + draft, -1 padded; invalid if it starts before 0
-        src = NGRAM_MAX - sizes[:, None] + slot[None, :]  # [4 sizes, 4 slots]
-        keys_4x4 = jnp.where(slot[None, :] < sizes[:, None], tail[jnp.clip(src, 0, 3)], -1)
-        key_ok = L - sizes >= 0
-        key2 = keys_4x4[NGRAM_STATIC - 1]
-        g2 = _find_ngram(static, key2) if static is not None else jnp.int32(-1)
-        picks = []
-        for s in range(1, NGRAM_MAX + 1):
-            m = (count[s - 1] > 0) & key_ok[s - 1]
-            for k in range(s):
-                m = m & (keys[s - 1, :, k] == tail[NGRAM_MAX - s + k])
-            w = _static_weights(static, g2, tok[s - 1])
-            picks.append(_pick_part(m, tok[s - 1], count[s - 1], stamp[s - 1], w))
-        found, token = _first_ok(*(jnp.stack(x) for x in zip(*picks, strict=True)), _THRESH_LAX)
+        used = (slot[None, :] < sizes[:, None])[None]
+        keys = jnp.where(used, tail[:, jnp.clip(src, 0, 3)], -1)  # [B,4,4]
+        key_ok = L[:, None] - sizes[None, :] >= 0
+        key2 = keys[:, NGRAM_STATIC - 1]
+        if static is not None:
+            g2 = jax.vmap(lambda k: _find_ngram(static, k))(key2)
+            picks = jax.vmap(lambda s_row, t, ok, g: _pick_context_scan(s_row, t, ok, g, static))(
+                st, tail, key_ok, g2
+            )
+        else:
+            g2 = jnp.full((B,), -1, jnp.int32)
+            g = _find_parts(st, keys, key_ok & active[:, None])
+            b = best[jnp.maximum(g, 0)]
+            picks = (b[..., 3], b[..., 0], ng_sum[jnp.maximum(g, 0)], g >= 0)
+        found, token = _first_ok(*picks, _THRESH_LAX)
         if dynamic is not None:
-            f2, t2 = _first_ok(*_pick_table(dynamic, keys_4x4, key_ok, g2, static), _THRESH_STRICT)
+            pt = jax.vmap(lambda k, ok, g: _pick_table(dynamic, k, ok, g, static))(keys, key_ok, g2)
+            f2, t2 = _first_ok(*pt, _THRESH_STRICT)
             token = jnp.where(found, token, t2)
             found = found | f2
         if static is not None:
@@ -650,33 +671,24 @@ def _draft_row(
             token = jnp.where(found, token, static.ng_best_tok[gc])
             found = found | f3
         found = found & active
-        out = out.at[step].set(jnp.where(found, token, 0))
-        tail = jnp.where(found, jnp.concatenate([tail[1:], token[None]]), tail)
-        return step + 1, tail, out, found
+        out = out.at[:, step].set(jnp.where(found, token, 0))
+        tail = jnp.where(found[:, None], jnp.concatenate([tail[:, 1:], token[:, None]], 1), tail)
+        return step + 1, tail, out, n + found.astype(jnp.int32), found
 
-    init = (jnp.int32(0), tail0, jnp.zeros((n_steps,), jnp.int32), active)
-    step, _, out, active_end = lax.while_loop(lambda c: (c[0] < n_steps) & c[3], body, init)
-    n = jnp.where(active_end, step, step - 1)
-    return out, jnp.maximum(n, 0).astype(jnp.int32)
+    init = (
+        jnp.int32(0),
+        tail0,
+        jnp.zeros((B, n_steps), jnp.int32),
+        jnp.zeros((B,), jnp.int32),
+        active,
+    )
+    _, _, out, n, _ = lax.while_loop(lambda c: (c[0] < n_steps) & jnp.any(c[4]), body, init)
+    return out, n
 
 
 # ---------------------------------------------------------------------------------------------
-# host helpers
+# host helper (no IO: `specjax.lookup` reads and writes files)
 # ---------------------------------------------------------------------------------------------
-
-
-def make_tables(
-    static: dict[tuple[int, int, int, int], dict[int, int]] | None,
-    dynamic: dict[tuple[int, int, int, int], dict[int, int]] | None,
-    min_shape: tuple[int, int, int, int] | None = None,
-) -> NgramCacheTables | None:
-    """Drafter params from cache dicts (None when both are empty/absent); `min_shape` as in
-    `build_lookup_table`."""
-    st = build_lookup_table(static or {}, min_shape) if static or min_shape else None
-    dy = build_lookup_table(dynamic or {}, min_shape) if dynamic or min_shape else None
-    if st is None and dy is None:
-        return None
-    return NgramCacheTables(static=st, dynamic=dy)
 
 
 def context_cache(
@@ -698,21 +710,11 @@ def context_cache(
     return out
 
 
-def build_ngram_cache(spec: SpecConfig) -> tuple[NgramCache, NgramCacheTables | None]:
-    """Registry entry: the drafter and its params (tables from `-lcs` / `-lcd` files)."""
-    drafter = NgramCache(n_draft=spec.ngram_cache_n_draft)
-    return drafter, drafter.load_params(spec.lookup_cache_static, spec.lookup_cache_dynamic)
-
-
 __all__ = [
     "LookupTable",
     "NgramCache",
     "NgramCacheState",
     "NgramCacheTables",
-    "build_lookup_table",
-    "build_ngram_cache",
     "context_cache",
     "hash_words",
-    "hash_words_np",
-    "make_tables",
 ]

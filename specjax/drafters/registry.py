@@ -73,9 +73,12 @@ def _ngram_map_k4v(
 
 
 def _ngram_cache(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
-    from specjax.drafters.ngram_cache import build_ngram_cache
+    from specjax.drafters.ngram_cache import NgramCache
+    from specjax.lookup import load_tables
 
-    return build_ngram_cache(spec)
+    # the registry does the IO: the drafter only receives the device tables
+    drafter = NgramCache(n_draft=spec.ngram_cache_n_draft)
+    return drafter, load_tables(spec.lookup_cache_static, spec.lookup_cache_dynamic)
 
 
 _BUILDERS: dict[str, Callable[[SpecConfig, Any, Any, float], tuple[Any, Any]]] = {
