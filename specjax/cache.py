@@ -18,8 +18,8 @@ Invariants:
   attention visibility derives from positions alone (key visible iff pos_k >= 0 and
   pos_k <= pos_q, and pos_q - pos_k < window on sliding-window layers).
 * Because new tokens take the lowest free cells, every occupied cell lies below the
-  high-water mark `used_cells(cache)`; attention reads only a bucket of cells covering it
-  (`window_sizes`), so per-token cost follows the used context, not the capacity.
+  high-water mark `used_cells(cache.pos)`; attention reads only the chunks of cells below it,
+  so per-token cost follows the used context, not the capacity.
 * A token whose row has no free cell is dropped and sets `overflow[row]`; the host checks
   the flag after the jitted call and raises (`check_overflow`). Nothing is overwritten.
 """
@@ -36,9 +36,6 @@ from specjax.types import EMPTY_POS, Array
 
 #: Cache types accepted by `-ctk` / `-ctv` (llama.cpp's names) and their JAX dtypes.
 CACHE_TYPES: dict[str, str] = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
-
-#: Smallest attention window (llama.cpp pads its `n_kv` to 256 cells too).
-MIN_WINDOW = 256
 
 
 def cache_dtype(name: str) -> str:
@@ -102,28 +99,11 @@ class KVCache:
         )
 
 
-def window_sizes(capacity: int) -> tuple[int, ...]:
-    """Static attention windows for a capacity: 256, 512, 1024, ... and the capacity itself."""
-    sizes = []
-    w = MIN_WINDOW
-    while w < capacity:
-        sizes.append(w)
-        w *= 2
-    sizes.append(capacity)
-    return tuple(sizes)
-
-
 def used_cells(pos_BS: Array) -> Array:
     """High-water mark: 1 + the highest occupied cell index over all rows (0 when empty)."""
     S = pos_BS.shape[1]
     idx = jnp.arange(1, S + 1, dtype=jnp.int32)
     return jnp.max(jnp.where(pos_BS >= 0, idx[None, :], 0))
-
-
-def window_index(pos_BS: Array) -> Array:
-    """Index into `window_sizes(S)` of the smallest window covering every occupied cell."""
-    sizes = window_sizes(pos_BS.shape[1])
-    return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < used_cells(pos_BS)).astype(jnp.int32)
 
 
 def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:

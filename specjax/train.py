@@ -17,8 +17,8 @@ Invariants:
 * With ``distill.teacher`` (a params .npz written by this module) the loss is
   ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE``.
 
-The forward is `specjax.models.forward_fn` with a fresh cache of capacity ``seq_len`` and
-positions ``arange(seq_len)``.
+The forward is the inference forward (`specjax.models.llama.forward_compute`) over an empty
+cache of capacity ``seq_len``, positions ``arange(seq_len)``.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ import optax
 import yaml
 
 from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, init_params, new_cache
+from specjax.models.llama import forward_compute, init_params, new_cache
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -325,11 +325,13 @@ class TrainState:
 
 
 def model_logits(config: ModelConfig, params: Params, inputs_BT: Array) -> Array:
-    """Full-sequence logits [B, T, V] float32 via forward_fn with a fresh cache."""
+    """Full-sequence logits [B, T, V] float32: the inference forward over an empty cache."""
     B, T = inputs_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
     cache = new_cache(config, B, T)
-    return forward_fn(config, params, inputs_BT, positions_BT, cache).logits
+    out = forward_compute(config, params, inputs_BT, positions_BT, cache, cache_empty=True)
+    assert out.logits is not None
+    return out.logits
 
 
 def _cast(params: Params, dtype: str) -> Params:

@@ -7,8 +7,8 @@ Invariants:
   to each other and to optional `extra` cells (a drafter's scratch), all by position (see
   specjax.cache), in one softmax; `commit_kv` writes the new K/V afterwards. So a token
   attends to itself and to earlier tokens of the same call exactly as if written first.
-* Attention reads only the cells below the cache's high-water mark, rounded up to one of
-  `window_sizes(S)` (a `lax.switch` per layer), so cost follows the used context.
+* Attention reads the cache in chunks of CACHE_CHUNK cells up to its high-water mark (an
+  online softmax in a loop), so cost follows the used context, not the capacity.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
   dtype.
@@ -22,7 +22,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, window_index, window_sizes, write_layer, write_positions
+from specjax.cache import KVCache, used_cells, write_layer, write_positions
 from specjax.models.config import ModelConfig, rope_frequencies
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
@@ -76,29 +76,84 @@ def attention_mask(q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
     return visible
 
 
+#: Cells per step of the loop over cached cells (llama.cpp pads its `n_kv` to 256 too).
+CACHE_CHUNK = 256
+
+
+def _scores(q_BGRTE: Array, k_BGSE: Array, q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
+    """Scaled, masked attention scores [B, G, R, T, S] in float32."""
+    scale = 1.0 / math.sqrt(q_BGRTE.shape[-1])
+    s = jnp.einsum(
+        "bgrte,bgse->bgrts",
+        q_BGRTE,
+        k_BGSE.astype(q_BGRTE.dtype),
+        preferred_element_type=jnp.float32,
+    )
+    mask = attention_mask(q_pos_BT, k_pos_BS, window)[:, None, None]
+    return jnp.where(mask, s * scale, _MASKED)
+
+
+def _weighted_values(p_BGRTS: Array, v_BGSE: Array, dtype: jnp.dtype) -> Array:
+    """p @ v in the compute dtype, accumulated in float32."""
+    return jnp.einsum(
+        "bgrts,bgse->bgrte",
+        p_BGRTS.astype(dtype),
+        v_BGSE.astype(dtype),
+        preferred_element_type=jnp.float32,
+    )
+
+
 def _attend(
-    q_BGRTE: Array, segments: list[tuple[Array, Array, Array]], q_pos_BT: Array, window: int
+    q_BGRTE: Array,
+    own: list[tuple[Array, Array, Array]],
+    q_pos_BT: Array,
+    window: int,
+    cache: tuple[Array, Array, Array] | None = None,
+    n_chunks: Array | None = None,
 ) -> Array:
-    """One softmax over several key/value segments (k, v [B, G, S_i, E], pos [B, S_i])."""
-    E = q_BGRTE.shape[-1]
-    scale = 1.0 / math.sqrt(E)
-    dtype = q_BGRTE.dtype
-    scores = []
-    for k, _, pos in segments:
-        s = jnp.einsum(
-            "bgrte,bgse->bgrts", q_BGRTE, k.astype(dtype), preferred_element_type=jnp.float32
-        )
-        mask = attention_mask(q_pos_BT, pos, window)[:, None, None]
-        scores.append(jnp.where(mask, s * scale, _MASKED))
-    probs = jax.nn.softmax(jnp.concatenate(scores, axis=-1), axis=-1).astype(dtype)
-    out, start = None, 0
-    for _, v, pos in segments:
+    """Softmax attention over `own` segments (k, v [B, G, X, E], pos [B, X]) and, optionally,
+    the first `n_chunks` chunks of CACHE_CHUNK cached cells (an online softmax: the running
+    max, normaliser and weighted sum are rescaled chunk by chunk, as in flash attention).
+
+    The loop reads only the chunks below the high-water mark, so cost follows the used
+    context, and it slices in place: nothing of cache size is copied.
+    """
+    s_own = jnp.concatenate([_scores(q_BGRTE, k, q_pos_BT, pos, window) for k, _, pos in own], -1)
+    m = jnp.max(s_own, axis=-1)
+    p = jnp.exp(s_own - m[..., None])
+    total = jnp.sum(p, axis=-1)
+    acc, start = None, 0
+    for _, v, pos in own:
         n = pos.shape[1]
-        part = jnp.einsum("bgrts,bgse->bgrte", probs[..., start : start + n], v.astype(dtype))
-        out = part if out is None else out + part
+        part = _weighted_values(p[..., start : start + n], v, q_BGRTE.dtype)
+        acc = part if acc is None else acc + part
         start += n
-    assert out is not None
-    return out
+    assert acc is not None
+    if cache is not None:
+        assert n_chunks is not None
+        k_c, v_c, pos_c = cache
+        S = pos_c.shape[1]
+        C = min(CACHE_CHUNK, S)
+
+        def chunk(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            m, total, acc = carry
+            # The last chunk of a capacity that C does not divide starts early (slices must
+            # fit); cells before i * C were read by the previous chunk and are masked here.
+            first = jnp.minimum(i * C, S - C)
+            k = jax.lax.dynamic_slice_in_dim(k_c, first, C, axis=2)
+            v = jax.lax.dynamic_slice_in_dim(v_c, first, C, axis=2)
+            pos = jax.lax.dynamic_slice_in_dim(pos_c, first, C, axis=1)
+            pos = jnp.where(first + jnp.arange(C)[None, :] >= i * C, pos, -1)
+            s = _scores(q_BGRTE, k, q_pos_BT, pos, window)
+            m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+            rescale = jnp.exp(m - m_new)
+            p = jnp.exp(s - m_new[..., None])
+            total = total * rescale + jnp.sum(p, axis=-1)
+            acc = acc * rescale[..., None] + _weighted_values(p, v, q_BGRTE.dtype)
+            return m_new, total, acc
+
+        m, total, acc = jax.lax.fori_loop(0, n_chunks, chunk, (m, total, acc))
+    return (acc / total[..., None]).astype(q_BGRTE.dtype)
 
 
 def _layer_attention(
@@ -109,11 +164,10 @@ def _layer_attention(
     v_BTGE: Array,
     positions_BT: Array,
     cache: KVCache,
-    cache_empty: bool,
-    window_idx: Array,
+    n_chunks: Array | None,
     extra: ExtraKV | None,
 ) -> Array:
-    """Attention of the new tokens over the cache window, `extra` cells and each other."""
+    """Attention of the new tokens over the used cached cells, `extra` cells and each other."""
     B, T, H, E = q_BTHE.shape
     G = config.G
     q = q_BTHE.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, E]
@@ -121,26 +175,10 @@ def _layer_attention(
     own = [(k_BTGE.transpose(0, 2, 1, 3), v_BTGE.transpose(0, 2, 1, 3), positions_BT)]
     if extra is not None:
         own.append((extra.k[layer_index], extra.v[layer_index], extra.pos))
-
-    if cache_empty:
-        out = _attend(q, own, positions_BT, window)
-    else:
-        k_c, v_c, pos_c = cache.k[layer_index], cache.v[layer_index], cache.pos
-        sizes = window_sizes(cache.capacity)
-
-        def branch(W: int):
-            def run(ops: tuple[Array, ...]) -> Array:
-                q, k_c, v_c, pos_c = ops
-                segments = [(k_c[:, :, :W], v_c[:, :, :W], pos_c[:, :W]), *own]
-                return _attend(q, segments, positions_BT, window)
-
-            return run
-
-        ops = (q, k_c, v_c, pos_c)
-        if len(sizes) == 1:
-            out = branch(sizes[0])(ops)
-        else:
-            out = jax.lax.switch(window_idx, [branch(W) for W in sizes], ops)
+    cached = None
+    if n_chunks is not None:
+        cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
+    out = _attend(q, own, positions_BT, window, cached, n_chunks)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
@@ -176,7 +214,10 @@ def forward_compute(
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
     cos, sin = rope_angles(positions_BT, inv_freq)
-    window_idx = window_index(cache.pos)
+    n_chunks = None
+    if not cache_empty:
+        chunk = min(CACHE_CHUNK, cache.capacity)
+        n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
@@ -202,9 +243,7 @@ def forward_compute(
         v = v.astype(cache.v[i].dtype)
         new_k.append(k)
         new_v.append(v)
-        attn = _layer_attention(
-            config, i, q, k, v, positions_BT, cache, cache_empty, window_idx, extra
-        )
+        attn = _layer_attention(config, i, q, k, v, positions_BT, cache, n_chunks, extra)
         x = x + jnp.einsum("bti,oi->bto", attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
         gate_up = jnp.einsum("btd,od->bto", h, layer["w_gate_up"])
