@@ -291,6 +291,24 @@ def test_ngram_mod_matches_reference(drafter: NgramMod, seed: int) -> None:
     run_session(drafter, batch=2, k_max=4, seed=seed)
 
 
+@pytest.mark.parametrize(
+    "drafter",
+    [NgramMapK(size_n=2, size_m=3, hash_size=63), NgramMapK4V(size_n=2, size_m=2, hash_size=63)],
+    ids=str,
+)
+def test_map_key_index_exact_under_collisions(drafter: NgramMap, monkeypatch: Any) -> None:
+    """Every key hashes to key-index slot 0 (one long probe chain): the draft still finds the
+    first live key whose occurrence equals the key (configs unique to this test: own jit)."""
+    from specjax.drafters import ngram_map
+
+    def home(content: Any, size: int) -> Any:
+        return jnp.zeros(content.shape[:-1], jnp.int32)
+
+    monkeypatch.setattr(ngram_map, "_index_home", home)
+    for seed in range(3):
+        run_session(drafter, batch=2, k_max=4, seed=seed)
+
+
 def test_sessions_exercise_drafts_and_shrinks() -> None:
     """The random sessions above do produce drafts and history shrinks (non-vacuous)."""
     total = {"drafts": 0, "shrinks": 0}

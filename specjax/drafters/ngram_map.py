@@ -1,12 +1,11 @@
 """ngram-map-k / ngram-map-k4v (llama.cpp `common/ngram-map.*`, spec 5.6), per row, on device.
 
-Every row owns one `common_ngram_map` (rows never interact), vmapped over B:
+Every row owns one `common_ngram_map` (rows never interact):
 * `key_map [B, H]` int32 (H = 2^18 by default): hash slot -> history index of an n-gram, 0 = empty.
   Hash = uint32 LCG `h = h*2654435761 + token` over the n tokens (uint32 wraparound), slot
   `h mod H`. Slots are written "first writer wins" in upstream's order: within one draft call
   positions are inserted descending, first the range below `size_last_begin`, then the range
-  above it. Implemented as two masked scatter-max passes (a slot only takes a value while it is
-  still 0, and among the positions of one pass hashing to it the largest wins).
+  above it (a slot only takes a value while it is still 0).
 * `keys`: a static table of `max_keys` entries (default: the history capacity S), `n_keys` live,
   kept in creation order (upstream's vector order; deletions in `begin` compact it stably).
   Each key: `key_idx` (history index of an occurrence), `stat_idx`, `key_num` (saturating at
@@ -14,14 +13,24 @@ Every row owns one `common_ngram_map` (rows never interact), vmapped over B:
   Occupied value slots always form a prefix.
 * Per-row scalars: `key_map_last_idx`, `size_last_begin`, `idx_last_check` and the last-draft
   markers (`last_created`, `last_key` = table offset, `last_value` = slot).
+* `key_index [B, KH]` (KH = a power of two >= 2 * max_keys): open-addressing (linear probing)
+  index of the key table by n-gram content (LCG hash of `t[key_idx : key_idx+n]`), the first of
+  equal contents in table order. Rebuilt by `begin`; a draft adds the key it creates.
+  Assumption (as upstream's server): between two `begin` calls a row's history only grows, so
+  the tokens under every key and map entry never change.
 
-Searches are vectorised: one sliding-window equality of the key against the whole `[S]`
-history gives the descending linear searches (masked max), the key-table lookup (gather at
-`key_idx`) and the k4v occurrence scan `[stat_idx, match]`. k4v value statistics: the up-to-4
+Per round the cost follows the new tokens, not the capacity: upstream's scan/insert ranges
+(`(key_map_last_idx, size_last_begin-n-m-1]`, then `(max(size_last_begin, key_map_last_idx),
+len-n-m-1]`, each descending: on a usual round only the newly accepted positions) are walked
+in steps of 32 positions, hashing, inserting (first writer wins, in upstream's order) and
+comparing each window with the key (the descending linear searches = the first match in that
+order); the hash-map lookup and the key-table search are probes. Rows are batched by hand
+(scatters into the flattened `[B*H]` map, no vmapped loops). k4v value statistics: the up-to-4
 value slots are discovered in order (slot v is created by the FIRST occurrence whose m-gram
 matches none of slots < v), then each occurrence counts for the first slot whose m-gram it
 equals; this is exactly upstream's sequential scan (a novel m-gram with all 4 slots taken is
-dropped).
+dropped). They scan the row's whole history (O(S)), only in calls where some row found a
+match (`lax.cond`).
 
 Policies / deviations:
 * Key table full (`n_keys == max_keys`) when a new key would be created: the row gets no draft
@@ -49,7 +58,7 @@ import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
-from specjax.drafters.ngram_simple import last_pattern, pad_tokens, slice_draft, window_equal
+from specjax.drafters.ngram_simple import pad_tokens, window_equal
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
@@ -73,6 +82,36 @@ def map_hash_windows(pad_P: Array, n: int, count: int) -> Array:
     return lax.fori_loop(0, n, body, jnp.zeros((count,), jnp.uint32))
 
 
+_SCAN_CHUNK = 32  # positions hashed/inserted per loop step (usually one step per round)
+_INT_MAX = 2**31 - 1
+
+
+def _lcg_hash(win: Array) -> Array:
+    """uint32 LCG hash of the last axis (upstream's `common_ngram_map_hash`)."""
+    h = jnp.zeros(win.shape[:-1], jnp.uint32)
+    for k in range(win.shape[-1]):
+        h = h * jnp.uint32(LCG_FACTOR) + _u32(win[..., k])
+    return h
+
+
+def _windows(tokens_BS: Array, start: Array, n: int) -> Array:
+    """`[*start.shape, n]` tokens `t[b, start + j]` (indices clipped into the row)."""
+    B, S = tokens_BS.shape
+    offs = jnp.arange(n, dtype=jnp.int32).reshape((1,) * start.ndim + (n,))
+    idx = jnp.clip(start[..., None] + offs, 0, S - 1)
+    bi = jnp.arange(B).reshape((B,) + (1,) * (idx.ndim - 1))
+    return tokens_BS[bi, idx]
+
+
+def _index_size(max_keys: int) -> int:
+    """Slots of the key index: a power of two >= 2 * max_keys (load <= 1/2)."""
+    return 1 << max(1, (2 * max_keys - 1).bit_length())
+
+
+def _index_home(content: Array, size: int) -> Array:
+    return (_lcg_hash(content) & jnp.uint32(size - 1)).astype(jnp.int32)
+
+
 @pytree_dataclass
 class NgramMapState:
     key_map: Array  # [B, H] int32, history index (0 = empty)
@@ -89,6 +128,7 @@ class NgramMapState:
     value_idx: Array  # [B, MK, 4] int32 (0 = unused)
     value_num: Array  # [B, MK, 4] int32
     value_nacc: Array  # [B, MK, 4] int32 (n_accepted, -1 = unused)
+    key_index: Array  # [B, KH] int32 key-table offset by n-gram content hash (-1 = empty)
 
 
 @dataclass(frozen=True)
@@ -139,6 +179,7 @@ class NgramMap(ModelFreeDrafter):
             value_idx=z(mk, MAX_VALUES),
             value_num=z(mk, MAX_VALUES),
             value_nacc=jnp.full((batch, mk, MAX_VALUES), -1, jnp.int32),
+            key_index=jnp.full((batch, _index_size(mk)), -1, jnp.int32),
         )
 
     def begin(
@@ -149,7 +190,36 @@ class NgramMap(ModelFreeDrafter):
         if rows is None:
             rows = jnp.ones((B,), bool)
         new = jax.vmap(self._begin_row)(state, history.length.astype(jnp.int32))
+        new = replace(new, key_index=self._build_index(new, history.tokens))
         return _select(rows, new, state)
+
+    def _build_index(self, st: NgramMapState, tokens_BS: Array) -> Array:
+        """The key index of the live keys, in table order (the first of equal contents wins,
+        as the draft's "first live key whose occurrence equals the key")."""
+        B, mk = st.key_idx.shape
+        kh = st.key_index.shape[1]
+        bi = jnp.arange(B)[:, None]
+        e = jnp.broadcast_to(jnp.arange(mk, dtype=jnp.int32)[None, :], (B, mk))
+        content = _windows(tokens_BS, st.key_idx, self.size_n)  # [B, MK, n]
+        home = _index_home(content, kh)
+        none = jnp.int32(_INT_MAX)
+
+        def body(c: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            probe, pending, idx = c
+            slot = (home + probe) & (kh - 1)
+            cur = idx[bi, slot]
+            empty = pending & (cur == none)
+            idx = idx.at[bi, jnp.where(empty, slot, kh)].min(e, mode="drop")
+            won = empty & (idx[bi, slot] == e)
+            cur_key = st.key_idx[bi, jnp.clip(cur, 0, mk - 1)]
+            dup = (cur != none) & jnp.all(_windows(tokens_BS, cur_key, self.size_n) == content, -1)
+            advance = pending & ~won & ~(empty & ~won) & ~dup
+            return probe + advance.astype(jnp.int32), pending & ~won & ~dup, idx
+
+        live = e < st.n_keys[:, None]
+        init = (jnp.zeros((B, mk), jnp.int32), live, jnp.full((B, kh), none, jnp.int32))
+        idx = lax.while_loop(lambda c: jnp.any(c[1]), body, init)[2]
+        return jnp.where(idx == none, -1, idx)
 
     def _begin_row(self, st: NgramMapState, size: Array) -> NgramMapState:
         n, m = self.size_n, self.size_m
@@ -203,89 +273,93 @@ class NgramMap(ModelFreeDrafter):
             value_idx=compact(vidx, 0),
             value_num=compact(vnum, 0),
             value_nacc=compact(vnac, -1),
+            key_index=st.key_index,
         )
 
     # ------------------------------------------------------------------ draft
     def draft(
         self, params: Any, state: NgramMapState, inp: DraftInput, k_max: int
     ) -> tuple[NgramMapState, DraftOutput]:
+        """All rows at once (batched by hand: no vmapped loops over whole maps)."""
         del params
-
-        def row(
-            st: NgramMapState, tokens_S: Array, length: Array, sampled: Array, drafting: Array
-        ) -> tuple[NgramMapState, DraftOutput]:
-            return self._draft_row(st, tokens_S, length, sampled, drafting, k_max)
-
-        return jax.vmap(row)(
-            state,
-            inp.history.tokens,
-            inp.history.length.astype(jnp.int32),
-            inp.last_token,
-            inp.drafting,
-        )
-
-    def _draft_row(
-        self,
-        st: NgramMapState,
-        tokens_S: Array,
-        length: Array,
-        sampled: Array,
-        drafting: Array,
-        k_max: int,
-    ) -> tuple[NgramMapState, DraftOutput]:
         n, m, H = self.size_n, self.size_m, self.hash_size
-        S = tokens_S.shape[0]
-        mk = st.key_idx.shape[0]
-        pad = pad_tokens(tokens_S, n + m + k_max + 1)
-        pos = jnp.arange(S, dtype=jnp.int32)
+        st = state
+        tokens_BS = inp.history.tokens
+        B, S = tokens_BS.shape
+        mk = st.key_idx.shape[1]
+        bi = jnp.arange(B)
+        length = inp.history.length.astype(jnp.int32)
+        drafting = inp.drafting
 
         ok = drafting & (length >= 2 * n + m)
-        key = last_pattern(pad, length, sampled, n)
-        weq = window_equal(pad, key, S)  # [S] window j equals the key
+        cols = jnp.arange(n, dtype=jnp.int32)
+        key = tokens_BS[bi[:, None], jnp.clip(length[:, None] - n + 1 + cols[None, :], 0, S - 1)]
+        key = jnp.where(cols[None, :] == n - 1, inp.last_token.astype(jnp.int32)[:, None], key)
         top = length - n - m - 1
         slb, klast = st.size_last_begin, st.key_map_last_idx
 
-        r1 = (slb > n + m + 1) & (pos <= slb - n - m - 1) & (pos > klast)
-        r2 = (pos <= top) & (pos > jnp.maximum(slb, klast))
+        # the positions upstream scans and inserts, in its order: r1 = (klast, slb-n-m-1] then
+        # r2 = (max(slb, klast), top], each descending; one loop of W positions per step
+        hi1 = slb - n - m - 1
+        n1 = jnp.where(ok & (slb > n + m + 1), jnp.maximum(hi1 - klast, 0), 0)
+        n2 = jnp.where(ok, jnp.maximum(top - jnp.maximum(slb, klast), 0), 0)
+        W = _SCAN_CHUNK
+        w = jnp.arange(W, dtype=jnp.int32)
+        earlier = (w[None, :] < w[:, None])[None]  # [1, W, W]: j before i
 
-        # insert the newly scanned positions (first writer wins, upstream order: r1 then r2)
-        slots = (map_hash_windows(pad, n, S) % jnp.uint32(H)).astype(jnp.int32)
-        km = st.key_map
-        for rng in (r1, r2):
-            free = km[slots] == 0
-            km = km.at[slots].max(jnp.where(ok & rng & free, pos, 0))
+        def body(c: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
+            e0, km, m1, m2 = c
+            e = e0 + w[None, :]  # [B, W] sequence index
+            first = e < n1[:, None]
+            pos = jnp.where(first, hi1[:, None] - e, top[:, None] - (e - n1[:, None]))
+            valid = e < (n1 + n2)[:, None]
+            win = _windows(tokens_BS, pos, n)  # [B, W, n]
+            eqk = valid & jnp.all(win == key[:, None, :], axis=-1)
+            m1 = jnp.maximum(m1, jnp.max(jnp.where(eqk & first, pos, 0), axis=1))
+            m2 = jnp.maximum(m2, jnp.max(jnp.where(eqk & ~first, pos, 0), axis=1))
+            slot = (_lcg_hash(win) % jnp.uint32(H)).astype(jnp.int32)
+            flat = bi[:, None] * H + slot
+            cand = valid & (km[flat] == 0)
+            same = (slot[:, :, None] == slot[:, None, :]) & cand[:, None, :] & earlier
+            winner = cand & ~jnp.any(same, axis=-1)  # first writer wins
+            km = km.at[jnp.where(winner, flat, B * H)].set(pos, mode="drop")
+            return e0 + W, km, m1, m2
+
+        zero = jnp.zeros((B,), jnp.int32)
+        init = (jnp.int32(0), st.key_map.reshape(-1), zero, zero)
+        _, km_flat, m1, m2 = lax.while_loop(lambda c: jnp.any(c[0] < n1 + n2), body, init)
 
         # 1) hash-map lookup, 2) scan r1, 3) scan r2 (descending = largest match).
         # The lookup must see the map BEFORE this call's inserts; it is read from the updated
         # map (so the scatters above can run in place): inserts only fill empty slots, with
         # positions > key_map_last_idx, while every older entry is <= key_map_last_idx.
-        hkey = map_hash_windows(key, n, 1)[0]
-        cand = km[(hkey % jnp.uint32(H)).astype(jnp.int32)]
+        hslot = (_lcg_hash(key) % jnp.uint32(H)).astype(jnp.int32)
+        cand = km_flat[bi * H + hslot]
         cand = jnp.where(cand > klast, 0, cand)
-        hit = (cand != 0) & (cand < top) & weq[jnp.clip(cand, 0, S - 1)]
-        m1 = jnp.max(jnp.where(r1 & weq, pos, 0))
-        m2 = jnp.max(jnp.where(r2 & weq, pos, 0))
+        cand_eq = jnp.all(_windows(tokens_BS, cand, n) == key, axis=-1)
+        hit = (cand != 0) & (cand < top) & cand_eq
         match = jnp.where(hit, cand, jnp.where(m1 > 0, m1, m2))
         match = jnp.where(ok, match, 0)
         klast = jnp.where(ok, jnp.maximum(top, klast), klast)
         idx_last_check = jnp.where(ok, length, st.idx_last_check)
 
-        # key entry: first live key whose occurrence equals the key, else a new one
-        live = jnp.arange(mk, dtype=jnp.int32) < st.n_keys
-        kmatch = live & weq[jnp.clip(st.key_idx, 0, S - 1)]
-        found = jnp.any(kmatch)
+        # key entry: the first live key whose occurrence equals the key (key index), else a new one
         have = match > 0
+        found, e_found, free_slot = self._find_key(st, tokens_BS, key, have)
         usable = have & (found | (st.n_keys < mk))
         create = usable & ~found
-        e = jnp.where(found, jnp.argmax(kmatch).astype(jnp.int32), st.n_keys)
+        e = jnp.where(found, e_found, st.n_keys)
         e = jnp.minimum(e, mk - 1)
+        kh = st.key_index.shape[1]
+        key_index = st.key_index.at[bi, jnp.where(create, free_slot, kh)].set(e, mode="drop")
 
-        key_idx = st.key_idx.at[e].set(jnp.where(create, match, st.key_idx[e]))
-        stat0 = jnp.where(create, 0, st.stat_idx[e])
-        vidx = jnp.where(create, 0, st.value_idx[e])  # [4]
-        vnum = jnp.where(create, 0, st.value_num[e])
-        vnac = jnp.where(create, m, st.value_nacc[e])
-        knum_old = jnp.where(create, 0, st.key_num[e])
+        key_idx = st.key_idx.at[bi, e].set(jnp.where(create, match, st.key_idx[bi, e]))
+        stat0 = jnp.where(create, 0, st.stat_idx[bi, e])
+        c4 = create[:, None]
+        vidx = jnp.where(c4, 0, st.value_idx[bi, e])  # [B, 4]
+        vnum = jnp.where(c4, 0, st.value_num[bi, e])
+        vnac = jnp.where(c4, m, st.value_nacc[bi, e])
+        knum_old = jnp.where(create, 0, st.key_num[bi, e])
         knum = jnp.where(usable, jnp.minimum(knum_old + 1, MAX_VALUE_COUNT), knum_old)
         n_keys = st.n_keys + create.astype(jnp.int32)
 
@@ -295,25 +369,45 @@ class NgramMap(ModelFreeDrafter):
             if self.check_min_hits_key_only:
                 gate = gate & (knum >= self.min_hits)
             created = gate
-            slot = jnp.int32(0)
+            slot = jnp.zeros((B,), jnp.int32)
             stat_new = stat0
         else:
             do_stats = usable & (knum >= self.min_hits)
-            occ = do_stats & weq & (pos >= stat0) & (pos <= match)
-            vidx, vnum, vnac = self._value_stats(pad, occ, vidx, vnum, vnac, S)
+
+            def stats(_: Any) -> tuple[Array, Array, Array]:
+                def row(tok_S: Array, key_N: Array, lo: Array, hi: Array, d: Array, vi, vn, va):
+                    pad = pad_tokens(tok_S, n + m + 1)
+                    pos = jnp.arange(S, dtype=jnp.int32)
+                    occ = d & window_equal(pad, key_N, S) & (pos >= lo) & (pos <= hi)
+                    return self._value_stats(pad, occ, vi, vn, va, S)
+
+                return jax.vmap(row)(tokens_BS, key, stat0, match, do_stats, vidx, vnum, vnac)
+
+            # O(S) per row, so only when some row counts occurrences (it found a match)
+            vidx, vnum, vnac = lax.cond(
+                jnp.any(do_stats), stats, lambda _: (vidx, vnum, vnac), None
+            )
             stat_new = jnp.where(do_stats, match, stat0)
-            slot = jnp.argmax(vnum).astype(jnp.int32)  # first slot with the largest count
-            mx = vnum[slot]
-            others = jnp.sum(vnum) - mx
+            slot = jnp.argmax(vnum, axis=1).astype(jnp.int32)  # first slot with the largest count
+            mx = jnp.take_along_axis(vnum, slot[:, None], axis=1)[:, 0]
+            others = jnp.sum(vnum, axis=1) - mx
             agree = ~((others > 0) & (mx < 2 * others))
             created = do_stats & agree
             if self.k4v_copy_majority:
-                start = jnp.where(vidx[slot] != 0, vidx[slot], start)
-        n_draft = jnp.minimum(m, vnac[slot])
-        out = slice_draft(pad, jnp.clip(start, 0, S), jnp.where(created, n_draft, 0), k_max)
+                vs = jnp.take_along_axis(vidx, slot[:, None], axis=1)[:, 0]
+                start = jnp.where(vs != 0, vs, start)
+        n_draft = jnp.minimum(m, jnp.take_along_axis(vnac, slot[:, None], axis=1)[:, 0])
+        n_draft = jnp.where(created, n_draft, 0)
+        kk = jnp.arange(k_max, dtype=jnp.int32)
+        start = jnp.clip(start, 0, S)
+        at = start[:, None] + kk[None, :]
+        toks = jnp.where(at < S, tokens_BS[bi[:, None], jnp.clip(at, 0, S - 1)], 0)
+        valid = kk[None, :] < n_draft[:, None]
+        out = DraftOutput(tokens=jnp.where(valid, toks, 0), valid=valid)
 
+        u4 = usable[:, None]
         new = NgramMapState(
-            key_map=km,
+            key_map=km_flat.reshape(st.key_map.shape),
             key_map_last_idx=klast,
             size_last_begin=st.size_last_begin,
             idx_last_check=idx_last_check,
@@ -323,14 +417,45 @@ class NgramMap(ModelFreeDrafter):
             last_value=jnp.where(drafting, jnp.where(created, slot, 0), st.last_value),
             n_keys=n_keys,
             key_idx=key_idx,
-            stat_idx=st.stat_idx.at[e].set(jnp.where(usable, stat_new, st.stat_idx[e])),
-            key_num=st.key_num.at[e].set(jnp.where(usable, knum, st.key_num[e])),
-            value_idx=st.value_idx.at[e].set(jnp.where(usable, vidx, st.value_idx[e])),
-            value_num=st.value_num.at[e].set(jnp.where(usable, vnum, st.value_num[e])),
-            value_nacc=st.value_nacc.at[e].set(jnp.where(usable, vnac, st.value_nacc[e])),
+            stat_idx=st.stat_idx.at[bi, e].set(jnp.where(usable, stat_new, st.stat_idx[bi, e])),
+            key_num=st.key_num.at[bi, e].set(jnp.where(usable, knum, st.key_num[bi, e])),
+            value_idx=st.value_idx.at[bi, e].set(jnp.where(u4, vidx, st.value_idx[bi, e])),
+            value_num=st.value_num.at[bi, e].set(jnp.where(u4, vnum, st.value_num[bi, e])),
+            value_nacc=st.value_nacc.at[bi, e].set(jnp.where(u4, vnac, st.value_nacc[bi, e])),
+            key_index=key_index,
         )
         # every other update above is already gated by `ok` / `usable` (both imply drafting)
         return new, out
+
+    def _find_key(
+        self, st: NgramMapState, tokens_BS: Array, key_BN: Array, rows: Array
+    ) -> tuple[Array, Array, Array]:
+        """Probe the key index for each row's key: (found, key offset, first free slot)."""
+        B, kh = st.key_index.shape
+        mk = st.key_idx.shape[1]
+        bi = jnp.arange(B)
+        home = _index_home(key_BN, kh)
+
+        def body(c: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
+            probe, pending, found, e = c
+            slot = (home + probe) & (kh - 1)
+            cur = st.key_index[bi, slot]
+            at = st.key_idx[bi, jnp.clip(cur, 0, mk - 1)]
+            eq = (cur >= 0) & jnp.all(_windows(tokens_BS, at, self.size_n) == key_BN, axis=-1)
+            hit = pending & eq
+            stop = hit | (cur < 0) | (probe + 1 >= kh)
+            return (
+                jnp.where(pending & ~stop, probe + 1, probe),
+                pending & ~stop,
+                found | hit,
+                jnp.where(hit, cur, e),
+            )
+
+        zero = jnp.zeros((B,), jnp.int32)
+        probe, _, found, e = lax.while_loop(
+            lambda c: jnp.any(c[1]), body, (zero, rows, rows & False, zero)
+        )
+        return found, e, (home + probe) & (kh - 1)
 
     def _value_stats(
         self, pad: Array, occ: Array, vidx: Array, vnum: Array, vnac: Array, S: int
