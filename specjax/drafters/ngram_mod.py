@@ -26,8 +26,8 @@ never overflows uint32. Pool sizes up to 2^30 are supported.
 Ordering (documented, exact w.r.t. upstream's sequential loops):
 * Within one ingestion, positions are added in ascending order: when several n-grams hash to the
   same slot, the LAST one's next token stays; `used` grows by the number of distinct slots that
-  were EMPTY. Done as a sort by (slot, position) and one scatter of the last per slot (a
-  256-position window for the usual chunk, the whole `[S]` history after begin/reset).
+  were EMPTY. Done in steps of 64 positions (256 in `begin`), each a sort by (slot, position)
+  and one scatter of the last per slot: the cost follows the ingested positions, never S.
 * Rows are processed in order 0..B-1 in `begin` and `draft` (a `fori_loop`): row r's ingestion
   and lookup chain see rows < r's ingestion of this call, as upstream's per-seq loop does.
 * `begin` (rows in the optional `rows` mask): `i_last = n_draft_last = 0`; if the prompt has at
@@ -58,7 +58,6 @@ import numpy as np
 from jax import lax
 
 from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
-from specjax.drafters.ngram_simple import last_pattern, pad_tokens
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
@@ -66,7 +65,8 @@ POOL_SIZE = 4 * 1024 * 1024
 EMPTY = -1
 LCG_FACTOR = 6364136223846793005
 CHUNK = 32  # ingestion happens once more than CHUNK new tokens are pending
-_SMALL_INGEST = 256  # window used for ordinary chunked ingestion (larger ranges: full pass)
+_DRAFT_CHUNK = 64  # n-grams per ingestion step in `draft` (one step for the usual ~9-40)
+_BEGIN_CHUNK = 256  # n-grams per ingestion step in `begin` (whole prompts)
 _M16 = 0xFFFF
 
 
@@ -200,51 +200,49 @@ class NgramMod(ModelFreeDrafter):
         )
 
     # ------------------------------------------------------------------ pool primitives
-    def _writes(self, pad: Array, lo: Array, hi: Array, pos: Array) -> tuple[Array, Array]:
-        """Net writes of adding the n-grams starting at `pos` ∩ [lo, hi) in ascending order:
-        (slot, token) with slot == P where nothing is written; written slots are distinct."""
+    def _ingest(
+        self, st: NgramModState, tokens_BS: Array, row: Array, lo: Array, hi: Array, chunk: int
+    ) -> NgramModState:
+        """Add the n-grams of `row` starting at `lo .. hi-1` (none if hi <= lo) to the shared
+        pool, in ascending order, `chunk` positions per loop iteration (O(chunk) each).
+
+        Within a chunk the n-grams are sorted by (slot, position) and only the last per slot is
+        written (upstream's sequential overwrite); chunks run in order."""
         n, P = self.n_match, self.pool_size
-        last = pad.shape[0] - 1
-        win = pad[jnp.clip(pos[:, None] + jnp.arange(n, dtype=jnp.int32)[None, :], 0, last)]
-        slot = mod_hash_index(win, n, P)
-        slot = jnp.where((pos >= lo) & (pos < hi), slot, P)
-        s_slot, s_pos = lax.sort((slot, pos), num_keys=2)
-        is_last = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
-        s_slot = jnp.where(is_last, s_slot, P)
-        return s_slot, pad[jnp.clip(s_pos + n, 0, last)]
+        S = tokens_BS.shape[1]
+        offs = jnp.arange(chunk, dtype=jnp.int32)
+        cols = jnp.arange(n, dtype=jnp.int32)
 
-    def _ingest(self, st: NgramModState, pad: Array, lo: Array, hi: Array, S: int) -> NgramModState:
-        """Add the n-grams starting at `lo .. hi-1` (none if hi <= lo) to the shared pool."""
-        P = self.pool_size
-        small = min(_SMALL_INGEST, S)
+        def body(c: tuple[Array, NgramModState]) -> tuple[Array, NgramModState]:
+            p, st = c
+            pos = p + offs
+            idx = jnp.clip(pos[:, None] + cols[None, :], 0, S - 1)
+            win = tokens_BS[row, idx]  # [chunk, n]
+            slot = mod_hash_index(win, n, P)
+            slot = jnp.where((pos >= lo) & (pos < hi), slot, P)
+            s_slot, s_pos = lax.sort((slot, pos), num_keys=2)
+            is_last = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
+            s_slot = jnp.where(is_last, s_slot, P)
+            tok = tokens_BS[row, jnp.clip(s_pos + n, 0, S - 1)]
+            live = s_slot < P
+            at = jnp.clip(s_slot, 0, P - 1)
+            was_empty = (st.stamp[at] != st.epoch) | (st.pool[at] == EMPTY)
+            n_new = jnp.sum((live & was_empty).astype(jnp.int32))
+            # Make the scatters data-depend on the reads above (n_new >= 0 always): otherwise
+            # XLA cannot prove the reads happen first and copies the [P] arrays instead of
+            # updating them in place.
+            s_slot = jnp.where(n_new < 0, P, s_slot)
+            st = replace(
+                st,
+                pool=st.pool.at[s_slot].set(tok, mode="drop"),
+                stamp=st.stamp.at[s_slot].set(
+                    jnp.broadcast_to(st.epoch, s_slot.shape), mode="drop"
+                ),
+                used=st.used + n_new,
+            )
+            return p + chunk, st
 
-        def none(_: Any) -> tuple[Array, Array]:
-            return jnp.full((S,), P, jnp.int32), jnp.zeros((S,), jnp.int32)
-
-        def small_path(_: Any) -> tuple[Array, Array]:
-            sl, tk = self._writes(pad, lo, hi, lo + jnp.arange(small, dtype=jnp.int32))
-            fill = jnp.full((S - small,), P, jnp.int32)
-            return jnp.concatenate([sl, fill]), jnp.concatenate([tk, jnp.zeros_like(fill)])
-
-        def full_path(_: Any) -> tuple[Array, Array]:
-            return self._writes(pad, lo, hi, jnp.arange(S, dtype=jnp.int32))
-
-        branch = jnp.where(hi <= lo, 0, jnp.where(hi - lo <= small, 1, 2))
-        slot, tok = lax.switch(branch, [none, small_path, full_path], None)
-        live = slot < P
-        at = jnp.clip(slot, 0, P - 1)
-        was_empty = (st.stamp[at] != st.epoch) | (st.pool[at] == EMPTY)
-        n_new = jnp.sum((live & was_empty).astype(jnp.int32))
-        # Make the scatters data-depend on the reads above (n_new >= 0 always): otherwise XLA
-        # cannot prove the reads happen first and copies the [P] arrays instead of updating
-        # them in place.
-        slot = jnp.where(n_new < 0, P, slot)
-        return replace(
-            st,
-            pool=st.pool.at[slot].set(tok, mode="drop"),
-            stamp=st.stamp.at[slot].set(jnp.broadcast_to(st.epoch, slot.shape), mode="drop"),
-            used=st.used + n_new,
-        )
+        return lax.while_loop(lambda c: c[0] < hi, body, (lo, st))[1]
 
     def _reset_if(self, st: NgramModState, reset: Array) -> NgramModState:
         """`common_ngram_mod::reset` (all slots EMPTY) when `reset`, in O(1)."""
@@ -260,7 +258,7 @@ class NgramMod(ModelFreeDrafter):
     ) -> NgramModState:
         """Ingest each starting row's prompt (rows in order), resetting on occupancy > 0.25."""
         n, P = self.n_match, self.pool_size
-        B, S = history.tokens.shape
+        B = history.tokens.shape[0]
         if rows is None:
             rows = jnp.ones((B,), bool)
         lengths = history.length.astype(jnp.int32)
@@ -269,10 +267,10 @@ class NgramMod(ModelFreeDrafter):
             cur_len = lengths[r]
             on = rows[r]
             go = on & (cur_len >= n)
-            pad = pad_tokens(history.tokens[r], n + 1)
-            st = self._ingest(st, pad, jnp.int32(0), jnp.where(go, cur_len - n, 0), S)
+            hi = jnp.where(go, cur_len - n, 0)
+            st = self._ingest(st, history.tokens, r, jnp.int32(0), hi, _BEGIN_CHUNK)
             st = self._reset_if(st, go & (st.used > P // 4))  # used / P > 0.25
-            i_last = jnp.where(on, jnp.where(go, cur_len - n, 0), st.i_last[r])
+            i_last = jnp.where(on, hi, st.i_last[r])
             ndl = jnp.where(on, 0, st.n_draft_last[r])
             return replace(
                 st,
@@ -290,8 +288,10 @@ class NgramMod(ModelFreeDrafter):
         n, P = self.n_match, self.pool_size
         n_max, n_min = self.n_max, self.n_min
         B, S = inp.history.tokens.shape
+        tokens_BS = inp.history.tokens
         lengths = inp.history.length.astype(jnp.int32)
         width = n + max(n_max, k_max)
+        cols = jnp.arange(n, dtype=jnp.int32)
 
         def body(
             r: Any, carry: tuple[NgramModState, Array, Array]
@@ -300,17 +300,17 @@ class NgramMod(ModelFreeDrafter):
             cur_len = lengths[r]
             d = inp.drafting[r]
             go = d & (cur_len >= n)
-            pad = pad_tokens(inp.history.tokens[r], n + 1)
             i_last = st.i_last[r]
             need = go & (i_last + CHUNK < cur_len)
-            st = self._ingest(st, pad, i_last, jnp.where(need, cur_len - n, i_last), S)
-            i_last = jnp.where(need, cur_len - n, i_last)
+            hi = jnp.where(need, cur_len - n, i_last)
+            st = self._ingest(st, tokens_BS, r, i_last, hi, _DRAFT_CHUNK)
+            i_last = hi
             pool, stamp, epoch = st.pool, st.stamp, st.epoch
 
-            buf = jnp.zeros((width,), jnp.int32)
-            buf = lax.dynamic_update_slice(
-                buf, last_pattern(pad, cur_len, inp.last_token[r], n), (0,)
-            )
+            # pattern: the last n-1 history tokens, then id_last
+            key = tokens_BS[r, jnp.clip(cur_len - n + 1 + cols, 0, S - 1)]
+            key = jnp.where(cols == n - 1, inp.last_token[r].astype(jnp.int32), key)
+            buf = lax.dynamic_update_slice(jnp.zeros((width,), jnp.int32), key, (0,))
 
             def c_cond(c: tuple[Array, Array, Array]) -> Array:
                 i, _, stop = c
