@@ -260,7 +260,7 @@ class NgramCache(ModelFreeDrafter):
     table_size: int = 0
     max_load: float = 0.75
     max_probe: int = 64
-    block: int = 32
+    block: int = 8
     reset_on_begin: bool = True
     context_update: str = "speculative"
 
@@ -411,6 +411,12 @@ def _flat(a: Array) -> Array:
     return a.reshape((-1,) + a.shape[3:])
 
 
+def _after(x: Array) -> Array:
+    """Always True, but data-dependent on `x`: orders a scatter after the gathers behind `x`
+    (otherwise XLA cannot prove the order and copies the scattered buffer)."""
+    return jnp.sum(x.astype(jnp.int32)) >= 0
+
+
 def _earlier_claim(loc: Array, empty: Array) -> Array:
     """[..., W] True where an earlier entry (lower index) claims the same empty slot."""
     o = jnp.arange(loc.shape[-1], dtype=jnp.int32)
@@ -456,7 +462,9 @@ def _count_pairs(
         winner = empty & ~_earlier_claim(pos, empty)
         rank = jnp.cumsum(winner.astype(jnp.int32), axis=-1) - 1
         allowed = winner & (n_used[..., None] + rank < cap)
-        w_idx = jnp.where(allowed, pos, total)
+        # `_after(match)`: the scatters must wait for the reads of keys/tok above, or XLA
+        # copies the tables instead of updating them in place
+        w_idx = jnp.where(allowed & _after(match), pos, total)
         keys = keys.at[w_idx].set(ng_O, mode="drop")
         tok = tok.at[w_idx].set(tk_O, mode="drop")
         stamp = stamp.at[w_idx].set(stamp_new, mode="drop")
@@ -491,7 +499,7 @@ def _count_pairs(
         found = pending & match
         empty = pending & ~occ
         winner = empty & ~_earlier_claim(pos, empty)
-        w_idx = jnp.where(winner, pos, total)
+        w_idx = jnp.where(winner & _after(match), pos, total)
         ng_keys = ng_keys.at[w_idx].set(ng_O, mode="drop")
         ng_occ = ng_occ.at[w_idx].set(True, mode="drop")
         ng_heads = ng_heads.at[w_idx].set(_INT_MAX, mode="drop")
