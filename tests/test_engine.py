@@ -1,4 +1,5 @@
-"""Engine behaviour: speculative greedy == plain greedy, no retracing, bad input, rejection at T=1."""
+"""Engine behaviour: speculative greedy == plain greedy, no retracing, bad input, rejection at T=1
+(the exact joint of two drafted positions)."""
 
 from __future__ import annotations
 
@@ -210,34 +211,91 @@ def test_context_end_stops_rows(target):
     assert fast.tokens == out.tokens  # the draft budget kept every verify batch inside n_ctx
 
 
-@pytest.mark.slow
-def test_rejection_sampling_engine_preserves_target_distribution():
-    """At T=1 the second generated token's marginal equals the target's exact marginal."""
-    model = tiny_model(3, vocab_size=12)
+# --------------------------------------------------------------------------------------------
+# rejection sampling through the whole engine: the exact joint of two drafted positions
+
+
+def _chi2_pooled(cells: np.ndarray, probs: np.ndarray) -> tuple[float, float]:
+    """Pearson statistic (cells expecting < 5 samples pooled into one) and its 1 - 1e-4
+    quantile (Wilson-Hilferty: within 1% of the exact one for these degrees of freedom)."""
+    counts = np.bincount(cells, minlength=len(probs)).astype(np.float64)
+    expected = probs * len(cells)
+    small = expected < 5
+    obs = np.append(counts[~small], counts[small].sum())
+    exp = np.append(expected[~small], expected[small].sum())
+    if exp[-1] == 0:
+        obs, exp = obs[:-1], exp[:-1]
+    assert counts[probs == 0].sum() == 0, "a zero-probability sequence was generated"
+    df = len(exp) - 1
+    z = 3.719  # standard normal quantile at 1 - 1e-4
+    crit = df * (1 - 2 / (9 * df) + z * np.sqrt(2 / (9 * df))) ** 3
+    return float(((obs - exp) ** 2 / exp).sum()), float(crit)
+
+
+def test_rejection_sampling_engine_preserves_the_joint_of_drafted_positions(monkeypatch):
+    """At T=1 with draft-simple (n_max 2) the first three generated tokens t1 (prefill),
+    t2 and t3 (the two drafted positions of round one) follow the target's exact joint
+    p(t1) p(t2 | t1) p(t3 | t1, t2), enumerated over V = 10 with `specjax.forward`. Rows are
+    independent samples: every random draw is keyed by (seed, position), one seed per row.
+
+    Power, in the same run (one compile): rows with seeds >= BROKEN_SEED get a verifier that
+    tests the second drafted token against the first position's p; their sample fails. The
+    other rows' verify result is the unmodified `verify._rejection` output, selected per row.
+    """
+    from specjax import verify
+
+    vocab, prompt, n = 10, [1, 2, 3], 3000
+    base = tiny_model(3, vocab_size=vocab, n_layers=1)
+    # larger weights: distributions far from uniform and from the draft's, so errors show
+    model = dataclasses.replace(
+        base, params=jax.tree.map(lambda x: x * 15 if x.ndim > 1 else x, base.params)
+    )
     draft = noisy_copy(model, 1.0, seed=4)
-    prompt = [1, 2, 3]
-    n = 3000
-    spec = SpecConfig(types=("draft-simple",), draft_n_max=2)
-    out = generate(
-        model,
-        [prompt] * n,
-        max_new_tokens=2,
-        temperature=1.0,
-        seed=list(range(n)),
-        spec=spec,
-        draft=draft,
-    )
-    second = np.asarray([t[1] for t in out.tokens])
-    # exact marginal of token 2: sum_t1 p(t1 | prompt) p(t2 | prompt, t1)
-    logits, _ = api.forward(
-        model, np.asarray([prompt]), np.asarray([[0, 1, 2]]), model.new_cache(1, 8)
-    )
-    p1 = np.asarray(jax.nn.softmax(logits[0, -1]))
-    toks = np.asarray([prompt + [t] for t in range(12)])
-    logits2, _ = api.forward(model, toks, np.tile(np.arange(4), (12, 1)), model.new_cache(12, 8))
-    p2 = np.asarray(jax.nn.softmax(logits2[:, -1], axis=-1))
-    expected = p1 @ p2
-    counts = np.bincount(second, minlength=12)
-    stat = np.sum((counts - n * expected) ** 2 / (n * expected))
-    assert stat < 40.0, (stat, counts, n * expected)  # chi2(11) p<1e-4 ~ 35.6
-    assert out.stats.to_dict()["num_accepted_tokens"] > 0
+
+    # one forward over every continuation (a, b): its logits after the prompt, after a, after b
+    rows = np.asarray([[*prompt, a, b] for a in range(vocab) for b in range(vocab)])
+    positions = np.tile(np.arange(rows.shape[1]), (len(rows), 1))
+    logits, _ = api.forward(model, rows, positions, model.new_cache(len(rows), 8))
+    probs = np.asarray(jax.nn.softmax(np.asarray(logits, np.float64), axis=-1))
+    probs = probs.reshape(vocab, vocab, rows.shape[1], vocab)
+    p1, p2, p3 = probs[0, 0, 2], probs[:, 0, 3], probs[:, :, 4]  # p(t1), p(t2|a), p(t3|a,b)
+    joint = (p1[:, None, None] * p2[:, :, None] * p3).reshape(-1)
+    joint_drafted = joint.reshape(vocab, -1).sum(axis=0)  # (t2, t3)
+
+    broken_seed = 1 << 20
+    rejection = verify._rejection
+
+    def rejection_broken_for_marked_rows(target, draft_K, valid_K, q_KV, seed):
+        good = rejection(target, draft_K, valid_K, q_KV, seed)
+        p = target.ratio_probs_TV
+        wrong_row = dataclasses.replace(target, ratio_probs_TV=p.at[1].set(p[0]))
+        bad = rejection(wrong_row, draft_K, valid_K, q_KV, seed)
+        return jax.tree.map(lambda b, g: jnp.where(seed >= broken_seed, b, g), bad, good)
+
+    monkeypatch.setattr(verify, "_rejection", rejection_broken_for_marked_rows)
+    monkeypatch.setattr(api, "_COMPILED", {})
+    jax.clear_caches()
+    try:
+        out = generate(
+            model,
+            [prompt] * (2 * n),
+            max_new_tokens=4,  # budget min(n_max, 4 - 1 - 1) = 2 drafted positions in round one
+            temperature=1.0,
+            seed=[*range(n), *range(broken_seed, broken_seed + n)],
+            spec=SpecConfig(types=("draft-simple",), draft_n_max=2),
+            draft=draft,
+        )
+    finally:
+        monkeypatch.undo()
+        jax.clear_caches()  # nothing traced with the broken verifier survives the test
+    t = np.asarray([row[:3] for row in out.tokens])
+    cells = (t[:, 0] * vocab + t[:, 1]) * vocab + t[:, 2]
+    good, bad = cells[:n], cells[n:]
+    # both drafted positions were drafted, accepted and rejected
+    assert all(0 < a < 2 * n for a in out.stats.to_dict()["accepted_per_position"])
+    for sample, target_probs in ((good, joint), (good % vocab**2, joint_drafted)):
+        stat, crit = _chi2_pooled(sample, target_probs)
+        assert stat < crit, (stat, crit)
+    for sample, target_probs in ((bad, joint), (bad % vocab**2, joint_drafted)):
+        stat, crit = _chi2_pooled(sample, target_probs)
+        assert stat > crit, (stat, crit)
