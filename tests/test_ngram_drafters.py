@@ -309,6 +309,20 @@ def test_map_key_index_exact_under_collisions(drafter: NgramMap, monkeypatch: An
         run_session(drafter, batch=2, k_max=4, seed=seed)
 
 
+def test_mod_row_by_row_path_matches_reference(monkeypatch: Any) -> None:
+    """Calls that ingest more than `_LOG_PER_ROW * B` n-grams take the row-by-row path: force it
+    with a tiny log (configs unique to this test: own jit), so both paths meet the reference."""
+    from specjax.drafters import ngram_mod
+
+    monkeypatch.setattr(ngram_mod, "_LOG_PER_ROW", 2)
+    for d in (
+        NgramMod(n_match=2, n_min=1, n_max=6, pool_size=59),
+        NgramMod(n_match=3, n_min=5, n_max=9, pool_size=128),
+    ):
+        for seed in range(3):
+            run_session(d, batch=2, k_max=4, seed=seed)
+
+
 def test_sessions_exercise_drafts_and_shrinks() -> None:
     """The random sessions above do produce drafts and history shrinks (non-vacuous)."""
     total = {"drafts": 0, "shrinks": 0}

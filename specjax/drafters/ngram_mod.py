@@ -28,8 +28,14 @@ Ordering (documented, exact w.r.t. upstream's sequential loops):
   same slot, the LAST one's next token stays; `used` grows by the number of distinct slots that
   were EMPTY. Done in steps of 64 positions (256 in `begin`), each a sort by (slot, position)
   and one scatter of the last per slot: the cost follows the ingested positions, never S.
-* Rows are processed in order 0..B-1 in `begin` and `draft` (a `fori_loop`): row r's ingestion
-  and lookup chain see rows < r's ingestion of this call, as upstream's per-seq loop does.
+* Rows are processed in order 0..B-1 in `begin` and `draft`: row r's ingestion and lookup
+  chain see rows <= r's ingestion of this call (and not later rows'), as upstream's per-seq loop
+  does. `begin` is a `fori_loop` over rows. `draft` runs all rows at once when the call adds at
+  most `48 * B` n-grams in total (the usual case): one pass adds them in upstream's order (rows,
+  then positions) and a row's lookup of a slot written in this call reads the call's write log
+  (last write by a row <= its own, else the slot's value before the call); larger calls (a row
+  that did not draft for a long time) go row by row. The paths are loops run 0 or 1 times, not
+  `lax.cond`, whose branches would copy the pool.
 * `begin` (rows in the optional `rows` mask): `i_last = n_draft_last = 0`; if the prompt has at
   least n tokens, add every n-gram starting at `0 .. len-n-1`, `i_last = len - n`, then reset the
   whole pool if `used / P > 0.25` (after ingesting). `n_low` is not touched (as upstream).
@@ -67,6 +73,7 @@ LCG_FACTOR = 6364136223846793005
 CHUNK = 32  # ingestion happens once more than CHUNK new tokens are pending
 _DRAFT_CHUNK = 64  # n-grams per ingestion step in `draft` (one step for the usual ~9-40)
 _BEGIN_CHUNK = 256  # n-grams per ingestion step in `begin` (whole prompts)
+_LOG_PER_ROW = 48  # a draft call adding <= 48 * B n-grams in total takes the all-rows path
 _M16 = 0xFFFF
 
 
@@ -284,7 +291,133 @@ class NgramMod(ModelFreeDrafter):
     def draft(
         self, params: Any, state: NgramModState, inp: DraftInput, k_max: int
     ) -> tuple[NgramModState, DraftOutput]:
+        """All rows at once when this call ingests at most `_LOG_PER_ROW * B` n-grams in total
+        (the usual case: a row adds ~9-41 every ~9 tokens), else row by row (both exact)."""
         del params
+        n = self.n_match
+        lengths = inp.history.length.astype(jnp.int32)
+        go = inp.drafting & (lengths >= n)
+        need = go & (state.i_last + CHUNK < lengths)
+        total = jnp.sum(jnp.where(need, lengths - n - state.i_last, 0))
+        B = lengths.shape[0]
+        out0 = DraftOutput(
+            tokens=jnp.zeros((B, k_max), jnp.int32), valid=jnp.zeros((B, k_max), bool)
+        )
+
+        def once(pred: Array, path: Any, st: NgramModState, out: DraftOutput) -> Any:
+            # a loop run 0 or 1 times (not lax.cond, whose branches would copy the pool)
+            def body(c: tuple[Array, NgramModState, DraftOutput]) -> Any:
+                return (jnp.bool_(False), *path(c[1], inp, k_max))
+
+            return lax.while_loop(lambda c: c[0], body, (pred, st, out))[1:]
+
+        small = total <= _LOG_PER_ROW * B
+        state, out = once(small, self._draft_rows, state, out0)
+        return once(~small, self._draft_serial, state, out)
+
+    def _draft_rows(
+        self, state: NgramModState, inp: DraftInput, k_max: int
+    ) -> tuple[NgramModState, DraftOutput]:
+        """Vectorised over rows. All rows' new n-grams (<= `_LOG_PER_ROW * B`) are added in upstream's
+        order (rows in order, positions ascending) in one pass; a row's lookups must see the
+        pool after ITS ingestion only, so a read of a slot written in this call takes the last
+        write by a row <= its own from the call's write log, else the slot's value before the
+        call."""
+        n, P = self.n_match, self.pool_size
+        n_max, n_min = self.n_max, self.n_min
+        tokens_BS = inp.history.tokens
+        B, S = tokens_BS.shape
+        bi = jnp.arange(B)
+        lengths = inp.history.length.astype(jnp.int32)
+        d = inp.drafting
+        go = d & (lengths >= n)
+        i_last = state.i_last
+        need = go & (i_last + CHUNK < lengths)
+        count = jnp.where(need, lengths - n - i_last, 0)  # n-grams each row adds
+        end = jnp.cumsum(count)
+        begin = end - count
+        n_log = _LOG_PER_ROW * B
+        e = jnp.arange(n_log, dtype=jnp.int32)
+        cols = jnp.arange(n, dtype=jnp.int32)
+
+        def ingest(c: Any) -> Any:
+            _, pool, stamp, used, _, _, _, _ = c
+            row = jnp.minimum(jnp.sum(e[:, None] >= end[None, :], axis=1), B - 1).astype(jnp.int32)
+            valid = e < end[-1]
+            pos = i_last[row] + e - begin[row]
+            win = tokens_BS[row[:, None], jnp.clip(pos[:, None] + cols[None, :], 0, S - 1)]
+            slot = jnp.where(valid, mod_hash_index(win, n, P), P)  # P = no write
+            tok = tokens_BS[row, jnp.clip(pos + n, 0, S - 1)]
+            at = jnp.clip(slot, 0, P - 1)
+            pre = jnp.where(stamp[at] == state.epoch, pool[at], EMPTY)  # before the call
+            # net writes: the last entry per slot (entries are in upstream's order)
+            s_slot, s_e = lax.sort((slot, e), num_keys=2)
+            is_last = jnp.concatenate([s_slot[1:] != s_slot[:-1], jnp.ones((1,), bool)])
+            w_slot = jnp.where(is_last, s_slot, P)
+            n_new = jnp.sum(((w_slot < P) & (pre[s_e] == EMPTY)).astype(jnp.int32))
+            w_slot = jnp.where(n_new < 0, P, w_slot)  # scatter after the reads (in place)
+            pool = pool.at[w_slot].set(tok[s_e], mode="drop")
+            epochs = jnp.broadcast_to(state.epoch, w_slot.shape)
+            stamp = stamp.at[w_slot].set(epochs, mode="drop")
+            return jnp.bool_(False), pool, stamp, used + n_new, slot, row, tok, pre
+
+        # run once when some row ingests (a loop, not lax.cond, so the pool is not copied)
+        none = jnp.full((n_log,), P, jnp.int32)
+        zeros = jnp.zeros((n_log,), jnp.int32)
+        init = (end[-1] > 0, state.pool, state.stamp, state.used, none, zeros, zeros, zeros)
+        _, pool, stamp, used, slot, row, tok, pre = lax.while_loop(lambda c: c[0], ingest, init)
+        valid = slot < P
+        epoch = state.epoch
+
+        # lookups, all rows at once: chain from [t[L-n+1:L], last_token]
+        width = n + max(n_max, k_max)
+        key = tokens_BS[bi[:, None], jnp.clip(lengths[:, None] - n + 1 + cols[None, :], 0, S - 1)]
+        key = jnp.where(cols[None, :] == n - 1, inp.last_token.astype(jnp.int32)[:, None], key)
+        buf = jnp.zeros((B, width), jnp.int32).at[:, :n].set(key)
+
+        def lookup(s_B: Array) -> Array:
+            cur = jnp.where(stamp[s_B] == epoch, pool[s_B], EMPTY)
+            hit = (slot[None, :] == s_B[:, None]) & valid[None, :]  # [B, LOG]
+            mine = hit & (row[None, :] <= bi[:, None])
+            last_mine = jnp.max(jnp.where(mine, e[None, :], -1), axis=1)
+            first_hit = jnp.argmax(hit, axis=1)
+            return jnp.where(
+                last_mine >= 0,
+                tok[jnp.maximum(last_mine, 0)],
+                jnp.where(jnp.any(hit, axis=1), pre[first_hit], cur),
+            )
+
+        def c_body(c: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            i, b, act = c
+            w = jnp.take_along_axis(b, i[:, None] + cols[None, :], axis=1)
+            t = lookup(mod_hash_index(w, n, P))
+            empty = t == EMPTY
+            write = act & ~empty
+            b = b.at[bi, jnp.where(write, n + i, width)].set(t, mode="drop")
+            return jnp.where(write, i + 1, i), b, write & (i + 1 < n_max)
+
+        stop0 = go & (n_max > 0)
+        i, buf, _ = lax.while_loop(
+            lambda c: jnp.any(c[2]), c_body, (jnp.zeros((B,), jnp.int32), buf, stop0)
+        )
+        # a chain ends at an EMPTY slot or at n_max; an EMPTY before n_min means no draft
+        length = jnp.where(go, jnp.where((i < n_max) & (i < n_min), 0, i), 0)
+        st = replace(
+            state,
+            pool=pool,
+            stamp=stamp,
+            used=used,
+            i_last=jnp.where(need, lengths - n, i_last),
+            n_draft_last=jnp.where(d, length, state.n_draft_last),
+        )
+        valid_k = jnp.arange(k_max, dtype=jnp.int32)[None, :] < length[:, None]
+        toks = buf[:, n : n + k_max]
+        return st, DraftOutput(tokens=jnp.where(valid_k, toks, 0), valid=valid_k)
+
+    def _draft_serial(
+        self, state: NgramModState, inp: DraftInput, k_max: int
+    ) -> tuple[NgramModState, DraftOutput]:
+        """Row by row (any amount of ingestion)."""
         n, P = self.n_match, self.pool_size
         n_max, n_min = self.n_max, self.n_min
         B, S = inp.history.tokens.shape
