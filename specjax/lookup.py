@@ -11,7 +11,8 @@ Invariants:
   Loading a file gives the same in-memory order llama.cpp gets (its insertion order is the file
   order), so drafting from a loaded cache breaks ties exactly as upstream.
 * Results of computations (`create_static_cache`, `merge_caches`) are returned in the order
-  llama.cpp's `common_ngram_cache_save` would write them (libstdc++ iteration order, `stl_iteration_order`), so their files are llama.cpp's files.
+  llama.cpp's `common_ngram_cache_save` would write them (libstdc++ iteration order,
+  `stl_iteration_order`), so their files are llama.cpp's files.
 * Malformed files raise `specjax.errors.ModelFileError` naming the file and the byte offset.
   Upstream keeps the first of duplicated n-grams/tokens (emplace) and silently ignores a trailing
   partial n-gram; here duplicates are kept-first too, but any trailing bytes are an error.
@@ -20,6 +21,10 @@ Invariants:
 * `lookup_stats` replays llama.cpp's `lookup-stats` exactly (chunks of `n_ctx` tokens with
   `i_start + n_ctx < n_input`, the context cache merged into the dynamic cache after each
   chunk) and reports the same numbers.
+* This module is the host side of the ngram-cache drafter: it reads and writes files, holds
+  llama.cpp's host algorithms (`ngram_cache_update/draft/merge`) and builds the drafter's
+  device tables (`make_tables`, `load_tables`). It imports `specjax.drafters.ngram_cache`,
+  never the other way round, and no test oracle.
 """
 
 from __future__ import annotations
