@@ -1,0 +1,743 @@
+"""specjax beside llama.cpp's own tools: same GGUFs, same prompts, same tokens, interleaved runs.
+
+    SPECJAX_LLAMACPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/peers.py
+        [--repeats 3] [--threads 2] [--n-predict 256] [--quick]
+        [--out benchmarks/results/peers.json]
+
+Without SPECJAX_LLAMACPP_BIN (or when it lacks llama-completion / llama-speculative-simple)
+the llama.cpp side is skipped with a message and only specjax is measured.
+
+Every case runs the llama.cpp tool and specjax alternately, `--repeats` times (llama.cpp,
+specjax, llama.cpp, specjax, ...), and reports medians; every ratio compares numbers from this
+one run. Greedy (`--temp 0`), one row, `-t THREADS` for llama.cpp (specjax/XLA uses the
+machine's cores; `machine.cpu_count` says how many). llama.cpp's OpenMP threads run with
+OMP_WAIT_POLICY=passive by default (`--omp-wait-policy ''` restores spinning): on a machine
+shared with other jobs, spinning threads made its decode 20-30x slower and erratic.
+
+`*_same_*_as_plain` compare each side's greedy speculative output with its own plain output:
+specjax's are the same tokens by construction; llama.cpp's batched verify forward is not
+bit-identical to its one-token decode, so a near-tie can flip (seen with ngram-cache).
+
+Same token sequences on both sides: llama.cpp's `-f` drops one trailing newline from the
+prompt file and prepends BOS (the shipped GGUFs say add_bos_token), so specjax is given
+[BOS] + tokens(text without its final newline). Outputs are compared as text
+(`agreement`: common prefix of the two continuations).
+
+Measured (sections of the JSON):
+  decode        plain greedy tok/s, 256 new tokens, -c 2048 (llama-completion's "eval" rate;
+                specjax: tokens produced by decode steps / decode_seconds); specjax at
+                n_ctx 512 and 8192 on the short prompt (ratio 8192/512, capacity independence);
+  prefill       prompt tok/s of the ~360-token prompt (llama.cpp's "prompt eval");
+  speculative   for each drafter and prompt: spec tok/s over the same side's plain tok/s
+                (llama.cpp: llama-speculative-simple's "decoded" rate over llama-completion's
+                eval rate), mean acceptance length as llama.cpp prints it (1 + accepted /
+                accept calls, both sides), tokens per target forward; specjax's compile time
+                (first call, excluded from the timings) separately;
+  no_draft      drafters that run every round and propose nothing (lookup n-gram of 1024
+                tokens, longer than prompt + output) on a prompt with little repetition:
+                spec tok/s / plain tok/s;
+  cli           wall time of one whole `specjax generate` (cold compilation cache, then the
+                second run) vs llama-completion; startup = wall - decode time;
+  memory        host peak RSS of each CLI process, KV cache bytes at -c 2048 / 8192.
+Writes the JSON and a PNG beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, machine, peak_memory
+
+import specjax
+
+PROMPTS = Path(__file__).resolve().parent / "prompts"
+PROMPT_FILES = {
+    "main": PROMPTS / "humaneval_main.py",  # ~360 tokens, HumanEval-style stubs
+    "short": PROMPTS / "humaneval_short.py",  # fits -c 512 with 256 new tokens
+    "repetitive": PROMPTS / "repetitive.py",  # code that repeats a block: n-grams match
+    "norepeat": PROMPTS / "norepeat.py",  # little to match
+}
+SPEC_TYPES = ("draft-simple", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache")
+#: Lookup n-gram length that cannot match within prompt + output (the longest both allow):
+#: the drafter runs every round and proposes nothing (min_hits would not do: llama.cpp's
+#: ngram-map-k ignores it in key-only mode, and the model's own output repeats itself).
+NO_MATCH_N = 1024
+
+# --------------------------------------------------------------------------------------------
+# parsing llama.cpp's output
+
+_FLOAT = r"([0-9]+(?:\.[0-9]*)?(?:[eE][-+]?[0-9]+)?)"
+_PROMPT_EVAL = re.compile(rf"prompt eval time\s*=\s*{_FLOAT}\s*ms\s*/\s*(\d+)\s*tokens")
+_EVAL = re.compile(rf"(?<!prompt )\beval time\s*=\s*{_FLOAT}\s*ms\s*/\s*(\d+)\s*runs")
+_DECODED = re.compile(rf"decoded\s+(\d+)\s+tokens in\s+{_FLOAT}\s*seconds")
+_ENCODED = re.compile(rf"encoded\s+(\d+)\s+tokens in\s+{_FLOAT}\s*seconds")
+_COUNTER = re.compile(r"\b(n_drafted|n_accept|n_predict)\s*=\s*(\d+)")
+_STATS = re.compile(
+    r"statistics\s+(\S+):\s*#calls\(b,g,a\)\s*=\s*(\d+)\s+(\d+)\s+(\d+),\s*"
+    r"#gen drafts\s*=\s*(\d+),\s*#acc drafts\s*=\s*(\d+),\s*#gen tokens\s*=\s*(\d+),\s*"
+    r"#acc tokens\s*=\s*(\d+)(?:,\s*#mean acc len\s*=\s*" + _FLOAT + ")?"
+)
+_KV = re.compile(
+    rf"llama_kv_cache: size =\s*{_FLOAT}\s*MiB\s*\(\s*(\d+) cells.*?K \((\w+)\):\s*{_FLOAT}\s*MiB,"
+    rf"\s*V \((\w+)\):\s*{_FLOAT}\s*MiB"
+)
+
+
+def parse_llama(stderr: str) -> dict[str, Any]:
+    """Timings and counters from llama-completion / llama-speculative-simple's log."""
+    out: dict[str, Any] = {}
+    if m := _PROMPT_EVAL.search(stderr):
+        ms, n = float(m.group(1)), int(m.group(2))
+        out.update(prompt_ms=ms, prompt_tokens=n, prefill_tps=n / max(ms, 1e-9) * 1e3)
+    if m := _EVAL.search(stderr):
+        ms, n = float(m.group(1)), int(m.group(2))
+        out.update(eval_ms=ms, eval_runs=n)
+        if ms > 0:  # speculative-simple verifies in batches: its "eval" is then ~empty
+            out["decode_tps"] = n / ms * 1e3
+    if m := _ENCODED.search(stderr):
+        out.update(encoded_tokens=int(m.group(1)), encoded_s=float(m.group(2)))
+    if m := _DECODED.search(stderr):
+        n, s = int(m.group(1)), float(m.group(2))
+        out.update(decoded_tokens=n, decoded_s=s, spec_tps=n / max(s, 1e-9))
+    for name, value in _COUNTER.findall(stderr):
+        out[name] = int(value)
+    drafters = {}
+    for m in _STATS.finditer(stderr):
+        b, g, a, gen_d, acc_d, gen_t, acc_t = (int(m.group(i)) for i in range(2, 9))
+        drafters[m.group(1)] = {
+            "n_call_begin": b,
+            "n_call_draft": g,
+            "n_call_accept": a,
+            "n_gen_drafts": gen_d,
+            "n_acc_drafts": acc_d,
+            "n_gen_tokens": gen_t,
+            "n_acc_tokens": acc_t,
+            "mean_acc_len": float(m.group(9)) if m.group(9) else None,
+        }
+    if drafters:
+        out["drafters"] = drafters
+        # every loop iteration drafts once: draft calls = target forwards of the decode loop
+        rounds = max(d["n_call_draft"] for d in drafters.values())
+        if rounds and "decoded_tokens" in out:
+            out["tokens_per_forward"] = out["decoded_tokens"] / rounds
+    if m := _KV.search(stderr):
+        out["kv_cache_bytes"] = round(float(m.group(1)) * 2**20)
+        out["kv_cells"] = int(m.group(2))
+        out["kv_types"] = f"{m.group(3)}/{m.group(5)}"
+    return out
+
+
+def strip_llama_text(stdout: str, prompt_text: str | None = None) -> str:
+    """The continuation in a llama.cpp tool's stdout (drops an echoed prompt and the footer)."""
+    text = stdout
+    if prompt_text and prompt_text in text:
+        text = text.split(prompt_text, 1)[1]
+    for footer in (" [end of text]\n", "[end of text]"):
+        if footer in text:
+            text = text.split(footer, 1)[0]
+    return text.rstrip("\n")
+
+
+# --------------------------------------------------------------------------------------------
+# processes
+
+
+def _vm_hwm_kb(pid: int) -> int | None:
+    """Peak RSS of the running program `pid` (VmHWM restarts at exec, unlike ru_maxrss,
+    which a child forked from this large Python process inherits)."""
+    try:
+        with open(f"/proc/{pid}/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return None
+
+
+def run_process(cmd: list[str], env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `cmd`; stdout, stderr, wall seconds, exit code and the program's peak RSS."""
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        t = time.perf_counter()
+        proc = subprocess.Popen(cmd, stdout=out, stderr=err, env=env)
+        peak_kb = 0
+        while proc.poll() is None:
+            peak_kb = max(peak_kb, _vm_hwm_kb(proc.pid) or 0)
+            time.sleep(0.005)
+        wall = time.perf_counter() - t
+        out.seek(0)
+        err.seek(0)
+        return {
+            "stdout": out.read().decode("utf-8", "replace"),
+            "stderr": err.read().decode("utf-8", "replace"),
+            "wall_s": wall,
+            "rc": proc.returncode,
+            "peak_rss_mb": peak_kb / 1024 if peak_kb else None,
+        }
+
+
+def find_llamacpp() -> Path | None:
+    path = os.environ.get("SPECJAX_LLAMACPP_BIN")
+    if not path:
+        print("peers: SPECJAX_LLAMACPP_BIN is not set: skipping llama.cpp", file=sys.stderr)
+        return None
+    bin_dir = Path(path)
+    missing = [
+        t for t in ("llama-completion", "llama-speculative-simple") if not (bin_dir / t).is_file()
+    ]
+    if missing:
+        print(f"peers: {bin_dir} lacks {', '.join(missing)}: skipping llama.cpp", file=sys.stderr)
+        return None
+    return bin_dir
+
+
+class Llama:
+    """Command lines for llama.cpp's tools with the benchmark's common flags."""
+
+    MAX_ATTEMPTS = 8
+
+    def __init__(
+        self,
+        bin_dir: Path,
+        target: str,
+        draft: str,
+        threads: int,
+        n_predict: int,
+        omp_wait_policy: str = "passive",
+    ):
+        self.bin_dir, self.target, self.draft = bin_dir, target, draft
+        self.common = ["-t", str(threads), "--temp", "0", "-n", str(n_predict), "-lv", "4"]
+        self.env = dict(os.environ)
+        if omp_wait_policy:
+            self.env["OMP_WAIT_POLICY"] = omp_wait_policy
+
+    def completion(self, prompt: Path, n_ctx: int) -> list[str]:
+        return [
+            str(self.bin_dir / "llama-completion"),
+            *("-m", self.target, "-f", str(prompt), "-c", str(n_ctx)),
+            *self.common,
+            *("-no-cnv", "--no-display-prompt", "--seed", "0"),
+        ]
+
+    def speculative(self, prompt: Path, n_ctx: int, spec_type: str, extra=()) -> list[str]:
+        cmd = [
+            str(self.bin_dir / "llama-speculative-simple"),
+            *("-m", self.target, "-f", str(prompt), "-c", str(n_ctx)),
+            *self.common,
+            *("--spec-type", spec_type, "--spec-draft-n-max", "4", "--seed", "0"),
+            *extra,
+        ]
+        if spec_type == "draft-simple":
+            cmd += ["-md", self.draft]
+        return cmd
+
+    def run(self, cmd: list[str], prompt_text: str | None = None) -> dict[str, Any]:
+        """One run, parsed. llama.cpp's logger writes from a thread and is never joined at
+        exit (llama.cpp issue #22142), so on a busy machine the last lines, the timings
+        among them, are sometimes lost: such a run is repeated (`log_retries` counts them)."""
+        speculative = "llama-speculative-simple" in cmd[0]
+        needed = ("spec_tps", "drafters") if speculative else ("decode_tps", "prefill_tps")
+        for attempt in range(self.MAX_ATTEMPTS):
+            proc = run_process(cmd, self.env)
+            if proc["rc"] != 0:
+                return {"error": f"exit {proc['rc']}: {proc['stderr'][-400:]}"}
+            out = parse_llama(proc["stderr"])
+            if all(key in out for key in needed):
+                out.update(
+                    wall_s=proc["wall_s"],
+                    peak_rss_mb=proc["peak_rss_mb"],
+                    text=strip_llama_text(proc["stdout"], prompt_text),
+                    log_retries=attempt,
+                )
+                return out
+        return {"error": f"timings lost from the log {self.MAX_ATTEMPTS} times: {cmd}"}
+
+
+# --------------------------------------------------------------------------------------------
+# specjax side (in process, through the public API)
+
+
+class Specjax:
+    def __init__(self, target: str, draft: str, n_predict: int):
+        self.model = specjax.load(target)
+        self.draft = specjax.load(draft)
+        self.n_predict = n_predict
+        self.compile_seconds: dict[str, float] = {}
+
+    def ids(self, prompt_text: str) -> list[int]:
+        """What llama.cpp evaluates for `-f FILE`: BOS + the text without its last newline."""
+        tok = self.model.tokenizer
+        text = prompt_text[:-1] if prompt_text.endswith("\n") else prompt_text
+        bos = getattr(tok, "bos_id", None)
+        return ([int(bos)] if bos is not None else []) + list(tok.encode(text))
+
+    def run(self, key: str, ids: list[int], n_ctx: int, spec=None) -> dict[str, Any]:
+        kwargs = dict(max_new_tokens=self.n_predict, n_ctx=n_ctx, spec=spec, temperature=0.0)
+        if spec is not None and "draft-simple" in spec.types:
+            kwargs["draft"] = self.draft
+        if key not in self.compile_seconds:  # warm-up: compiles (or loads from the cache)
+            first = specjax.generate(self.model, [ids], **kwargs)
+            self.compile_seconds[key] = float(first.timings.get("compile_seconds", 0.0))
+        result = specjax.generate(self.model, [ids], **kwargs)
+        t = result.timings
+        generated = int(t["generated_tokens"])
+        # the first new token comes from the prefill on both sides; decode steps make the rest
+        stepped = generated - 1
+        out: dict[str, Any] = {
+            "prefill_tps": t["prompt_tokens"] / max(t["prefill_seconds"], 1e-9),
+            "prefill_s": t["prefill_seconds"],
+            "decode_s": t["decode_seconds"],
+            "generated_tokens": generated,
+            "n_rounds": int(t.get("n_rounds", 0)),
+            "decode_tps": stepped / max(t["decode_seconds"], 1e-9),
+            "tokens_per_forward": stepped / max(int(t.get("n_rounds", 0)), 1),
+            "kv_cache_bytes": t.get("kv_cache_bytes"),
+            "tokens": result.tokens[0],
+            "text": result.text[0],
+        }
+        if result.stats is not None:
+            s = result.stats.to_dict()
+            out["drafters"] = {
+                name: {
+                    k: d.get(k)
+                    for k in ("n_call_accept", "n_gen_drafts", "n_acc_tokens", "mean_acc_len")
+                }
+                for name, d in s.get("drafters", {}).items()
+            }
+            out["num_draft_tokens"] = s.get("num_draft_tokens")
+            out["num_accepted_tokens"] = s.get("num_accepted_tokens")
+        return out
+
+
+# --------------------------------------------------------------------------------------------
+# cases, interleaved repeats, medians
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    values = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+    return statistics.median(values) if values else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _common_prefix(a: str, b: str) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def _mean_acc_len(run: dict[str, Any]) -> float | None:
+    drafters = run.get("drafters") or {}
+    values = [d.get("mean_acc_len") for d in drafters.values() if d.get("mean_acc_len")]
+    return values[0] if len(values) == 1 else (max(values) if values else None)
+
+
+def _summary(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any]:
+    ok = [r for r in runs if "error" not in r]
+    out: dict[str, Any] = {k: _median(ok, k) for k in keys}
+    out["n"] = len(ok)
+    if len(ok) < len(runs):
+        out["errors"] = [r["error"] for r in runs if "error" in r][:2]
+    if ok and ok[-1].get("drafters"):
+        out["drafters"] = ok[-1]["drafters"]
+        out["mean_acc_len"] = _mean_acc_len(ok[-1])
+    return out
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    bin_dir = find_llamacpp()
+    llama = (
+        Llama(bin_dir, args.model, args.draft, args.threads, args.n_predict, args.omp_wait_policy)
+        if bin_dir
+        else None
+    )
+    sj = Specjax(args.model, args.draft, args.n_predict)
+    texts = {name: path.read_text(encoding="utf-8") for name, path in PROMPT_FILES.items()}
+    ids = {name: sj.ids(text) for name, text in texts.items()}
+    spec_prompts = ["main", "repetitive"] if not args.quick else ["repetitive"]
+    spec_types = SPEC_TYPES if not args.quick else ("draft-simple", "ngram-mod")
+
+    # (name, llama command or None, specjax thunk, prompt name)
+    cases: list[tuple[str, list[str] | None, Callable[[], dict[str, Any]], str]] = []
+
+    def add_plain(prompt: str, n_ctx: int) -> None:
+        name = f"plain/{prompt}/c{n_ctx}"
+        cmd = llama.completion(PROMPT_FILES[prompt], n_ctx) if llama else None
+        cases.append((name, cmd, lambda: sj.run(name, ids[prompt], n_ctx), prompt))
+
+    def add_spec(name: str, prompt: str, spec_type: str, extra=(), **spec_kwargs: Any) -> None:
+        cfg = specjax.SpecConfig(types=(spec_type,), draft_n_max=4, **spec_kwargs)
+        cmd = llama.speculative(PROMPT_FILES[prompt], 2048, spec_type, extra) if llama else None
+        cases.append((name, cmd, lambda: sj.run(name, ids[prompt], 2048, cfg), prompt))
+
+    add_plain("main", 2048)
+    add_plain("short", 512)
+    add_plain("short", 8192)
+    for prompt in spec_prompts:
+        if prompt != "main":
+            add_plain(prompt, 2048)
+        for spec_type in spec_types:
+            add_spec(f"spec/{prompt}/{spec_type}", prompt, spec_type)
+    add_plain("norepeat", 2048)
+    add_spec(
+        "nodraft/norepeat/ngram-simple",
+        "norepeat",
+        "ngram-simple",
+        extra=("--spec-ngram-simple-size-n", str(NO_MATCH_N)),
+        ngram_simple_size_n=NO_MATCH_N,
+    )
+    add_spec(
+        "nodraft/norepeat/ngram-map-k",
+        "norepeat",
+        "ngram-map-k",
+        extra=("--spec-ngram-map-k-size-n", str(NO_MATCH_N)),
+        ngram_map_k_size_n=NO_MATCH_N,
+    )
+    add_spec(
+        "nodraft/norepeat/ngram-mod",
+        "norepeat",
+        "ngram-mod",
+        extra=("--spec-ngram-mod-n-match", str(NO_MATCH_N)),
+        ngram_mod_n_match=NO_MATCH_N,
+    )
+
+    runs: dict[str, dict[str, list[dict[str, Any]]]] = {
+        c[0]: {"llama": [], "specjax": []} for c in cases
+    }
+    for rep in range(args.repeats):
+        for name, cmd, thunk, prompt in cases:
+            if cmd is not None:
+                prompt_text = texts[prompt][:-1] if texts[prompt].endswith("\n") else texts[prompt]
+                runs[name]["llama"].append(llama.run(cmd, prompt_text) if llama else {})
+            try:
+                runs[name]["specjax"].append(thunk())
+            except Exception as err:  # a failing configuration must not stop the benchmark
+                runs[name]["specjax"].append({"error": f"{type(err).__name__}: {err}"[:400]})
+            print(f"peers: repeat {rep + 1}/{args.repeats} {name}", file=sys.stderr)
+
+    keys = ("decode_tps", "spec_tps", "prefill_tps", "tokens_per_forward", "kv_cache_bytes")
+    cases_out: dict[str, Any] = {}
+    for name, *_ in cases:
+        cases_out[name] = {
+            "llama": _summary(runs[name]["llama"], keys) if runs[name]["llama"] else None,
+            "specjax": _summary(runs[name]["specjax"], keys),
+        }
+        if name in sj.compile_seconds:
+            cases_out[name]["specjax"]["compile_seconds"] = sj.compile_seconds[name]
+
+    def side(case: str, who: str, key: str) -> float | None:
+        entry = cases_out.get(case, {}).get(who)
+        return entry.get(key) if entry else None
+
+    def last(case: str, who: str) -> dict[str, Any]:
+        ok = [r for r in runs.get(case, {}).get(who, []) if "error" not in r]
+        return ok[-1] if ok else {}
+
+    report: dict[str, Any] = {}
+    main = "plain/main/c2048"
+    sj_text, ll_text = last(main, "specjax").get("text", ""), last(main, "llama").get("text")
+    report["decode"] = {
+        "llama_tps_c2048": side(main, "llama", "decode_tps"),
+        "specjax_tps_c2048": side(main, "specjax", "decode_tps"),
+        "specjax_over_llama": _ratio(
+            side(main, "specjax", "decode_tps"), side(main, "llama", "decode_tps")
+        ),
+        "llama_tps_c512": side("plain/short/c512", "llama", "decode_tps"),
+        "llama_tps_c8192": side("plain/short/c8192", "llama", "decode_tps"),
+        "specjax_tps_c512": side("plain/short/c512", "specjax", "decode_tps"),
+        "specjax_tps_c8192": side("plain/short/c8192", "specjax", "decode_tps"),
+        "specjax_c8192_over_c512": _ratio(
+            side("plain/short/c8192", "specjax", "decode_tps"),
+            side("plain/short/c512", "specjax", "decode_tps"),
+        ),
+        "llama_c8192_over_c512": _ratio(
+            side("plain/short/c8192", "llama", "decode_tps"),
+            side("plain/short/c512", "llama", "decode_tps"),
+        ),
+        "agreement": None
+        if ll_text is None
+        else {
+            "same_text": sj_text == ll_text,
+            "common_prefix_chars": _common_prefix(sj_text, ll_text),
+            "specjax_chars": len(sj_text),
+            "llama_chars": len(ll_text),
+        },
+        "prompt_tokens": len(ids["main"]),
+    }
+    # greedy plain outputs of the two sides, prompt by prompt (FP near-ties can flip a token)
+    report["agreement"] = {}
+    for name, *_ in cases:
+        ll = last(name, "llama").get("text")
+        if name.startswith("plain/") and ll is not None:
+            sj_t = last(name, "specjax").get("text", "")
+            report["agreement"][name] = {
+                "same_text": sj_t == ll,
+                "common_prefix_chars": _common_prefix(sj_t, ll),
+                "specjax_chars": len(sj_t),
+                "llama_chars": len(ll),
+            }
+    report["prefill"] = {
+        "prompt_tokens": len(ids["main"]),
+        "llama_tps": side(main, "llama", "prefill_tps"),
+        "specjax_tps": side(main, "specjax", "prefill_tps"),
+        "specjax_over_llama": _ratio(
+            side(main, "specjax", "prefill_tps"), side(main, "llama", "prefill_tps")
+        ),
+    }
+    spec_rows = []
+    for name, *_ in cases:
+        if not name.startswith(("spec/", "nodraft/")):
+            continue
+        kind, prompt, spec_type = name.split("/")
+        plain = f"plain/{prompt}/c2048"
+        sj_plain_tokens = last(plain, "specjax").get("tokens", [])
+        sj_spec_tokens = last(name, "specjax").get("tokens", [])
+        n = min(len(sj_plain_tokens), len(sj_spec_tokens))
+        ll_plain, ll_spec = last(plain, "llama").get("text"), last(name, "llama").get("text")
+        spec_rows.append(
+            {
+                "case": name,
+                "kind": kind,
+                "prompt": prompt,
+                "drafter": spec_type,
+                "llama_speedup": _ratio(
+                    side(name, "llama", "spec_tps"), side(plain, "llama", "decode_tps")
+                ),
+                "specjax_speedup": _ratio(
+                    side(name, "specjax", "decode_tps"), side(plain, "specjax", "decode_tps")
+                ),
+                "llama_spec_tps": side(name, "llama", "spec_tps"),
+                "specjax_spec_tps": side(name, "specjax", "decode_tps"),
+                "llama_mean_acc_len": side(name, "llama", "mean_acc_len"),
+                "specjax_mean_acc_len": side(name, "specjax", "mean_acc_len"),
+                "llama_tokens_per_forward": side(name, "llama", "tokens_per_forward"),
+                "specjax_tokens_per_forward": side(name, "specjax", "tokens_per_forward"),
+                "llama_drafted_tokens": sum(
+                    d["n_gen_tokens"] for d in (last(name, "llama").get("drafters") or {}).values()
+                )
+                if llama
+                else None,
+                "specjax_drafted_tokens": last(name, "specjax").get("num_draft_tokens"),
+                "specjax_compile_seconds": sj.compile_seconds.get(name),
+                # greedy speculative output vs the same side's plain output
+                "specjax_same_tokens_as_plain": bool(n)
+                and sj_spec_tokens[:n] == sj_plain_tokens[:n],
+                "llama_same_text_as_plain": None
+                if ll_plain is None or ll_spec is None
+                else _common_prefix(ll_plain, ll_spec) >= min(len(ll_plain), len(ll_spec)) - 1,
+            }
+        )
+    report["speculative"] = [r for r in spec_rows if r["kind"] == "spec"]
+    report["no_draft"] = [r for r in spec_rows if r["kind"] == "nodraft"]
+    report["cli"] = measure_cli(args, llama)
+    report["memory"] = {
+        "kv_cache_bytes": {
+            "llama_c2048": side(main, "llama", "kv_cache_bytes"),
+            "specjax_c2048": side(main, "specjax", "kv_cache_bytes"),
+            "llama_c8192": side("plain/short/c8192", "llama", "kv_cache_bytes"),
+            "specjax_c8192": side("plain/short/c8192", "specjax", "kv_cache_bytes"),
+        },
+        "cli_peak_rss_mb": {
+            "llama": report["cli"].get("llama_peak_rss_mb"),
+            "specjax": report["cli"].get("specjax_warm_peak_rss_mb"),
+        },
+        "this_process": peak_memory(),
+    }
+    report["cases"] = cases_out
+    return report
+
+
+def measure_cli(args: argparse.Namespace, llama: Llama | None) -> dict[str, Any]:
+    """Whole-process wall time of `specjax generate` (cold cache, second run) and llama.cpp."""
+    prompt = PROMPT_FILES["main"]
+    sj_cmd = [
+        sys.executable,
+        "-m",
+        "specjax.cli",
+        "generate",
+        *("-m", args.model, "-f", str(prompt), "-n", str(args.n_predict), "-c", "2048"),
+    ]
+    decode_re = re.compile(rf"decode:\s*\d+ tokens in\s*{_FLOAT}\s*s")
+    rows: dict[str, list[dict[str, Any]]] = {"llama": [], "cold": [], "warm": []}
+    for _ in range(args.repeats):
+        if llama is not None:
+            rows["llama"].append(run_process(llama.completion(prompt, 2048), llama.env))
+        with tempfile.TemporaryDirectory() as cache_dir:
+            env = {**os.environ, "SPECJAX_COMPILE_CACHE": cache_dir}
+            rows["cold"].append(run_process(sj_cmd, env))
+            rows["warm"].append(run_process(sj_cmd, env))
+    out: dict[str, Any] = {}
+    for who, procs in rows.items():
+        ok = [p for p in procs if p["rc"] == 0]
+        if not procs:
+            continue
+        if len(ok) < len(procs):
+            out[f"{who}_errors"] = [p["stderr"][-400:] for p in procs if p["rc"] != 0][:1]
+        if not ok:
+            continue
+        prefix = "llama" if who == "llama" else f"specjax_{who}"
+        out[f"{prefix}_wall_s"] = statistics.median(p["wall_s"] for p in ok)
+        rss = [p["peak_rss_mb"] for p in ok if p["peak_rss_mb"] is not None]
+        out[f"{prefix}_peak_rss_mb"] = statistics.median(rss) if rss else None
+        if who != "llama":
+            starts = []
+            for p in ok:
+                if m := decode_re.search(p["stderr"]):
+                    starts.append(p["wall_s"] - float(m.group(1)))
+            if starts:
+                out[f"{prefix}_startup_s"] = statistics.median(starts)
+        else:
+            evals = [parse_llama(p["stderr"]) for p in ok]
+            starts = [p["wall_s"] - e["eval_ms"] / 1e3 for p, e in zip(ok, evals) if "eval_ms" in e]
+            if starts:
+                out["llama_startup_s"] = statistics.median(starts)
+    out["specjax_warm_over_llama_wall"] = _ratio(
+        out.get("specjax_warm_wall_s"), out.get("llama_wall_s")
+    )
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# plot
+
+
+def plot(report: dict[str, Any], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(19, 5.2), gridspec_kw={"width_ratios": [1, 2.3, 0.9]})
+    colors = {"llama.cpp": "tab:blue", "specjax": "tab:orange", "specjax cold": "navajowhite"}
+
+    def bars(ax, labels, series, ylabel, title, hline=None):
+        width = 0.8 / len(series)
+        for j, (who, ys) in enumerate(series.items()):
+            xs = [i + j * width for i in range(len(labels))]
+            ax.bar(xs, [y or 0 for y in ys], width, label=who, color=colors.get(who))
+        ax.set_xticks([i + width * (len(series) - 1) / 2 for i in range(len(labels))])
+        ax.set_xticklabels(labels, rotation=35, ha="right", fontsize=8)
+        ax.set_ylabel(ylabel)
+        ax.set_title(title, fontsize=10)
+        if hline is not None:
+            ax.axhline(hline, color="k", lw=0.8)
+        ax.legend(fontsize=8)
+
+    d, p = report["decode"], report["prefill"]
+    bars(
+        axes[0],
+        ["decode c2048", "decode c512", "decode c8192", "prefill / 10"],
+        {
+            "llama.cpp": [
+                d["llama_tps_c2048"],
+                d["llama_tps_c512"],
+                d["llama_tps_c8192"],
+                (p["llama_tps"] or 0) / 10,
+            ],
+            "specjax": [
+                d["specjax_tps_c2048"],
+                d["specjax_tps_c512"],
+                d["specjax_tps_c8192"],
+                (p["specjax_tps"] or 0) / 10,
+            ],
+        },
+        "tokens / s",
+        "plain greedy, B=1",
+    )
+    rows = report["speculative"] + report["no_draft"]
+    bars(
+        axes[1],
+        [f"{r['kind']}: {r['drafter']} / {r['prompt']}" for r in rows],
+        {
+            "llama.cpp": [r["llama_speedup"] for r in rows],
+            "specjax": [r["specjax_speedup"] for r in rows],
+        },
+        "spec tok/s / own plain tok/s",
+        "speculative speed-up over each side's plain decoding",
+        hline=1.0,
+    )
+    c = report["cli"]
+    bars(
+        axes[2],
+        ["whole run", "start to first decode"],
+        {
+            "llama.cpp": [c.get("llama_wall_s"), c.get("llama_startup_s")],
+            "specjax": [c.get("specjax_warm_wall_s"), c.get("specjax_warm_startup_s")],
+            "specjax cold": [c.get("specjax_cold_wall_s"), c.get("specjax_cold_startup_s")],
+        },
+        "seconds",
+        "one `generate` CLI run (-n 256)",
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument("--model", default=str(DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=2, help="llama.cpp -t")
+    ap.add_argument(
+        "--omp-wait-policy",
+        default="passive",
+        help="OMP_WAIT_POLICY for llama.cpp's OpenMP threads ('' = its default, spinning): "
+        "on a busy machine spinning threads collapse (13-21 tok/s instead of 380 measured "
+        "here with -t 2 while other jobs ran)",
+    )
+    ap.add_argument("--n-predict", type=int, default=256)
+    ap.add_argument("--quick", action="store_true", help="fewer drafters and prompts")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers.json"))
+    ap.add_argument("--replot", action="store_true", help="only redraw the PNG of --out")
+    args = ap.parse_args()
+    if args.replot:
+        out = Path(args.out)
+        plot(json.loads(out.read_text()), out.with_suffix(".png"))
+        return
+    for name, path in (("--model", args.model), ("--draft", args.draft)):
+        if not Path(path).is_file():
+            raise SystemExit(f"peers: {name} {path} not found")
+
+    t = time.perf_counter()
+    report = {
+        "benchmark": "peers",
+        "model": args.model,
+        "draft": args.draft,
+        "n_predict": args.n_predict,
+        "repeats": args.repeats,
+        "llama_threads": args.threads,
+        "llama_omp_wait_policy": args.omp_wait_policy or None,
+        "llamacpp_bin": os.environ.get("SPECJAX_LLAMACPP_BIN"),
+        "machine": {**machine(), "load_avg_start": os.getloadavg()},
+        **measure(args),
+    }
+    report["machine"]["load_avg_end"] = os.getloadavg()
+    report["seconds"] = time.perf_counter() - t
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(report, indent=2))
+    plot(report, out.with_suffix(".png"))
+    print(json.dumps({k: v for k, v in report.items() if k != "cases"}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
