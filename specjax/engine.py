@@ -158,7 +158,9 @@ def prefill(
     first = sampling.sample(logits_BV, run.sampling, keys)
 
     states = tuple(d.init(B, S) for d in engine.drafters)
-    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, hidden=out.hidden)
+    batch = TargetBatch(
+        tokens=tokens_BT, positions=positions_BT, hidden=out.hidden, is_prompt=True
+    )
     hist = TokenHistory(tokens=history, length=lengths_B)
     states = tuple(
         d.begin(d.process(p, s, batch), hist)

@@ -34,7 +34,7 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax.numpy as jnp
 
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import pytree_dataclass, static_field
 from specjax.types import Array
 
 #: llama.cpp's enum order (COUNT = 11); also the CLI's names.
@@ -80,6 +80,8 @@ class TargetBatch:
     tokens: Array  # [B, T] int32
     positions: Array  # [B, T] int32, -1 = padding (not evaluated)
     hidden: tuple[Array, ...] = ()  # [B, T, D] per layer the chain asked for (static list)
+    #: True for the prompt (prefill), False for a verify batch (static).
+    is_prompt: bool = static_field(default=False)
 
 
 @pytree_dataclass

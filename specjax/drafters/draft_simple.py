@@ -1,13 +1,15 @@
 """draft-simple: a separate small draft model with its own KV cache (llama.cpp section 5.1).
 
 Invariants:
-* The draft cache mirrors the target's memory: `process` evaluates every target batch
-  (prompt and verify rows alike) on the draft model, and `rollback` trims it exactly as the
-  target is trimmed. Between rounds it holds positions 0..length-1 of every row.
-* `draft` runs the whole k-step loop on device (`lax.scan` over K) and returns the state it
-  was given: its own drafted cells are discarded, as llama.cpp's
-  `seq_rm(ctx_dft, pos_max + 1, -1)` after drafting does; `process` re-mirrors the verify
-  batch.
+* The draft cache holds the target's memory prefix positions 0..n_past[b]-1 of every row
+  (`n_past <= length`). `process` evaluates the prompt; verify batches are not re-evaluated:
+  like llama.cpp's draft-simple, `draft` first catches up from the token history (chunks of
+  CATCH_UP tokens, usually none or one: the last accepted draft token), then drafts.
+* The k-step loop runs on device and reads the draft cache without writing it: each step's
+  K/V go to a small scratch ([B, G, K, E] per layer) that later steps attend to. After the
+  loop the scratch (id_last, d_1, ... as fed) is committed at its real positions, and
+  `rollback` trims what verification rejected (llama.cpp's `seq_rm`), so accepted drafts are
+  never evaluated twice and nothing of cache size is copied per round.
 * Drafting samples from a softmax over the top-10 draft logits at temperature 1 and takes
   the argmax; a row stops when that top probability is < p_min (token not added) or its
   length reaches its budget; drafts shorter than n_min are cleared.
@@ -30,7 +32,7 @@ from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
 from specjax.errors import VocabMismatchError
 from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, new_cache
+from specjax.models.llama import ExtraKV, commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -40,11 +42,14 @@ SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
 #: `spec_retune` mixes the target seed so draft and target RNG streams differ.
 DRAFT_SEED_XOR = 0x85EBCA6B
 DRAFT_TOP_K = 10
+#: Width of one catch-up forward over history tokens the draft cache does not hold yet.
+CATCH_UP = 16
 
 
 @pytree_dataclass
 class DraftSimpleState:
     cache: KVCache
+    n_past: Array  # [B] int32: the draft cache holds positions 0..n_past-1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -58,17 +63,31 @@ class DraftSimple:
     top_k: int = DRAFT_TOP_K
 
     def init(self, batch: int, capacity: int) -> DraftSimpleState:
-        return DraftSimpleState(cache=new_cache(self.config, batch, capacity))
+        return DraftSimpleState(
+            cache=new_cache(self.config, batch, capacity), n_past=jnp.zeros((batch,), jnp.int32)
+        )
 
     def begin(self, state: DraftSimpleState, history: TokenHistory) -> DraftSimpleState:
         del history
         return state
 
+    def _evaluate(
+        self, params: Params, cache: KVCache, tokens_BT: Array, positions_BT: Array
+    ) -> KVCache:
+        """Write the K/V of `tokens` into the draft cache (no LM head)."""
+        out = forward_compute(
+            self.config, params, tokens_BT, positions_BT, cache, (self.config.L,), logits=False
+        )
+        return commit_kv(cache, positions_BT, out.k, out.v, after=out.hidden[0])
+
     def process(
         self, params: Params, state: DraftSimpleState, batch: TargetBatch
     ) -> DraftSimpleState:
-        out = forward_fn(self.config, params, batch.tokens, batch.positions, state.cache)
-        return DraftSimpleState(cache=out.cache)
+        if not batch.is_prompt:
+            return state  # verify rows: `draft` catches up from the history when needed
+        cache = self._evaluate(params, state.cache, batch.tokens, batch.positions)
+        n_past = jnp.maximum(state.n_past, jnp.max(batch.positions, axis=1) + 1)
+        return DraftSimpleState(cache=cache, n_past=n_past.astype(jnp.int32))
 
     def accept(
         self, state: DraftSimpleState, n_accepted: Array, is_other: Array, active: Array
@@ -77,7 +96,30 @@ class DraftSimple:
         return state
 
     def rollback(self, state: DraftSimpleState, keep: Array) -> DraftSimpleState:
-        return DraftSimpleState(cache=keep_prefix(state.cache, keep))
+        return DraftSimpleState(
+            cache=keep_prefix(state.cache, keep), n_past=jnp.minimum(state.n_past, keep)
+        )
+
+    def _catch_up(
+        self, params: Params, state: DraftSimpleState, history: TokenHistory, rows_B: Array
+    ) -> DraftSimpleState:
+        """Evaluate history[n_past:length] of `rows` so the draft cache holds the prefix."""
+        S = history.tokens.shape[1]
+        target_B = jnp.where(rows_B, history.length, state.n_past)
+
+        def cond(st: DraftSimpleState) -> Array:
+            return jnp.any(st.n_past < target_B)
+
+        def body(st: DraftSimpleState) -> DraftSimpleState:
+            idx_BT = st.n_past[:, None] + jnp.arange(CATCH_UP, dtype=jnp.int32)[None, :]
+            ok_BT = idx_BT < target_B[:, None]
+            tokens = jnp.take_along_axis(history.tokens, jnp.clip(idx_BT, 0, S - 1), axis=1)
+            positions = jnp.where(ok_BT, idx_BT, -1)
+            cache = self._evaluate(params, st.cache, tokens, positions)
+            n_past = st.n_past + jnp.sum(ok_BT, axis=1).astype(jnp.int32)
+            return DraftSimpleState(cache=cache, n_past=n_past)
+
+        return jax.lax.while_loop(cond, body, state)
 
     def draft(
         self, params: Params, state: DraftSimpleState, inp: DraftInput, k_max: int
@@ -85,24 +127,41 @@ class DraftSimple:
         B = inp.last_token.shape[0]
         V = self.target_vocab
         n_shared = min(V, self.config.V)
+        cfg = self.config
 
-        def run(_: Any) -> DraftOutput:
+        def run(state: DraftSimpleState) -> tuple[DraftSimpleState, DraftOutput]:
             seed = inp.seed if inp.seed is not None else jnp.zeros((B,), jnp.int32)
             draft_seed = jnp.bitwise_xor(seed.astype(jnp.uint32), jnp.uint32(DRAFT_SEED_XOR))
             limit = jnp.minimum(inp.n_max, k_max)
             if inp.draft_n_max is not None:
                 limit = jnp.minimum(limit, inp.draft_n_max)
+            drafting = inp.drafting & (limit > 0)
+            state = self._catch_up(params, state, inp.history, drafting)
             temp = inp.temperature.astype(jnp.float32)
             rows = jnp.arange(B)
+            scratch_shape = (B, cfg.G, k_max, cfg.E)
+            scratch0 = ExtraKV(
+                k=tuple(jnp.zeros(scratch_shape, c.dtype) for c in state.cache.k),
+                v=tuple(jnp.zeros(scratch_shape, c.dtype) for c in state.cache.v),
+                pos=jnp.full((B, k_max), -1, jnp.int32),
+            )
 
             def cond(carry):
-                i, _, _, alive, _, _, _, _ = carry
+                i, _, _, alive, _, _, _, _, _ = carry
                 return (i < k_max) & jnp.any(alive)
 
             def body(carry):
-                i, cache, tok, alive, n, tokens, valid, q = carry
+                i, scratch, tok, alive, n, tokens, valid, q, reads = carry
                 pos = jnp.where(alive, inp.history.length + i, -1)
-                out = forward_fn(self.config, params, tok[:, None], pos[:, None], cache)
+                out = forward_compute(
+                    cfg, params, tok[:, None], pos[:, None], state.cache, extra=scratch
+                )
+                scratch = ExtraKV(
+                    k=tuple(_put(s, i, x) for s, x in zip(scratch.k, out.k)),
+                    v=tuple(_put(s, i, x) for s, x in zip(scratch.v, out.v)),
+                    pos=jax.lax.dynamic_update_slice_in_dim(scratch.pos, pos[:, None], i, 1),
+                )
+                assert out.logits is not None
                 logits = out.logits[:, 0, :n_shared]
                 top_vals, top_ids = jax.lax.top_k(logits, self.top_k)
                 probs = jax.nn.softmax(top_vals, axis=-1)
@@ -125,7 +184,8 @@ class DraftSimple:
                 valid = valid.at[:, i].set(keep)
                 n = n + keep.astype(jnp.int32)
                 alive = keep & (n < limit)
-                return i + 1, out.cache, token.astype(jnp.int32), alive, n, tokens, valid, q
+                reads = reads + top_vals[0, 0]
+                return i + 1, scratch, token.astype(jnp.int32), alive, n, tokens, valid, q, reads
 
             q0 = (
                 jnp.zeros((B, k_max, V), jnp.float32)
@@ -134,28 +194,46 @@ class DraftSimple:
             )
             init = (
                 jnp.zeros((), jnp.int32),
-                state.cache,
+                scratch0,
                 inp.last_token.astype(jnp.int32),
-                inp.drafting & (limit > 0),
+                drafting,
                 jnp.zeros((B,), jnp.int32),
                 jnp.zeros((B, k_max), jnp.int32),
                 jnp.zeros((B, k_max), bool),
                 q0,
+                jnp.zeros((), jnp.float32),  # depends on every step's reads of the cache
             )
-            _, _, _, _, n, tokens, valid, q = jax.lax.while_loop(cond, body, init)
+            _, scratch, _, _, n, tokens, valid, q, reads = jax.lax.while_loop(cond, body, init)
+            # Keep what was evaluated (id_last, d_1, ...): rollback trims the rejected part.
+            cache = commit_kv(
+                state.cache,
+                scratch.pos,
+                tuple(x.transpose(0, 2, 1, 3) for x in scratch.k),
+                tuple(x.transpose(0, 2, 1, 3) for x in scratch.v),
+                after=reads,
+            )
+            fed = jnp.sum(scratch.pos >= 0, axis=1).astype(jnp.int32)
+            state = DraftSimpleState(cache=cache, n_past=state.n_past + fed)
             valid = valid & (n >= jnp.maximum(inp.n_min, 1))[:, None]
-            return DraftOutput(tokens=tokens, valid=valid, q=q if self.probabilistic else None)
+            out = DraftOutput(tokens=tokens, valid=valid, q=q if self.probabilistic else None)
+            return state, out
 
-        def skip(_: Any) -> DraftOutput:
+        def skip(state: DraftSimpleState) -> tuple[DraftSimpleState, DraftOutput]:
             out = empty_draft(B, k_max)
             if self.probabilistic:
                 out = DraftOutput(
                     tokens=out.tokens, valid=out.valid, q=jnp.zeros((B, k_max, V), jnp.float32)
                 )
-            return out
+            return state, out
 
-        result = jax.lax.cond(jnp.any(inp.drafting), run, skip, None)
-        return state, result
+        return jax.lax.cond(jnp.any(inp.drafting), run, skip, state)
+
+
+def _put(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:
+    """Write one token's [B, 1, G, E] K or V into scratch slot i."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        scratch_BGKE, new_BTGE.transpose(0, 2, 1, 3).astype(scratch_BGKE.dtype), i, 2
+    )
 
 
 def check_vocab_compatible(
