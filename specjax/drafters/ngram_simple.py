@@ -8,8 +8,11 @@ For a row with history `t[0:L]` (L = `history.length`) and `sampled = last_token
 * draft = `t[j+n : j+n+copy]`, truncated to the static `k_max` (the relay truncates to the
   row's `n_max` afterwards).
 
-All of it is one vectorised pass: a sliding-window equality over the `[S]` history (n compares
-of shifted views), then a masked max. No state, so `begin/process/accept/rollback` are no-ops.
+All of it is one vectorised pass: a sliding-window equality over the history (n compares of
+shifted views), then a masked max. The pass covers the smallest prefix in a ladder of widths
+(64, 256, 1024, ... x4, then S; `lax.switch`) that holds every row's history, so its cost
+follows the used context, not the capacity. No state, so `begin/process/accept/rollback` are
+no-ops.
 
 This module also holds the small window helpers the other n-gram drafters share.
 """
@@ -104,16 +107,38 @@ class NgramSimple(ModelFreeDrafter):
         n, m = self.size_n, self.size_m
         S = inp.history.tokens.shape[1]
 
-        def row(tokens_S: Array, length: Array, sampled: Array, drafting: Array) -> DraftOutput:
-            pad = pad_tokens(tokens_S, n + m + k_max + 1)
-            pattern = last_pattern(pad, length, sampled, n)
-            eq = window_equal(pad, pattern, S)
-            pos = jnp.arange(S, dtype=jnp.int32)
-            cand = eq & (pos >= 1) & (pos <= length - n - 1)
-            j = jnp.max(jnp.where(cand, pos, 0))
-            copy = jnp.minimum(m, length - (j + n))
-            ok = drafting & (length > n + m + 1) & (j > 0) & (copy >= n)
-            return slice_draft(pad, j + n, jnp.where(ok, copy, 0), k_max)
+        def scan(width: int) -> Any:
+            def run(tokens_BW: Array) -> DraftOutput:
+                def row(tokens: Array, length: Array, sampled: Array, drafting: Array) -> Any:
+                    pad = pad_tokens(tokens, n + m + k_max + 1)
+                    pattern = last_pattern(pad, length, sampled, n)
+                    eq = window_equal(pad, pattern, width)
+                    pos = jnp.arange(width, dtype=jnp.int32)
+                    cand = eq & (pos >= 1) & (pos <= length - n - 1)
+                    j = jnp.max(jnp.where(cand, pos, 0))
+                    copy = jnp.minimum(m, length - (j + n))
+                    ok = drafting & (length > n + m + 1) & (j > 0) & (copy >= n)
+                    return slice_draft(pad, j + n, jnp.where(ok, copy, 0), k_max)
 
-        out = jax.vmap(row)(inp.history.tokens, inp.history.length, inp.last_token, inp.drafting)
+                return jax.vmap(row)(tokens_BW, inp.history.length, inp.last_token, inp.drafting)
+
+            return lambda tokens_BS: run(tokens_BS[:, :width])
+
+        # scan only the used prefix: the smallest width in the ladder holding every row's history
+        widths = scan_widths(S)
+        if len(widths) == 1:
+            return state, scan(S)(inp.history.tokens)
+        need = jnp.max(inp.history.length) + 1
+        index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < need)
+        out = lax.switch(index, [scan(w) for w in widths], inp.history.tokens)
         return state, out
+
+
+def scan_widths(capacity: int) -> tuple[int, ...]:
+    """History prefixes ngram-simple may scan: 64, 256, 1024, ... (x4), then the capacity."""
+    widths = []
+    w = 64
+    while w < capacity:
+        widths.append(w)
+        w *= 4
+    return (*widths, capacity)
