@@ -86,14 +86,47 @@ def test_tiny_training_lowers_loss(tmp_path: Path) -> None:
     assert summary["val"]["tokens"] == 699
 
 
-def test_killed_run_resumes_to_identical_parameters(tmp_path: Path) -> None:
-    full = train(_config(tmp_path, "full"))
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]:
+    """The reference run: 24 steps without interruption (summary, final parameters)."""
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    summary = train(_config(tmp, "full"))
+    return summary, _params(tmp / "full")
+
+
+def _count_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Record the step number after every training step `train` runs in this process."""
+    import specjax.train as train_module
+
+    done: list[int] = []
+    make_train_step = train_module.make_train_step
+
+    def counting(*args, **kwargs):
+        step_fn = make_train_step(*args, **kwargs)
+
+        def step(state, *rest):
+            state, metrics = step_fn(state, *rest)
+            done.append(int(state.step))
+            return state, metrics
+
+        return step
+
+    monkeypatch.setattr(train_module, "make_train_step", counting)
+    return done
+
+
+def test_killed_run_resumes_to_identical_parameters(
+    tmp_path: Path, uninterrupted: tuple[dict, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    full, full_params = uninterrupted
     killed = train(_config(tmp_path, "resumed", stop_at_step=10))
     assert killed["stopped"] == "stop_at_step" and killed["step"] == 10
     assert not (tmp_path / "resumed" / "params.npz").exists()
+    done = _count_steps(monkeypatch)
     resumed = train(_config(tmp_path, "resumed"))
     assert resumed["step"] == 24
-    a, b = _params(tmp_path / "full"), _params(tmp_path / "resumed")
+    assert done == list(range(11, 25))  # restored the step-10 checkpoint, not a fresh start
+    a, b = full_params, _params(tmp_path / "resumed")
     assert a.keys() == b.keys()
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
@@ -101,6 +134,94 @@ def test_killed_run_resumes_to_identical_parameters(tmp_path: Path) -> None:
     la = [(r["step"], r["loss"]) for r in full["log"] if "loss" in r]
     lb = [(r["step"], r["loss"]) for r in resumed["log"] if "loss" in r]
     assert la == lb
+
+
+#: Run in a child process: train per the YAML config in argv[1], but after step argv[2] write
+#: the marker file argv[3] and wait to be killed (the parent sends SIGKILL).
+_CHILD = """
+import sys, time
+import jax
+import specjax.train as tr
+
+cfg = tr.load_config(sys.argv[1])
+kill_after, marker = int(sys.argv[2]), sys.argv[3]
+make_train_step = tr.make_train_step
+
+def make_stalling_step(*args, **kwargs):
+    step_fn = make_train_step(*args, **kwargs)
+
+    def step(state, *rest):
+        state, metrics = step_fn(state, *rest)
+        if int(state.step) == kill_after:
+            jax.block_until_ready((state, metrics))
+            open(marker, "w").write("ready")
+            time.sleep(600)
+        return state, metrics
+
+    return step
+
+tr.make_train_step = make_stalling_step
+tr.train(cfg)
+"""
+
+
+def test_sigkilled_run_resumes_to_identical_parameters_and_losses(
+    tmp_path: Path, uninterrupted: tuple[dict, dict], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """SIGKILL between checkpoints (step 10; checkpoints every 4): no clean shutdown, no
+    final save, possibly a checkpoint half written. The next run restores the last complete
+    checkpoint, regenerates the log rows after it, and ends with the uninterrupted run's
+    parameters and loss curve."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import yaml
+
+    full, full_params = uninterrupted
+    cfg = _config(tmp_path, "killed")
+    config_path = tmp_path / "killed.yaml"
+    config_path.write_text(yaml.safe_dump(cfg.to_dict()))
+    marker = tmp_path / "at-step-10"
+    child = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(config_path), "10", str(marker)],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    try:
+        deadline = time.monotonic() + 300
+        while not marker.exists():
+            assert child.poll() is None, child.stderr.read().decode() if child.stderr else ""
+            assert time.monotonic() < deadline, "the child never reached step 10"
+            time.sleep(0.1)
+        child.send_signal(signal.SIGKILL)
+    finally:
+        child.kill()
+        child.wait()
+    assert child.returncode == -signal.SIGKILL
+    run_dir = tmp_path / "killed"
+    assert not (run_dir / "params.npz").exists()
+    logged = [json.loads(line)["step"] for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert logged == [4, 8]  # what the killed run had written
+
+    done = _count_steps(monkeypatch)
+    resumed = train(cfg)
+    assert resumed["step"] == 24 and resumed["stopped"] == "done"
+    # restored the last complete checkpoint, not a fresh start: step 8, or step 4 when the
+    # kill came before orbax finished writing step 8 in the background (its save of step 8
+    # waited for step 4's, so that one is complete)
+    restored = done[0] - 1
+    assert restored in (4, 8) and done == list(range(restored + 1, 25)), done
+    a, b = full_params, _params(run_dir)
+    assert a.keys() == b.keys()
+    for k in a:
+        np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+    la = [(r["step"], r["loss"]) for r in full["log"] if "loss" in r]
+    lb = [(r["step"], r["loss"]) for r in resumed["log"] if "loss" in r]
+    assert la == lb and len(la) == 6
+    on_disk = [json.loads(line) for line in (run_dir / "log.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in on_disk if "loss" in r] == la
 
 
 def test_auto_steps_and_max_seconds_are_recorded(tmp_path: Path) -> None:
