@@ -25,14 +25,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-
-from specjax.drafters.base import PRIORITY, DraftInput, TokenHistory
-from specjax.drafters.ngram_cache import NgramCache
-from specjax.drafters.ngram_cache_reference import NgramCacheImplRef
-from specjax.drafters.ngram_map import NgramMapK, NgramMapK4V
-from specjax.drafters.ngram_mod import NgramMod
-from specjax.drafters.ngram_simple import NgramSimple
-from specjax.drafters.relay_reference import (
+from oracles.ngram_cache_reference import NgramCacheImplRef
+from oracles.relay_reference import (
     CONFORMANCE_PATH,
     REFERENCE_FACTORIES,
     load_scenarios,
@@ -40,6 +34,12 @@ from specjax.drafters.relay_reference import (
     replay_reference,
     scenario_types,
 )
+
+from specjax.drafters.base import PRIORITY, DraftInput, TokenHistory
+from specjax.drafters.ngram_cache import NgramCache
+from specjax.drafters.ngram_map import NgramMapK, NgramMapK4V
+from specjax.drafters.ngram_mod import NgramMod
+from specjax.drafters.ngram_simple import NgramSimple
 
 register_reference("ngram-cache", lambda params, n_seq: NgramCacheImplRef(n_seq))
 

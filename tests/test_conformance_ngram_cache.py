@@ -1,7 +1,7 @@
 """ngram-cache against llama.cpp's recorded drafts (/work/shared/conformance, README replay).
 
 * `NgramCacheImplRef` (plain Python) is registered as the `ngram-cache` reference of
-  `specjax.drafters.relay_reference`, so the scenarios mixing all n-gram types replay through
+  `oracles.relay_reference`, so the scenarios mixing all n-gram types replay through
   the reference relay too (here and in test_conformance.py).
 * The JAX drafter replays the ngram-cache-only scenarios round by round, and the mixed ones
   inside the reference relay (the other types' references decide which rounds reach
@@ -19,11 +19,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from oracles import relay_reference as rr
+from oracles.ngram_cache_reference import NgramCacheImplRef
 
-from specjax.drafters import relay_reference as rr
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache
-from specjax.drafters.ngram_cache_reference import NgramCacheImplRef
 
 rr.register_reference("ngram-cache", lambda params, n_seq: NgramCacheImplRef(n_seq))
 

@@ -23,9 +23,9 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from oracles import ngram_cache_reference as ref
 
 from specjax import lookup
-from specjax.drafters import ngram_cache_reference as ref
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache, context_cache
 from specjax.errors import ModelFileError

@@ -17,16 +17,16 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-
-from specjax.drafters.base import DraftInput, TokenHistory
-from specjax.drafters.ngram_cache import NgramCache, NgramCacheTables, context_cache
-from specjax.drafters.ngram_cache_reference import (
+from oracles.ngram_cache_reference import (
     NgramCacheImplRef,
     build_cache,
     part_items,
     stl_iteration_order,
     token_hash,
 )
+
+from specjax.drafters.base import DraftInput, TokenHistory
+from specjax.drafters.ngram_cache import NgramCache, NgramCacheTables, context_cache
 from specjax.lookup import build_lookup_table, make_tables
 
 B, S, K = 2, 40, 8

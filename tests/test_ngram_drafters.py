@@ -1,4 +1,4 @@
-"""JAX n-gram drafters vs the plain-Python references (specjax.drafters.reference).
+"""JAX n-gram drafters vs the plain-Python references (tests/oracles/reference.py).
 
 A driver runs the same random request/round sequence through a JAX drafter (B rows, capacity
 S, draft width K, all jitted once per configuration) and through the reference impl with B
@@ -23,12 +23,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-
-from specjax.drafters.base import DraftInput, TokenHistory
-from specjax.drafters.ngram_map import MAX_VALUE_COUNT, NgramMap, NgramMapK, NgramMapK4V
-from specjax.drafters.ngram_mod import NgramMod, mod_hash_index, pool_view
-from specjax.drafters.ngram_simple import NgramSimple
-from specjax.drafters.reference import (
+from oracles.reference import (
     MOD_EMPTY,
     NgramMapImplRef,
     NgramModRef,
@@ -36,6 +31,11 @@ from specjax.drafters.reference import (
     map_hash,
     mod_hash,
 )
+
+from specjax.drafters.base import DraftInput, TokenHistory
+from specjax.drafters.ngram_map import MAX_VALUE_COUNT, NgramMap, NgramMapK, NgramMapK4V
+from specjax.drafters.ngram_mod import NgramMod, mod_hash_index, pool_view
+from specjax.drafters.ngram_simple import NgramSimple
 from specjax.pytree import replace
 
 S = 128  # history capacity of the random drivers

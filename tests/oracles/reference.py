@@ -8,7 +8,7 @@ JAX drafters are tested against, and they replay the recorded conformance vector
 Invariants / conventions (same as upstream):
 * `tokens` / `inp` / `prompt` is the history in the target's memory, EXCLUDING `sampled`
   (`id_last`), which is the token at position `len(tokens)`.
-* Every impl exposes the relay interface used by `specjax.drafters.relay_reference`:
+* Every impl exposes the relay interface used by `oracles.relay_reference`:
   `begin(seq, prompt)`, `draft_one(seq, prompt, id_last) -> list[int]`,
   `accept(seq, n_accepted, is_other)`. Per-sequence state lives in the impl (ngram-map keeps
   one map per sequence; ngram-mod shares ONE pool across sequences).

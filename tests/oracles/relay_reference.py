@@ -10,7 +10,7 @@ Invariants:
   `is_other=True`; with no `impl_last`, `n` must be 0 and nothing happens.
 
 Impls are duck-typed objects with `begin(seq, prompt)`, `draft_one(seq, prompt, id_last)` and
-`accept(seq, n_accepted, is_other)` (see `specjax.drafters.reference`). `REFERENCE_FACTORIES`
+`accept(seq, n_accepted, is_other)` (see `oracles.reference`). `REFERENCE_FACTORIES`
 maps a llama.cpp type name to a factory `(params, n_seq) -> impl` reading the conformance file's
 parameter keys; other drafter types register themselves with `register_reference`.
 """
@@ -25,8 +25,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from oracles.reference import NgramMapImplRef, NgramModRef, NgramSimpleRef
 from specjax.drafters.base import PRIORITY
-from specjax.drafters.reference import NgramMapImplRef, NgramModRef, NgramSimpleRef
 
 Factory = Callable[[dict[str, int], int], Any]
 
