@@ -436,7 +436,7 @@ def generate(
     seeds = _per_row(seed, B, "seed")
     sampling_args = _sampling_args(B, temperature, top_k, top_p, min_p, repeat_penalty)
     spec = spec if spec is not None and spec.enabled else None
-    drafters, drafter_params = build_drafters(spec, model, draft, temperature=temperature)
+    drafters, drafter_params = build_drafters(spec, model, draft)
     k_max = spec.resolved_k_max() if spec else 0
     T, S, out_cap = build_engine_inputs(
         model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max

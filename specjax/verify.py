@@ -79,10 +79,6 @@ class VerifyResult:
     tokens: Array  # int32 [K+1], accepted draft tokens then next_token, PAD_TOKEN after
     branch: Array  # int32, BRANCH_* that decided the row
 
-    @property
-    def n_emitted(self) -> Array:
-        return self.n_accepted + 1
-
 
 # --------------------------------------------------------------------------------------------
 # shared per-row pieces

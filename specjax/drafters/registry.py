@@ -13,7 +13,7 @@ from specjax.config import SpecConfig
 from specjax.drafters.base import PRIORITY
 
 
-def _draft_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+def _draft_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.draft_simple import DraftSimple, check_vocab_compatible
 
     if draft is None:
@@ -33,13 +33,13 @@ def _draft_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float)
     return drafter, draft.params
 
 
-def _ngram_simple(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+def _ngram_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_simple import NgramSimple
 
     return NgramSimple(size_n=spec.ngram_simple_size_n, size_m=spec.ngram_simple_size_m), None
 
 
-def _ngram_mod(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+def _ngram_mod(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_mod import NgramMod
 
     return NgramMod(
@@ -50,7 +50,7 @@ def _ngram_mod(spec: SpecConfig, target: Any, draft: Any, temperature: float) ->
     ), None
 
 
-def _ngram_map_k(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+def _ngram_map_k(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_map import NgramMapK
 
     return NgramMapK(
@@ -60,9 +60,7 @@ def _ngram_map_k(spec: SpecConfig, target: Any, draft: Any, temperature: float) 
     ), None
 
 
-def _ngram_map_k4v(
-    spec: SpecConfig, target: Any, draft: Any, temperature: float
-) -> tuple[Any, Any]:
+def _ngram_map_k4v(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_map import NgramMapK4V
 
     return NgramMapK4V(
@@ -72,7 +70,7 @@ def _ngram_map_k4v(
     ), None
 
 
-def _ngram_cache(spec: SpecConfig, target: Any, draft: Any, temperature: float) -> tuple[Any, Any]:
+def _ngram_cache(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_cache import NgramCache
     from specjax.lookup import load_tables
 
@@ -81,7 +79,7 @@ def _ngram_cache(spec: SpecConfig, target: Any, draft: Any, temperature: float) 
     return drafter, load_tables(spec.lookup_cache_static, spec.lookup_cache_dynamic)
 
 
-_BUILDERS: dict[str, Callable[[SpecConfig, Any, Any, float], tuple[Any, Any]]] = {
+_BUILDERS: dict[str, Callable[[SpecConfig, Any, Any], tuple[Any, Any]]] = {
     "draft-simple": _draft_simple,
     "ngram-simple": _ngram_simple,
     "ngram-mod": _ngram_mod,
@@ -92,7 +90,7 @@ _BUILDERS: dict[str, Callable[[SpecConfig, Any, Any, float], tuple[Any, Any]]] =
 
 
 def build_drafters(
-    spec: SpecConfig | None, target: Any, draft: Any, *, temperature: float = 0.0
+    spec: SpecConfig | None, target: Any, draft: Any
 ) -> tuple[tuple[Any, ...], tuple[Any, ...]]:
     """(drafters, their params) in relay priority order; empty when speculation is off."""
     if spec is None or not spec.enabled:
@@ -104,7 +102,7 @@ def build_drafters(
         builder = _BUILDERS.get(name)
         if builder is None:
             raise ValueError(f"speculative type {name} is not implemented in specjax yet")
-        d, p = builder(spec, target, draft, temperature)
+        d, p = builder(spec, target, draft)
         drafters.append(d)
         params.append(p)
     return tuple(drafters), tuple(params)
