@@ -2,9 +2,13 @@
 
     python benchmarks/decode.py [--model PATH] [--tokens 64]
 
-Reports tokens/s of the on-device generation loop at B=1 and B=8, the wall time of a
-(K+1)-token verify forward relative to a 1-token step for K = 1, 3, 7 (same cache, jitted,
-host-synced), compile times and peak memory.
+Reports tokens/s of the on-device generation loop at B=1, 8 and 32, and for B >= 8 the
+fraction of the machine's matmul throughput it reaches (FLOP/s of plain `jnp.dot`s of the
+same weight shapes at the same batch, measured in the same run; 2 FLOPs per weight per
+token); B=1 tokens/s at capacities 512 and 8192 for the same prompt and output (cost must
+follow the used context); the wall time of a (K+1)-token verify forward relative to a
+1-token step for K = 1, 3, 7 (same cache, jitted, host-synced); compile times, KV cache
+bytes and peak memory.
 """
 
 from __future__ import annotations
@@ -26,19 +30,39 @@ import specjax
 from specjax.models.llama import forward_fn
 
 
-def decode_throughput(model: specjax.Model, batch: int, n_tokens: int) -> dict[str, float]:
+def decode_throughput(
+    model: specjax.Model, batch: int, n_tokens: int, n_ctx: int | None = None
+) -> dict[str, float]:
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, model.config.V, 32).tolist() for _ in range(batch)]
-    first = specjax.generate(model, prompts, max_new_tokens=n_tokens)
-    runs = [specjax.generate(model, prompts, max_new_tokens=n_tokens) for _ in range(3)]
-    best = min(runs, key=lambda r: r.timings["decode_seconds"])
+    kw = dict(max_new_tokens=n_tokens, n_ctx=n_ctx)
+    first = specjax.generate(model, prompts, **kw)
+    runs = [specjax.generate(model, prompts, **kw) for _ in range(5)]
+    rates = sorted(r.timings["tokens_per_second"] for r in runs)
     return {
         "batch": batch,
-        "tokens_per_second": best.timings["tokens_per_second"],
-        "decode_seconds": best.timings["decode_seconds"],
-        "generated_tokens": best.timings["generated_tokens"],
+        "n_ctx": first.timings.get("n_ctx", n_ctx),
+        "tokens_per_second": rates[len(rates) // 2],
+        "tokens_per_second_runs": rates,
+        "generated_tokens": runs[0].timings["generated_tokens"],
         "compile_seconds": first.timings["compile_seconds"],
+        "kv_cache_bytes": first.timings.get("kv_cache_bytes"),
     }
+
+
+def _matrices(model: specjax.Model) -> list[jax.Array]:
+    mats = [w for layer in model.params["layers"] for w in layer.values() if w.ndim == 2]
+    head = model.params["embed"] if model.config.tie_embeddings else model.params["lm_head"]
+    return [*mats, head]
+
+
+def matmul_flops(model: specjax.Model, batch: int) -> float:
+    """FLOP/s of plain jnp.dots over the model's weight shapes at `batch` rows (one jit)."""
+    mats = _matrices(model)
+    xs = [jnp.ones((batch, w.shape[1]), w.dtype) for w in mats]
+    f = jax.jit(lambda xs, ws: [x @ w.T for x, w in zip(xs, ws)])
+    seconds, _ = best_of(lambda: f(xs, mats), 20)
+    return sum(2.0 * batch * w.size for w in mats) / seconds
 
 
 def verify_cost(model: specjax.Model, ks: tuple[int, ...]) -> dict[str, float]:
@@ -68,12 +92,29 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=64)
     args = ap.parse_args()
     model, name = load_or_random(args.model)
+    plain = [decode_throughput(model, b, args.tokens) for b in (1, 8, 32)]
+    by_ctx = {n: decode_throughput(model, 1, 128, n_ctx=n) for n in (512, 8192)}
     result = {
         "benchmark": "decode",
         "model": name,
         "params_millions": model.config.num_params() / 1e6,
         "machine": machine(),
-        "plain_decoding": [decode_throughput(model, b, args.tokens) for b in (1, 8)],
+        "plain_decoding": plain,
+        "capacity": {
+            "tokens_per_second_c512": by_ctx[512]["tokens_per_second"],
+            "tokens_per_second_c8192": by_ctx[8192]["tokens_per_second"],
+            "ratio_8192_over_512": by_ctx[8192]["tokens_per_second"]
+            / by_ctx[512]["tokens_per_second"],
+            "kv_cache_bytes": {n: r["kv_cache_bytes"] for n, r in by_ctx.items()},
+        },
+        "matmul_fraction": {
+            f"B{r['batch']}": r["tokens_per_second"]
+            * 2.0
+            * sum(w.size for w in _matrices(model))
+            / matmul_flops(model, r["batch"])
+            for r in plain
+            if r["batch"] >= 8
+        },
         "verify_cost": verify_cost(model, (1, 3, 7)),
         "memory": peak_memory(),
     }

@@ -19,6 +19,7 @@ import numpy as np
 
 from specjax import engine as eng
 from specjax import sampling
+from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
 from specjax.models.config import ModelConfig
@@ -199,16 +200,32 @@ class SpecReport:
 
     stats: Any  # specjax.stats.SpecStats with numpy leaves
     names: tuple[str, ...]
+    #: The draft governor's counters (specjax.adaptive): rounds with a draft budget, rounds
+    #: it drafted shorter than the budget, rounds it did not draft; and whether it was on.
+    governor: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
-        """llama.cpp's per-implementation lines, then the server's acceptance lines."""
+        """llama.cpp's per-implementation lines, the server's acceptance lines, then the
+        governor's line (specjax only)."""
         from specjax.stats import format_impl_lines, format_server_lines
 
-        return format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
+        lines = format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
+        g = self.governor
+        if g:
+            state = "on" if g["enabled"] else "off"
+            lines.append(
+                f"draft governor: {state}, drafting shortened in {g['throttled']} and off "
+                f"in {g['off']} of {g['rounds']} rounds"
+            )
+        return lines
 
     def to_dict(self) -> dict[str, Any]:
-        """vLLM-style names (num_drafts, num_draft_tokens, num_accepted_tokens, ...)."""
-        return dict(self.stats.to_dict(self.names))
+        """vLLM-style names (num_drafts, num_draft_tokens, num_accepted_tokens, ...), plus
+        `governor` (rounds / throttled / off / enabled)."""
+        out = dict(self.stats.to_dict(self.names))
+        if self.governor:
+            out["governor"] = dict(self.governor)
+        return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -391,6 +408,45 @@ def build_engine_inputs(
     return T, n_ctx, out_cap
 
 
+def cost_model(
+    spec: SpecConfig | None, model: Model, draft: Model | None, *, synthetic: bool = False
+) -> CostModel:
+    """The draft governor's cost model for a run (see specjax.adaptive); traced values."""
+    on_cpu = jax.default_backend() == "cpu"
+    verify = 0.12 if on_cpu else 0.01
+    draft_step, call, enabled = 0.0, 0.0, False
+    if spec is not None:
+        enabled = spec.adaptive and not synthetic
+        call = spec.cost_call
+        if spec.cost_verify_token is not None:
+            verify = spec.cost_verify_token
+        if spec.cost_draft_step is not None:
+            draft_step = spec.cost_draft_step
+        elif draft is not None and any(t == "draft-simple" for t in spec.types):
+            t, d = model.config, draft.config
+            draft_step = max(d.L / t.L, d.num_params() / t.num_params())
+    return CostModel(
+        enabled=jnp.asarray(enabled),
+        verify_token=jnp.asarray(verify, jnp.float32),
+        draft_step=jnp.asarray(draft_step, jnp.float32),
+        call=jnp.asarray(call, jnp.float32),
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+    """A `Generator`'s fixed rows: batch B, its built drafters and their carried states."""
+
+    batch: int
+    drafters: tuple[Any, ...]
+    drafter_params: tuple[Any, ...]
+    states: tuple[Any, ...]
+
+
+#: Sampling values of an idle Generator slot (greedy, all samplers off).
+_IDLE_SAMPLING = {"temperature": 0.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0, "repeat_penalty": 1.0}
+
+
 def generate(
     model: Model,
     prompts: Any,
@@ -408,6 +464,7 @@ def generate(
     stop: Sequence[str] = (),
     cache_type_k: str = "f16",
     cache_type_v: str = "f16",
+    _slots: _Slots | None = None,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -421,22 +478,38 @@ def generate(
     max_new_tokens); the row's tokens are cut after the token completing the stop string.
     `cache_type_k` / `cache_type_v` (`f32`, `f16`, `bf16`; llama.cpp's `-ctk` / `-ctv`) set
     the target's KV cache types, F16 by default as in llama.cpp. Compilation is cached per static shape; `timings["compile_seconds"]`
-    reports it apart from prefill/decode time.
+    reports it apart from prefill/decode time. Drafter state lives for one call; a
+    `Generator` keeps it across calls.
     """
     from specjax.drafters.registry import build_drafters
 
     prompt_ids = _tokenize_prompts(model, prompts)
-    B = len(prompt_ids)
-    max_new = _n_predict(max_new_tokens, B)
+    n_prompts = len(prompt_ids)
+    B = n_prompts if _slots is None else _slots.batch
+    if n_prompts > B:
+        raise ValueError(f"{n_prompts} prompts for a Generator of batch {B}")
+    max_new = _n_predict(max_new_tokens, n_prompts)
     if (max_new < 0).any():
         # until the context is full; llama.cpp's -c 0: the model's training context
         if n_ctx is None:
             n_ctx = int(model.config.max_position)
         max_new = np.where(max_new < 0, n_ctx + 1, max_new)  # the context stop comes first
-    seeds = _per_row(seed, B, "seed")
-    sampling_args = _sampling_args(B, temperature, top_k, top_p, min_p, repeat_penalty)
+    seeds = _per_row(seed, n_prompts, "seed")
+    sampling_args = _sampling_args(n_prompts, temperature, top_k, top_p, min_p, repeat_penalty)
     spec = spec if spec is not None and spec.enabled else None
-    drafters, drafter_params = build_drafters(spec, model, draft)
+    if _slots is None:
+        drafters, drafter_params = build_drafters(spec, model, draft)
+    else:
+        drafters, drafter_params = _slots.drafters, _slots.drafter_params
+    n_idle = B - n_prompts
+    if n_idle:  # idle Generator slots: a 1-token prompt, done after prefill, never drafting
+        prompt_ids = prompt_ids + [[0]] * n_idle
+        max_new = np.concatenate([max_new, np.ones(n_idle, max_new.dtype)])
+        seeds = np.concatenate([seeds, np.zeros(n_idle, seeds.dtype)])
+        sampling_args = {
+            k: np.concatenate([v, np.full(n_idle, _IDLE_SAMPLING[k], v.dtype)])
+            for k, v in sampling_args.items()
+        }
     k_max = spec.resolved_k_max() if spec else 0
     T, S, out_cap = build_engine_inputs(
         model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max
@@ -445,11 +518,15 @@ def generate(
     if spec is not None and spec.synthetic:
         from specjax.verify import resolve_synthetic_rates
 
+        # upstream sizes the rates by its n_max; the static K may be wider (never drafted)
+        n_rates = min(max(1, spec.n_max()), k_max)
         synth = resolve_synthetic_rates(
-            k_max,
+            n_rates,
             length=spec.synth_len if spec.synth_len >= 0 else None,
             rates=list(spec.synth_rates) or None,
         )
+        if synth is not None:
+            synth = np.concatenate([synth, np.zeros(k_max - n_rates)])
     engine = eng.Engine(
         target=model.config,
         drafters=drafters,
@@ -478,29 +555,36 @@ def generate(
         synth_rates=jnp.asarray(
             synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32
         ),
+        cost=cost_model(spec, model, draft, synthetic=synth is not None),
     )
     tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
+    carried = None if _slots is None else _slots.states
     tc = time.perf_counter()
     prefill_exe = _compiled(
-        eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run
+        eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run, carried
     )
     state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
     loop_exe = _compiled(
         eng.generate_loop_jit, engine, model.params, drafter_params, state_shape, run
     )
     t0 = time.perf_counter()
-    state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run)
+    state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run, carried)
     jax.block_until_ready(state.last_token)
     t1 = time.perf_counter()
     state = loop_exe(model.params, drafter_params, state, run)
     jax.block_until_ready(state.out_len)
     t2 = time.perf_counter()
     check_overflow(state.cache)
+    if n_idle:  # idle slots did not begin a request
+        st = state.stats
+        state = dataclasses.replace(
+            state, stats=dataclasses.replace(st, n_call_begin=st.n_call_begin - n_idle)
+        )
     host = jax.device_get((state.out_tokens, state.out_len, state.finish, state.n_rounds))
     out_tokens, out_len, finish, n_rounds = host
     eog = set(model.eog_ids)
     results, texts, reasons = [], [], []
-    for b in range(B):
+    for b in range(n_prompts):
         ids = [int(t) for t in out_tokens[b, : out_len[b]]]
         if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
             ids = ids[:-1]
@@ -512,9 +596,9 @@ def generate(
         results.append(ids)
         texts.append(text)
         reasons.append(reason)
-    generated = int(np.sum(out_len))
+    generated = int(np.sum(out_len[:n_prompts]))
     timings = {
-        "prompt_tokens": int(lengths.sum()),
+        "prompt_tokens": int(lengths[:n_prompts].sum()),
         "generated_tokens": generated,
         "prefill_seconds": t1 - t0,
         "decode_seconds": t2 - t1,
@@ -525,13 +609,108 @@ def generate(
     }
     stats = None
     if spec is not None:
-        stats = SpecReport(stats=state.stats.to_host(), names=tuple(d.name for d in drafters))
+        gov = jax.device_get(state.governor)
+        stats = SpecReport(
+            stats=state.stats.to_host(),
+            names=tuple(d.name for d in drafters),
+            governor={
+                "enabled": bool(run.cost.enabled),
+                "rounds": int(gov.n_rounds),
+                "throttled": int(gov.n_throttled),
+                "off": int(gov.n_off),
+            },
+        )
     return GenerationResult(
         tokens=results,
         text=texts,
         timings=timings,
         finish_reasons=reasons,
         stats=stats,
-        prompt_tokens=prompt_ids,
+        prompt_tokens=prompt_ids[:n_prompts],
         drafter_states={d.name: st for d, st in zip(drafters, state.drafter_states)},
     )
+
+
+class Generator:
+    """A model, its drafters and their state that outlives a call: llama.cpp's server slots.
+
+    `Generator(model, spec=..., draft=..., n_ctx=..., batch=...)` builds the drafter chain once
+    (draft model, lookup tables) and fixes the static sizes its state depends on: `batch` rows
+    (slots) and a context of `n_ctx` cells per row (default: the model's training context).
+    `generate(prompts, ...)` takes up to `batch` prompts (prompt i runs in slot i; unused
+    slots idle) with `specjax.generate`'s sampling arguments, and hands every drafter the state
+    the previous call left (ngram-mod's pool, learned n-grams), as the server keeps a slot's
+    drafter across requests. Each request still starts as upstream's does: memory cells are
+    dropped, then the drafters' `process` (the prompt) and `begin` run (ngram-cache's context
+    cache and ngram-map's maps are per-request, ngram-mod's pool is not). Carried state never
+    recompiles; prompt-length and max_new_tokens buckets compile as in `specjax.generate`.
+    """
+
+    def __init__(
+        self,
+        model: Model,
+        *,
+        spec: SpecConfig | None = None,
+        draft: Model | None = None,
+        n_ctx: int | None = None,
+        batch: int = 1,
+        cache_type_k: str = "f16",
+        cache_type_v: str = "f16",
+    ) -> None:
+        from specjax.drafters.registry import build_drafters
+
+        if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
+            raise ValueError(f"Generator batch must be an integer >= 1, got {batch!r}")
+        n_ctx = int(model.config.max_position) if n_ctx is None else int(n_ctx)
+        if n_ctx < 2:
+            raise ValueError(f"context size must be >= 2, got {n_ctx}")
+        self.model, self.draft, self.batch, self.n_ctx = model, draft, int(batch), n_ctx
+        self.spec = spec if spec is not None and spec.enabled else None
+        self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
+        self.drafters, self.drafter_params = build_drafters(self.spec, model, draft)
+        self.reset()
+
+    def reset(self) -> None:
+        """Forget what the drafters learned (fresh states, as a new server)."""
+        self.states: tuple[Any, ...] = tuple(d.init(self.batch, self.n_ctx) for d in self.drafters)
+
+    def generate(
+        self,
+        prompts: Any,
+        *,
+        max_new_tokens: int | Sequence[int],
+        temperature: float = 0.0,
+        top_k: int = 0,
+        top_p: float = 1.0,
+        min_p: float = 0.0,
+        repeat_penalty: float = 1.0,
+        seed: int | Sequence[int] = 0,
+        stop: Sequence[str] = (),
+    ) -> GenerationResult:
+        """`specjax.generate` on this Generator's slots, drafter state carried over."""
+        slots = _Slots(
+            batch=self.batch,
+            drafters=self.drafters,
+            drafter_params=self.drafter_params,
+            states=self.states,
+        )
+        out = generate(
+            self.model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            repeat_penalty=repeat_penalty,
+            seed=seed,
+            n_ctx=self.n_ctx,
+            spec=self.spec,
+            draft=self.draft,
+            stop=stop,
+            cache_type_k=self.cache_type_k,
+            cache_type_v=self.cache_type_v,
+            _slots=slots,
+        )
+        self.states = tuple(out.drafter_states[d.name] for d in self.drafters)
+        return out

@@ -35,6 +35,8 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "spec_draft_n_max": 3,
     "spec_draft_n_min": 0,
     "spec_draft_p_min": 0.0,
+    "spec_governor": "on",
+    "spec_draft_sampling": "greedy",
     "spec_ngram_simple_size_n": 12,
     "spec_ngram_simple_size_m": 48,
     "spec_ngram_map_k_size_n": 12,
@@ -97,6 +99,19 @@ def _generate_parser() -> argparse.ArgumentParser:
     g.add_argument("--spec-draft-n-max", type=int)
     g.add_argument("--spec-draft-n-min", type=int)
     g.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float)
+    g.add_argument(
+        "--spec-governor",
+        dest="spec_governor",
+        choices=("on", "off"),
+        help="shorten or skip drafts that do not pay under the cost model (default on; "
+        "off = llama.cpp's behaviour, always draft the full budget)",
+    )
+    g.add_argument(
+        "--spec-draft-sampling",
+        choices=("greedy", "probabilistic"),
+        help="draft-simple: greedy drafts verified by match (default; same tokens as plain "
+        "sampling with the same seed) or sampled drafts verified by rejection sampling",
+    )
     for name in ("ngram-simple", "ngram-map-k", "ngram-map-k4v"):
         g.add_argument(f"--spec-{name}-size-n", type=int)
         g.add_argument(f"--spec-{name}-size-m", type=int)
@@ -169,6 +184,8 @@ def _spec_from_options(opts: dict[str, Any]):
         draft_n_max=opts["spec_draft_n_max"],
         draft_n_min=opts["spec_draft_n_min"],
         draft_p_min=opts["spec_draft_p_min"],
+        adaptive=opts["spec_governor"] != "off",
+        draft_sampling=opts["spec_draft_sampling"],
         ngram_simple_size_n=opts["spec_ngram_simple_size_n"],
         ngram_simple_size_m=opts["spec_ngram_simple_size_m"],
         ngram_map_k_size_n=opts["spec_ngram_map_k_size_n"],

@@ -2,7 +2,8 @@
 
 Validated once, on the host, with errors naming the offending values. Sizes that shape arrays
 (K_max) are derived here; every knob a user may change per call (n_max, n_min, p_min) travels
-to the jitted step as an array.
+to the jitted step as an array. The static draft width of the draft-model types is at least
+`DRAFT_K_MIN`, so draft n_max, n_min and p_min changes up to it never recompile.
 """
 
 from __future__ import annotations
@@ -16,6 +17,11 @@ from specjax.drafters.base import DRAFTER_TYPES, PRIORITY
 
 #: ngram-cache drafts a fixed number of tokens upstream ("TODO get from config").
 NGRAM_CACHE_N_DRAFT = 8
+#: Smallest static draft width K of the draft-model types (draft-simple): n_max is traced,
+#: so any n_max <= max(n_max, DRAFT_K_MIN) shares one compiled program.
+DRAFT_K_MIN = 16
+#: `--spec-draft-sampling`: how draft-simple picks its tokens (see SpecConfig.draft_sampling).
+DRAFT_SAMPLING = ("greedy", "probabilistic")
 
 
 def _type_list(names: str | Iterable[str]) -> list[str]:
@@ -71,6 +77,12 @@ class SpecConfig:
     draft_n_max: int = 3
     draft_n_min: int = 0
     draft_p_min: float = 0.0
+    #: draft-simple's token choice. "greedy" (default, as upstream): the draft model's
+    #: argmax, verified by match, so at any temperature the output equals plain sampling
+    #: with the same seed. "probabilistic": at temperature > 0 tokens are sampled from the
+    #: draft's tempered top-k and verified by rejection sampling (same distribution, not
+    #: the same tokens).
+    draft_sampling: str = "greedy"
     ngram_simple_size_n: int = 12
     ngram_simple_size_m: int = 48
     ngram_map_k_size_n: int = 12
@@ -90,6 +102,17 @@ class SpecConfig:
     synth_rates: tuple[float, ...] = ()
     #: Static upper bound on draft length (array width); None = derived from the types.
     k_max: int | None = None
+    #: The draft governor (specjax.adaptive): shorten or skip drafts that do not pay under
+    #: the cost model below. False = llama.cpp's behaviour (always draft the full budget).
+    adaptive: bool = True
+    #: Extra cost of each extra token in a target forward, in 1-token steps (None = backend
+    #: default: 0.12 on CPU, 0.01 on accelerators).
+    cost_verify_token: float | None = None
+    #: Cost of one draft-model step in 1-token target steps (None = the draft's share of the
+    #: target's layers, at least its share of parameters).
+    cost_draft_step: float | None = None
+    #: Fixed per-round cost of running the drafters, in 1-token target steps.
+    cost_call: float = 0.02
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "types", types_from_names(self.types) if self.types else ())
@@ -99,6 +122,11 @@ class SpecConfig:
             raise ValueError(f"draft n_min must be >= 0, got {self.draft_n_min}")
         if not 0.0 <= self.draft_p_min <= 1.0:
             raise ValueError(f"draft p_min must be in [0, 1], got {self.draft_p_min}")
+        if self.draft_sampling not in DRAFT_SAMPLING:
+            raise ValueError(
+                f"draft sampling must be one of {', '.join(DRAFT_SAMPLING)}, "
+                f"got {self.draft_sampling!r}"
+            )
         for name in ("ngram_simple", "ngram_map_k", "ngram_map_k4v"):
             for part in ("size_n", "size_m"):
                 value = getattr(self, f"{name}_{part}")
@@ -122,6 +150,10 @@ class SpecConfig:
             raise ValueError(f"synthetic acceptance length must be finite, got {self.synth_len}")
         if self.k_max is not None and self.k_max < 1:
             raise ValueError(f"k_max must be >= 1, got {self.k_max}")
+        for name in ("cost_verify_token", "cost_draft_step", "cost_call"):
+            value = getattr(self, name)
+            if value is not None and not (math.isfinite(value) and value >= 0):
+                raise ValueError(f"{name} must be a finite number >= 0, got {value}")
 
     @property
     def enabled(self) -> bool:
@@ -150,10 +182,15 @@ class SpecConfig:
         return best
 
     def resolved_k_max(self) -> int:
-        """Static draft width K: explicit k_max, else n_max() (at least 1)."""
+        """Static draft width K: explicit k_max, else n_max() with the draft-model types
+        counted as max(draft_n_max, DRAFT_K_MIN) (at least 1). Their n_max is traced
+        (`RunParams.n_max`), so n_max, n_min and p_min changes below K never recompile."""
         if self.k_max is not None:
             return self.k_max
-        return max(1, self.n_max())
+        best = self.n_max()
+        if any(t.startswith("draft-") for t in self.types):
+            best = max(best, self.draft_n_max, DRAFT_K_MIN)
+        return max(1, best)
 
     @staticmethod
     def default() -> SpecConfig:

@@ -31,7 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import sampling, verify
+from specjax import adaptive, sampling, verify
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
@@ -96,6 +96,7 @@ class RunParams:
     n_min: Array  # [] int32
     p_min: Array  # [] float32
     synth_rates: Array  # [max(K,1)] float32 conditional acceptance rates (synthetic only)
+    cost: adaptive.CostModel  # the draft governor's cost model (specjax.adaptive)
 
 
 @pytree_dataclass
@@ -111,6 +112,7 @@ class GenState:
     drafter_states: tuple[Any, ...]
     impl_last: Array  # [B] int32, -1 = none
     stats: stats_mod.SpecStats
+    governor: adaptive.Governor
     n_rounds: Array  # [] int32
 
 
@@ -125,8 +127,16 @@ def prefill(
     tokens_BT: Array,
     lengths_B: Array,
     run: RunParams,
+    states: tuple[Any, ...] | None = None,
 ) -> GenState:
-    """Evaluate the prompts, sample the first token, prime the drafters."""
+    """Evaluate the prompts, sample the first token, prime the drafters.
+
+    `states`: drafter states carried over from an earlier call with the same B and S (a
+    server slot's drafter memory across requests, e.g. ngram-mod's pool); None = fresh
+    `init(B, S)`. Carried states first drop every memory cell (`rollback` to 0: a new
+    request, as the server's `seq_rm` of the slot); then `process` and `begin` run as for
+    fresh states, so a drafter's `begin` decides what else a new request resets.
+    """
     B, T = tokens_BT.shape
     S, out_cap = engine.capacity, engine.out_capacity
     positions_BT = jnp.where(
@@ -157,10 +167,12 @@ def prefill(
     )
     first = sampling.sample(logits_BV, run.sampling, keys)
 
-    states = tuple(d.init(B, S) for d in engine.drafters)
-    batch = TargetBatch(
-        tokens=tokens_BT, positions=positions_BT, hidden=out.hidden, is_prompt=True
-    )
+    if states is None:
+        states = tuple(d.init(B, S) for d in engine.drafters)
+    else:
+        no_cells = jnp.zeros((B,), jnp.int32)
+        states = tuple(d.rollback(s, no_cells) for d, s in zip(engine.drafters, states))
+    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, hidden=out.hidden, is_prompt=True)
     hist = TokenHistory(tokens=history, length=lengths_B)
     states = tuple(
         d.begin(d.process(p, s, batch), hist)
@@ -190,6 +202,7 @@ def prefill(
         drafter_states=states,
         impl_last=jnp.full((B,), -1, jnp.int32),
         stats=stats,
+        governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
     )
 
@@ -330,6 +343,9 @@ def spec_step(
     budget = jnp.minimum(S - state.length - 2, remaining_new - 1)
     budget = jnp.clip(budget, 0, K)
     budget = jnp.where(active, budget, 0)
+    governor = state.governor
+    if engine.drafters:
+        budget, governor = adaptive.choose_budget(governor, run.cost, budget, active, K)
 
     if engine.drafters:
         d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(
@@ -428,6 +444,7 @@ def spec_step(
             new_states.append(s)
         dstates = tuple(new_states)
         stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
+        governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
         impl_last = state.impl_last
@@ -444,6 +461,7 @@ def spec_step(
         drafter_states=dstates,
         impl_last=impl_last,
         stats=stats,
+        governor=governor,
         n_rounds=state.n_rounds + 1,
     )
 

@@ -211,12 +211,6 @@ def _copy_cells(buf_BGSE: Array, src: Array, dst: Array, slot_S: Array) -> Array
     return buf_BGSE.at[dst, :, slot_S].set(cells_SGE, mode="drop")
 
 
-def _copy_cells(buf_BGSE: Array, src: Array, dst: Array, slot_S: Array) -> Array:
-    """Copy every cell of row `src` to cell `slot_S[cell]` of row `dst` (S = not copied)."""
-    cells_SGE = jnp.swapaxes(buf_BGSE[src], 0, 1)  # advanced indices first: [S, G, E]
-    return buf_BGSE.at[dst, :, slot_S].set(cells_SGE, mode="drop")
-
-
 def seq_keep(cache: M, seq: IntLike) -> M:
     """`llama_memory_seq_keep`: empty every row except `seq`."""
     if not isinstance(cache, KVCache):

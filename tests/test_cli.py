@@ -56,6 +56,8 @@ def test_generate_plain_and_speculative_agree(gguf_path, tmp_path, capsys):
                 "draft-simple",
                 "--spec-draft-n-max",
                 "3",
+                "--spec-governor",  # a self-draft never pays: keep llama.cpp's behaviour
+                "off",
                 "--out",
                 str(out_spec),
             ]

@@ -79,6 +79,7 @@ def test_speculative_greedy_equals_the_oracle(target, oracle):
         ngram_simple_size_n=1,
         ngram_simple_size_m=4,
         draft_n_max=3,
+        adaptive=False,
     )
     draft = noisy_copy(target, 0.5, seed=2)
     out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)

@@ -9,7 +9,7 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import engine, sampling
+from specjax import adaptive, engine, sampling
 from specjax.drafters.base import DraftOutput, ModelFreeDrafter
 from specjax.pytree import pytree_dataclass
 from specjax.testing import tiny_model
@@ -71,6 +71,7 @@ def test_relay_priority_truncation_and_fanout():
         n_min=jnp.asarray(0, jnp.int32),
         p_min=jnp.asarray(0.0, jnp.float32),
         synth_rates=jnp.zeros((4,), jnp.float32),
+        cost=adaptive.CostModel.off(),
     )
     state = engine.prefill_jit(eng, model.params, (None, None), tokens, lengths, run)
     state = engine.step_jit(eng, model.params, (None, None), state, run)

@@ -1,0 +1,168 @@
+"""The draft governor: turns speculation down or off when it does not pay, per batch and row.
+
+llama.cpp drafts whenever a drafter has something; a serving system under load must not let
+speculation cost more than it saves. Each round, before the relay, the governor picks the
+draft length k (0 = no drafting) that maximises expected tokens per unit of compute under a
+simple cost model, from what it measured on earlier rounds:
+
+    per row r   h_r  P(the relay returns a non-empty draft | asked)   (decayed counts)
+                a_r  P(a drafted token is accepted | the previous one was) (decayed counts)
+    E_r(k)    = 1 + h_r * (a_r + a_r^2 + ... + a_r^k)         expected tokens emitted
+    cost(k)   = fwd(B * (k + 1)) + k * draft_step * fwd_d(B) + call * [k > 0]
+    fwd(n)    = 1 + (n - 1) * verify_token        (a forward of n tokens, in 1-token steps)
+
+    k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
+
+Plain decoding is k = 0: `sum_r 1 / fwd(B)`. All rows of a batch share one verify width, so
+k is chosen for the batch. Estimates start from an optimistic prior and rounds without
+drafting pull them back towards it, so a turned-off batch probes again after a while.
+Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
+than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
+
+Only the budget changes: which tokens are emitted never depends on the governor at
+temperature 0 (verification is lossless), and at temperature > 0 the output distribution is
+the target's whatever the draft length.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+from specjax.pytree import pytree_dataclass
+from specjax.types import Array
+
+#: Prior weight (in pseudo-observations) and prior values of the estimates.
+PRIOR_WEIGHT = 2.0
+PRIOR_HIT = 0.9
+PRIOR_ACCEPT = 0.8
+#: Per-round decay of the counts (older rounds weigh less).
+DECAY = 0.9
+#: Per-round pull of unobserved rows towards the prior: slow, so that probing a batch that
+#: does not pay costs little (about one round in 30).
+RELAX = 0.97
+
+
+@pytree_dataclass
+class CostModel:
+    """Per-call cost constants (traced), in units of a 1-token target forward."""
+
+    enabled: Array  # [] bool; False = llama.cpp's behaviour (always draft the full budget)
+    verify_token: Array  # [] float32: extra cost of each extra token in a target forward
+    draft_step: Array  # [] float32: one draft-model step (0 for model-free chains)
+    call: Array  # [] float32: fixed per-round cost of running the drafters
+
+    @staticmethod
+    def off() -> CostModel:
+        """No governing: always draft the full budget (llama.cpp's behaviour)."""
+        zero = jnp.zeros((), jnp.float32)
+        return CostModel(enabled=jnp.asarray(False), verify_token=zero, draft_step=zero, call=zero)
+
+
+@pytree_dataclass
+class Governor:
+    hit_num: Array  # [B] float32
+    hit_den: Array  # [B] float32
+    acc_num: Array  # [B] float32
+    acc_den: Array  # [B] float32
+    n_rounds: Array  # [] int32 rounds with some budget
+    n_throttled: Array  # [] int32 rounds drafted shorter than the budget allowed
+    n_off: Array  # [] int32 rounds not drafted although the budget allowed it
+
+    @staticmethod
+    def create(batch: int) -> Governor:
+        w = jnp.full((batch,), PRIOR_WEIGHT, jnp.float32)
+        zero = jnp.zeros((), jnp.int32)
+        return Governor(
+            hit_num=w * PRIOR_HIT,
+            hit_den=w,
+            acc_num=w * PRIOR_ACCEPT,
+            acc_den=w,
+            n_rounds=zero,
+            n_throttled=zero,
+            n_off=zero,
+        )
+
+
+def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
+    """E_r(k) for k = 0..k_max: [B, k_max + 1]."""
+    powers = accept_B[:, None] ** jnp.arange(1, k_max + 1, dtype=jnp.float32)[None, :]
+    gains = jnp.concatenate([jnp.zeros_like(hit_B)[:, None], jnp.cumsum(powers, axis=1)], axis=1)
+    return 1.0 + hit_B[:, None] * gains
+
+
+def choose_budget(
+    gov: Governor, cost: CostModel, budget_B: Array, active_B: Array, k_max: int
+) -> tuple[Array, Governor]:
+    """The governed budget [B] (<= budget_B) and the governor with its counters updated."""
+    hit = gov.hit_num / gov.hit_den
+    accept = gov.acc_num / gov.acc_den
+    k = jnp.arange(k_max + 1, dtype=jnp.int32)
+    e_Bk = expected_tokens(hit, accept, k_max)
+    # a row cannot draft beyond its own budget: E_r(min(k, budget_r))
+    capped = jnp.minimum(k[None, :], budget_B[:, None])
+    e_Bk = jnp.take_along_axis(e_Bk, capped, axis=1)
+    tokens_k = jnp.sum(jnp.where(active_B[:, None], e_Bk, 0.0), axis=0)
+    n_rows = jnp.sum(active_B).astype(jnp.float32)
+    kf = k.astype(jnp.float32)
+    verify = 1.0 + (n_rows * (kf + 1.0) - 1.0) * cost.verify_token
+    draft = kf * cost.draft_step * (1.0 + (n_rows - 1.0) * cost.verify_token)
+    total = verify + draft + jnp.where(k > 0, cost.call, 0.0)
+    best = jnp.argmax(tokens_k / total).astype(jnp.int32)
+    best = jnp.where(cost.enabled, best, k_max)
+    governed = jnp.minimum(budget_B, best)
+    wanted = jnp.any(budget_B > 0)
+    gov = Governor(
+        hit_num=gov.hit_num,
+        hit_den=gov.hit_den,
+        acc_num=gov.acc_num,
+        acc_den=gov.acc_den,
+        n_rounds=gov.n_rounds + wanted.astype(jnp.int32),
+        n_throttled=gov.n_throttled
+        + (wanted & (best > 0) & jnp.any(governed < budget_B)).astype(jnp.int32),
+        n_off=gov.n_off + (wanted & (best == 0)).astype(jnp.int32),
+    )
+    return governed, gov
+
+
+def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Array) -> Governor:
+    """Update the estimates after verification.
+
+    `asked_B`: rows the relay asked for a draft; `draft_len_B`: drafted tokens (0 = none);
+    `n_accepted_B`: accepted drafted tokens. Rows not asked drift back towards the prior.
+    """
+    had = draft_len_B > 0
+    trials = n_accepted_B + (had & (n_accepted_B < draft_len_B)).astype(jnp.int32)
+
+    def decayed(num: Array, den: Array, x: Array, n: Array, prior: float, seen: Array):
+        num_seen = DECAY * num + x
+        den_seen = DECAY * den + n
+        # unobserved rows: relax towards the prior (so a turned-off batch probes again)
+        num_prior = RELAX * num + (1.0 - RELAX) * PRIOR_WEIGHT * prior
+        den_prior = RELAX * den + (1.0 - RELAX) * PRIOR_WEIGHT
+        return jnp.where(seen, num_seen, num_prior), jnp.where(seen, den_seen, den_prior)
+
+    hit_num, hit_den = decayed(
+        gov.hit_num,
+        gov.hit_den,
+        had.astype(jnp.float32),
+        jnp.ones_like(gov.hit_den),
+        PRIOR_HIT,
+        asked_B,
+    )
+    acc_num, acc_den = decayed(
+        gov.acc_num,
+        gov.acc_den,
+        n_accepted_B.astype(jnp.float32),
+        trials.astype(jnp.float32),
+        PRIOR_ACCEPT,
+        had,
+    )
+    return Governor(
+        hit_num=hit_num,
+        hit_den=hit_den,
+        acc_num=acc_num,
+        acc_den=jnp.maximum(acc_den, 1e-6),
+        n_rounds=gov.n_rounds,
+        n_throttled=gov.n_throttled,
+        n_off=gov.n_off,
+    )

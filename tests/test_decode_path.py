@@ -1,0 +1,195 @@
+"""The decode path's performance invariants, as behaviour: attention reads only the used cells
+(chunked online softmax) and changes nothing, compiled loops copy no cache buffer, and the
+draft governor only changes draft lengths, by the rule specjax.adaptive states.
+
+Independent sources: a float64 NumPy attention over every cell, a plain-Python transcription
+of the governor's rule, and the engine's own greedy output at another capacity.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import adaptive, api
+from specjax.api import generate
+from specjax.config import SpecConfig
+from specjax.models import llama
+from specjax.testing import noisy_copy, tiny_model
+
+# -------------------------------------------------------------------- chunked attention
+
+
+def _np_attention(q, k, v, q_pos, k_pos):
+    """float64 softmax attention of one query row over every visible cell (positions only)."""
+    scale = 1.0 / np.sqrt(q.shape[-1])
+    s = (k @ q) * scale
+    s = np.where((k_pos >= 0) & (k_pos <= q_pos), s, -np.inf)
+    p = np.exp(s - s.max())
+    return (p / p.sum()) @ v
+
+
+@pytest.mark.parametrize("capacity", [300, 1024])
+def test_chunked_attention_matches_float64_over_every_cell(capacity):
+    """300 used cells: two chunks at capacity 1024; at capacity 300 (not a multiple of the
+    chunk) the last chunk starts early and its overlap must be masked, not counted twice."""
+    rng = np.random.default_rng(0)
+    B, G, R, E, used = 2, 2, 2, 8, 290
+    k_c = np.zeros((B, G, capacity, E), np.float32)
+    v_c = np.zeros((B, G, capacity, E), np.float32)
+    pos = np.full((B, capacity), -1, np.int32)
+    k_c[:, :, :used] = rng.normal(size=(B, G, used, E))
+    v_c[:, :, :used] = rng.normal(size=(B, G, used, E))
+    pos[0, :used] = np.arange(used)
+    pos[1, : used - 40] = np.arange(used - 40)  # row 1 holds fewer cells
+    pos[0, 17] = -1  # a hole (mid-range seq_rm) stays invisible
+    q = rng.normal(size=(B, G, R, 1, E)).astype(np.float32)
+    k_new = rng.normal(size=(B, G, 1, E)).astype(np.float32)
+    v_new = rng.normal(size=(B, G, 1, E)).astype(np.float32)
+    q_pos = np.array([[used], [used - 40]], np.int32)
+    n_chunks = jnp.asarray(-(-used // min(llama.CACHE_CHUNK, capacity)), jnp.int32)
+    out = llama._attend(
+        jnp.asarray(q),
+        [(jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(q_pos))],
+        jnp.asarray(q_pos),
+        0,
+        (jnp.asarray(k_c), jnp.asarray(v_c), jnp.asarray(pos)),
+        n_chunks,
+    )
+    for b in range(B):
+        for g in range(G):
+            keys = np.concatenate([k_c[b, g], k_new[b, g]]).astype(np.float64)
+            vals = np.concatenate([v_c[b, g], v_new[b, g]]).astype(np.float64)
+            kpos = np.concatenate([pos[b], q_pos[b]])
+            for r in range(R):
+                want = _np_attention(
+                    q[b, g, r, 0].astype(np.float64), keys, vals, q_pos[b, 0], kpos
+                )
+                np.testing.assert_allclose(np.asarray(out[b, g, r, 0]), want, atol=2e-5)
+
+
+def test_greedy_tokens_do_not_depend_on_capacity():
+    """Same prompt and output at capacities 64, 300 and 1024 (one chunk, an overlapping last
+    chunk, several chunks of which only the used ones are read): identical tokens."""
+    model = tiny_model(3)
+    prompts = [list(range(5, 45)), list(range(7, 20))]
+    outs = [generate(model, prompts, max_new_tokens=20, n_ctx=n).tokens for n in (64, 300, 1024)]
+    assert outs[0] == outs[1] == outs[2]
+
+
+# -------------------------------------------------------------------- no cache copies
+
+
+def _cache_copies(hlo: str, capacity: int) -> list[str]:
+    """`copy` ops of arrays with a capacity-sized dimension (K/V buffers, positions)."""
+    pattern = r"= (\w+\[[0-9,]*\b" + str(capacity) + r"\b[0-9,]*\])\{[0-9,]+\} copy\("
+    return [s for s in re.findall(pattern, hlo) if s.count(",") >= 3]  # rank >= 4: K or V
+
+
+@pytest.mark.parametrize("types", [(), ("draft-simple",)])
+def test_generation_loop_copies_no_kv_buffer(types):
+    """The optimised HLO of the compiled generation loop holds no copy of a K/V buffer (the
+    reads come before the in-place writes; nothing re-lays the cache out per step)."""
+    capacity = 320
+    target = tiny_model(4)
+    draft = noisy_copy(target, 0.3)
+    spec = SpecConfig(types=types, draft_n_max=3) if types else None
+    api._COMPILED.clear()
+    generate(target, [[1, 2, 3]], max_new_tokens=8, n_ctx=capacity, spec=spec, draft=draft)
+    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    assert len(loops) == 1
+    hlo = loops[0].as_text()
+    assert f",{capacity}," in hlo  # the cache buffers are in the program ...
+    assert _cache_copies(hlo, capacity) == []  # ... and never copied
+
+
+# -------------------------------------------------------------------- draft governor
+
+
+def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call):
+    """Transcription of specjax.adaptive's rule (module docstring)."""
+    rows = [r for r in range(len(hit)) if active[r]]
+    best, best_value = 0, -1.0
+    for k in range(k_max + 1):
+        tokens = sum(
+            1 + hit[r] * sum(accept[r] ** j for j in range(1, min(k, budget[r]) + 1)) for r in rows
+        )
+        n = len(rows)
+        cost = 1 + (n * (k + 1) - 1) * verify + k * draft_step * (1 + (n - 1) * verify)
+        cost += call if k > 0 else 0.0
+        if tokens / cost > best_value + 1e-9:
+            best, best_value = k, tokens / cost
+    return [min(b, best) for b in budget]
+
+
+@pytest.mark.parametrize(
+    "hit,accept,verify,draft_step",
+    [
+        ([0.9, 0.9, 0.9], [0.8, 0.8, 0.8], 0.12, 0.25),  # pays: long drafts
+        ([0.9, 0.9, 0.9], [0.2, 0.1, 0.3], 0.12, 0.25),  # does not pay: off
+        ([0.5, 0.95, 0.9], [0.6, 0.9, 0.7], 0.3, 0.0),  # in between: shortened
+        ([0.0, 0.0, 0.0], [0.9, 0.9, 0.9], 0.01, 0.0),  # never drafts anything: off
+    ],
+)
+def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step):
+    B, K = 3, 6
+    budget = np.array([6, 3, 6], np.int32)
+    active = np.array([True, True, False])
+    gov = adaptive.Governor(
+        hit_num=jnp.asarray(hit, jnp.float32),
+        hit_den=jnp.ones((B,), jnp.float32),
+        acc_num=jnp.asarray(accept, jnp.float32),
+        acc_den=jnp.ones((B,), jnp.float32),
+        n_rounds=jnp.zeros((), jnp.int32),
+        n_throttled=jnp.zeros((), jnp.int32),
+        n_off=jnp.zeros((), jnp.int32),
+    )
+    cost = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(verify, jnp.float32),
+        draft_step=jnp.asarray(draft_step, jnp.float32),
+        call=jnp.asarray(0.02, jnp.float32),
+    )
+    got, gov2 = jax.jit(adaptive.choose_budget, static_argnums=4)(
+        gov, cost, jnp.asarray(budget), jnp.asarray(active), K
+    )
+    want = _python_choice(hit, accept, budget, active, K, verify, draft_step, 0.02)
+    assert np.asarray(got).tolist() == want
+    assert int(gov2.n_rounds) == 1
+    assert int(gov2.n_off) == (max(want) == 0)
+    assert int(gov2.n_throttled) == (max(want) > 0 and any(w < b for w, b in zip(want, budget)))
+    off = adaptive.CostModel.off()
+    full, _ = adaptive.choose_budget(gov, off, jnp.asarray(budget), jnp.asarray(active), K)
+    assert np.asarray(full).tolist() == budget.tolist()
+
+
+def test_governor_turns_off_a_draft_that_cannot_pay_and_output_is_unchanged():
+    """A draft model as costly as the target (a self-draft) never pays: the governor stops
+    drafting after its prior, says so, and the tokens stay those of plain decoding; with the
+    governor off every round drafts (llama.cpp's behaviour)."""
+    target = tiny_model(5)
+    prompts = [[3, 4, 5, 6], [9, 8]]
+    plain = generate(target, prompts, max_new_tokens=24)
+    on = SpecConfig(types=("draft-simple",), draft_n_max=3, cost_draft_step=1.0)
+    off = on.replace(adaptive=False)
+    governed = generate(target, prompts, max_new_tokens=24, spec=on, draft=target)
+    always = generate(target, prompts, max_new_tokens=24, spec=off, draft=target)
+    assert governed.tokens == plain.tokens == always.tokens
+    g = governed.stats.governor
+    assert g["enabled"] and g["off"] >= g["rounds"] - 3 and g["rounds"] > 5
+    assert "drafting shortened in" in governed.stats.lines()[-1]
+    assert always.stats.governor["off"] == 0
+    assert always.stats.to_dict()["num_draft_tokens"] > governed.stats.to_dict()["num_draft_tokens"]
+
+
+def test_governor_keeps_drafting_that_pays():
+    """A cheap draft that is always right (self-draft priced as free): drafts stay on."""
+    target = tiny_model(5)
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=3, cost_draft_step=0.0)
+    out = generate(target, [[3, 4, 5, 6]], max_new_tokens=24, spec=spec, draft=target)
+    g = out.stats.governor
+    assert g["off"] == 0 and out.stats.to_dict()["num_accepted_tokens"] > 10
