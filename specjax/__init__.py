@@ -8,12 +8,23 @@ Public API (see README.md):
                               spec=specjax.SpecConfig(types=("ngram-mod", "draft-simple")),
                               draft=specjax.load("models/code-draft/code-draft-f16.gguf"))
     print(result.text[0]); print(result.stats)
+    gen = specjax.Generator(model, spec=spec, draft=draft, n_ctx=512, batch=4)  # drafter
+    result = gen.generate(prompts, max_new_tokens=64)         # state kept across calls
 
 Importing specjax turns on JAX's persistent compilation cache (see `specjax.compile_cache`):
 `specjax.set_compile_cache(path | None)` or `SPECJAX_COMPILE_CACHE=0|DIR` change that.
 """
 
-from specjax.api import GenerationResult, Model, SpecReport, forward, generate, init_model, load
+from specjax.api import (
+    GenerationResult,
+    Generator,
+    Model,
+    SpecReport,
+    forward,
+    generate,
+    init_model,
+    load,
+)
 from specjax.cache import KVCache
 from specjax.compile_cache import enable_default as _enable_compile_cache
 from specjax.compile_cache import set_compile_cache
@@ -28,6 +39,7 @@ _enable_compile_cache()
 __all__ = [
     "CacheOverflowError",
     "GenerationResult",
+    "Generator",
     "KVCache",
     "Model",
     "ModelConfig",

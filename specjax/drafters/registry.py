@@ -27,9 +27,15 @@ def _draft_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
             f"draft vocab size {draft.config.V} differs from the target's {target.config.V} "
             "by more than 128"
         )
-    # Always probabilistic: rows at temperature 0 still draft the argmax, and one static
-    # drafter serves every temperature without recompiling.
-    drafter = DraftSimple(config=draft.config, target_vocab=target.config.V, probabilistic=True)
+    # "greedy" (default, as upstream): argmax drafts verified by match, so output equals plain
+    # sampling with the same seed. "probabilistic": rows at temperature > 0 sample their drafts
+    # and are verified by rejection sampling; rows at temperature 0 still draft the argmax, so
+    # one static drafter serves every temperature without recompiling.
+    drafter = DraftSimple(
+        config=draft.config,
+        target_vocab=target.config.V,
+        probabilistic=spec.draft_sampling == "probabilistic",
+    )
     return drafter, draft.params
 
 

@@ -1,0 +1,101 @@
+"""`specjax.Generator`: drafter state that outlives a call (llama.cpp's server slots).
+
+ngram-mod's pool persists across requests upstream. Request 1 holds a prompt P followed by
+the target's own greedy continuation C of P; request 2 is P. With the Generator, request 2
+drafts C from the pool request 1 filled and the drafts are accepted; a fresh `generate` of
+request 2 drafts nothing (its pool only holds P, and it ingests generated tokens 32 at a
+time). Both equal plain greedy decoding (an independent run without drafters), and request 2
+compiles nothing. draft-simple keeps no learned state: after another request its output and
+statistics equal a fresh run's (the carried draft cache is emptied per request).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+
+import specjax
+from specjax import api
+from specjax.config import SpecConfig
+from specjax.testing import count_compiles, noisy_copy, tiny_model
+
+N_CTX, NEW = 128, 15
+
+
+def spec_config(**kw: object) -> SpecConfig:
+    """llama.cpp's fixed draft budget: no draft governor where specjax has one."""
+    if "adaptive" in {f.name for f in dataclasses.fields(SpecConfig)}:
+        kw.setdefault("adaptive", False)
+    return SpecConfig(**kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture(scope="module")
+def target():
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    rng = np.random.default_rng(0)
+    p = [int(x) for x in rng.permutation(np.arange(3, 97))[:17]]
+    q = [int(x) for x in rng.permutation(np.arange(3, 97))[:20]]
+    return p, q
+
+
+def test_ngram_mod_pool_outlives_a_request(target, prompts):
+    p, q = prompts
+    plain = specjax.generate(target, [p, q], max_new_tokens=NEW)
+    c = plain.tokens[0]
+    spec = spec_config(
+        types=("ngram-mod",),
+        ngram_mod_n_match=4,
+        ngram_mod_n_min=2,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 12,
+    )
+    fresh = specjax.generate(target, [p, q], max_new_tokens=NEW, spec=spec, n_ctx=N_CTX)
+    assert fresh.tokens == plain.tokens
+    assert fresh.stats.to_dict()["num_draft_tokens"] == 0
+
+    gen = specjax.Generator(target, spec=spec, n_ctx=N_CTX, batch=2)
+    first = gen.generate([p + c], max_new_tokens=NEW)  # one idle slot; same T bucket (32)
+    assert len(first.tokens) == 1 and first.timings["prompt_tokens"] == len(p + c)
+    before = api.compile_count()
+    with count_compiles() as events:
+        second = gen.generate([p, q], max_new_tokens=NEW)
+    assert api.compile_count() == before and events == []
+    assert second.tokens == plain.tokens
+    stats = second.stats.to_dict()
+    assert stats["num_accepted_tokens"] >= NEW // 2
+    assert stats["drafters"]["ngram-mod"]["n_call_begin"] == 2  # the two requests, not idle
+
+    gen.reset()
+    again = gen.generate([p, q], max_new_tokens=NEW)
+    assert again.stats.to_dict()["num_draft_tokens"] == 0
+
+
+def test_draft_simple_state_is_per_request(target, prompts):
+    p, q = prompts
+    draft = noisy_copy(target, 0.3)
+    spec = spec_config(types=("draft-simple",), draft_n_max=4)
+    fresh = specjax.generate(
+        target, [q, p], max_new_tokens=NEW, spec=spec, draft=draft, n_ctx=N_CTX
+    )
+    gen = specjax.Generator(target, spec=spec, draft=draft, n_ctx=N_CTX, batch=2)
+    gen.generate([p[:5] + q, q[:3] + p + p[:8]], max_new_tokens=NEW)
+    out = gen.generate([q, p], max_new_tokens=NEW)
+    assert out.tokens == fresh.tokens
+    assert out.stats.to_dict() == fresh.stats.to_dict()
+    assert fresh.stats.to_dict()["num_draft_tokens"] > 0
+
+
+def test_generator_errors(target):
+    gen = specjax.Generator(target, n_ctx=64, batch=2)
+    with pytest.raises(ValueError, match="3 prompts for a Generator of batch 2"):
+        gen.generate([[1], [2], [3]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="batch must be an integer >= 1, got 0"):
+        specjax.Generator(target, batch=0)
+    with pytest.raises(ValueError, match="does not fit a context of 64"):
+        gen.generate([list(range(1, 70))], max_new_tokens=2)
