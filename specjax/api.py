@@ -550,6 +550,7 @@ def generate(
         ),
         max_new=jnp.asarray(max_new, jnp.int32),
         n_max=jnp.asarray(spec.draft_n_max if spec else 0, jnp.int32),
+        chain_n_max=jnp.asarray(spec.n_max() if spec else 0, jnp.int32),
         n_min=jnp.asarray(spec.draft_n_min if spec else 0, jnp.int32),
         p_min=jnp.asarray(spec.draft_p_min if spec else 0.0, jnp.float32),
         synth_rates=jnp.asarray(

@@ -97,6 +97,8 @@ class RunParams:
     p_min: Array  # [] float32
     synth_rates: Array  # [max(K,1)] float32 conditional acceptance rates (synthetic only)
     cost: adaptive.CostModel  # the draft governor's cost model (specjax.adaptive)
+    #: [] int32, the longest draft the chain can produce (`common_speculative_n_max`)
+    chain_n_max: Array = dataclasses.field(default_factory=lambda: jnp.asarray(1 << 30))
 
 
 @pytree_dataclass
@@ -345,7 +347,11 @@ def spec_step(
     budget = jnp.where(active, budget, 0)
     governor = state.governor
     if engine.drafters:
-        budget, governor = adaptive.choose_budget(governor, run.cost, budget, active, K)
+        # The governor weighs lengths the chain can really draft (upstream's n_max, traced;
+        # K is only the static width); when it does not shorten, the budget stays as it was.
+        reachable = jnp.minimum(budget, run.chain_n_max)
+        governed, governor = adaptive.choose_budget(governor, run.cost, reachable, active, K)
+        budget = jnp.where(governed < reachable, governed, budget)
 
     if engine.drafters:
         d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(

@@ -13,7 +13,8 @@ Invariants:
 * Drafting samples from a softmax over the top-10 draft logits at temperature 1 and takes
   the argmax; a row stops when that top probability is < p_min (token not added) or its
   length reaches its budget; drafts shorter than n_min are cleared.
-* Probabilistic mode (static flag, used when the target samples at temperature > 0): the
+* Probabilistic mode (static flag, `--spec-draft-sampling probabilistic`; greedy drafting
+  is the default, as upstream): at temperature > 0 the
   top-10 distribution is tempered with the target's temperature, the drafted token is
   sampled from it with a key from `seed ^ 0x85ebca6b` (llama.cpp's `spec_retune`), and q
   (that distribution over the full vocabulary) is returned for rejection sampling.
