@@ -182,13 +182,13 @@ def prefill(
     )
     out_tokens = jnp.zeros((B, out_cap), jnp.int32).at[:, 0].set(first)
     is_eog = _is_eog(engine, first)
-    done = is_eog | (run.max_new <= 1) | (lengths_B >= S)
+    # llama.cpp stops when the context is full: the last token it emits sits at position S-1
+    full = lengths_B >= S - 1
+    done = is_eog | (run.max_new <= 1) | full
     finish = jnp.where(
         is_eog,
         FINISH_EOG,
-        jnp.where(
-            run.max_new <= 1, FINISH_LENGTH, jnp.where(lengths_B >= S, FINISH_CONTEXT, FINISH_NONE)
-        ),
+        jnp.where(run.max_new <= 1, FINISH_LENGTH, jnp.where(full, FINISH_CONTEXT, FINISH_NONE)),
     )
     stats = stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1))
     stats = stats_mod.record_begin(stats, jnp.ones((B,), bool))
@@ -431,7 +431,7 @@ def spec_step(
     new_length = jnp.where(active, keep, state.length)
     eog_stop = hit_eog & (first_eog < n_emit)
     len_stop = out_len >= run.max_new
-    ctx_stop = new_length >= S
+    ctx_stop = new_length >= S - 1  # the emitted next token sits at position S - 1
     newly_done = active & (eog_stop | len_stop | ctx_stop)
     finish = jnp.where(
         newly_done,

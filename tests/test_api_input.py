@@ -149,9 +149,9 @@ def test_n_predict_minus_one_generates_until_the_context_is_full(ctx_model):
     for n_ctx in (32, None):  # None: llama.cpp's -c 0, the model's training context (32)
         out = specjax.generate(ctx_model, prompts, max_new_tokens=-1, n_ctx=n_ctx)
         assert out.finish_reasons == ["context", "context"]
-        # every cache cell used: L prompt tokens + n - 1 generated ones fill the 32 cells
-        assert [len(t) for t in out.tokens] == [32 - 3 + 1, 32 - 5 + 1]
+        # as llama.cpp: n_ctx - L tokens, the last one at position n_ctx - 1
+        assert [len(t) for t in out.tokens] == [32 - 3, 32 - 5]
     mixed = specjax.generate(ctx_model, prompts, max_new_tokens=[-1, 4], n_ctx=32)
-    assert [len(t) for t in mixed.tokens] == [30, 4]
+    assert [len(t) for t in mixed.tokens] == [29, 4]
     assert mixed.finish_reasons == ["context", "length"]
     assert mixed.tokens[0] == out.tokens[0] and mixed.tokens[1] == out.tokens[1][:4]

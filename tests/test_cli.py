@@ -230,7 +230,7 @@ def test_sampling_values_follow_llama_cpp(gguf_path, tmp_path, capsys):
     assert run("-n", "6", "--temp", "-1")["tokens"] == greedy  # --temp clamps to 0
     record = run("-n", "-1", "-c", "40")  # until the context is full (no EOG on this path)
     assert record["finish_reason"] == "context"
-    assert len(record["tokens"]) == 40 - len(record["prompt_tokens"]) + 1
+    assert len(record["tokens"]) == 40 - len(record["prompt_tokens"])  # n_ctx - L, as llama.cpp
 
 
 @pytest.mark.parametrize(

@@ -208,10 +208,11 @@ def test_incompatible_draft_vocab_is_rejected(target):
 
 
 def test_context_end_stops_rows(target):
-    # memory holds positions 0..31; the last sampled token is emitted without being stored
+    # as llama.cpp's completion tool and server (no context shift): n_ctx - L tokens, the last
+    # one at position 31, the last position the context has
     out = generate(target, [list(range(1, 20))], max_new_tokens=100, n_ctx=32)
     assert out.finish_reasons == ["context"]
-    assert len(out.tokens[0]) == 32 - 19 + 1
+    assert len(out.tokens[0]) == 32 - 19
     spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=8)
     fast = generate(
         target, [list(range(1, 20))], max_new_tokens=100, n_ctx=32, spec=spec, draft=target
