@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
 #: Prior weight (in pseudo-observations) and prior values of the estimates.
@@ -111,14 +111,11 @@ def choose_budget(
     best = jnp.where(cost.enabled, best, k_max)
     governed = jnp.minimum(budget_B, best)
     wanted = jnp.any(budget_B > 0)
-    gov = Governor(
-        hit_num=gov.hit_num,
-        hit_den=gov.hit_den,
-        acc_num=gov.acc_num,
-        acc_den=gov.acc_den,
+    throttled = wanted & (best > 0) & jnp.any(governed < budget_B)
+    gov = replace(
+        gov,
         n_rounds=gov.n_rounds + wanted.astype(jnp.int32),
-        n_throttled=gov.n_throttled
-        + (wanted & (best > 0) & jnp.any(governed < budget_B)).astype(jnp.int32),
+        n_throttled=gov.n_throttled + throttled.astype(jnp.int32),
         n_off=gov.n_off + (wanted & (best == 0)).astype(jnp.int32),
     )
     return governed, gov
@@ -157,12 +154,6 @@ def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Arr
         PRIOR_ACCEPT,
         had,
     )
-    return Governor(
-        hit_num=hit_num,
-        hit_den=hit_den,
-        acc_num=acc_num,
-        acc_den=jnp.maximum(acc_den, 1e-6),
-        n_rounds=gov.n_rounds,
-        n_throttled=gov.n_throttled,
-        n_off=gov.n_off,
+    return replace(
+        gov, hit_num=hit_num, hit_den=hit_den, acc_num=acc_num, acc_den=jnp.maximum(acc_den, 1e-6)
     )

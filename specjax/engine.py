@@ -5,15 +5,20 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
     history[b, :length[b]]   tokens in target memory (positions 0..length-1)
     last_token[b]            id_last: sampled, emitted, NOT yet in memory (position length)
 
-    1 budget   n_draft_max = min(S - length - 2, remaining - 1, n_max), clipped to [0, K]
+    1 budget   n_draft_max = min(S - length - 2, remaining - 1), clipped to [0, K] (each
+               drafter stops at its own n_max); the draft governor (specjax.adaptive) may
+               shorten it, or set it to 0, when drafting does not pay under its cost model
     2 relay    drafters in llama.cpp's fixed priority; the first with a draft wins the row
     3 verify   target forward on [id_last, d_1..d_K] at positions length + 0..K; invalid
                slots are padding (-1). Width is bucketed (lax.switch) so rounds without
                drafts cost a 1-token forward.
-    4 accept   per row: synthetic -> replay -> rejection (temp > 0, q present) -> match
+    4 accept   per row: synthetic -> rejection (temp > 0, q present) -> match (the replay
+               branch of specjax.verify is not taken: there are no checkpoints yet)
     5 commit   keep positions < length + n_acc + 1 (seq_rm on target and drafter memory),
-               emit d_1..d_nacc + next token, stop at EOG / n_predict / context end
-    6 feedback drafter.process(verify batch), accept(n_acc, is_other), statistics
+               emit d_1..d_nacc + next token, stop at EOG / n_predict / context end (the last
+               emitted token sits at position S - 1, as in llama.cpp)
+    6 feedback drafter.process(verify batch), accept(n_acc, is_other), rollback,
+               statistics and the governor's estimates
 
 Plain decoding is the same step with no drafters (K = 0): one compiled code path, so
 "speculative greedy == plain greedy" compares like with like. Everything above runs inside
