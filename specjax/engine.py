@@ -294,7 +294,10 @@ def _verify_forward(
 ):
     """Target forward over the verify batch, at the narrowest compiled width that fits.
 
-    The branches only read the cache; the new K/V are written once after the switch.
+    Returns (logits [B, K+1, V], greedy [B, K+1], cache, hidden). The target's argmax per
+    verify row is taken inside each width's branch, over that width only: the greedy path
+    never reads the padded logits. The branches only read the cache; the new K/V are
+    written once after the switch.
     """
     widths = engine.verify_widths()
     T = v_tokens.shape[1]
@@ -315,24 +318,30 @@ def _verify_forward(
                 widths_pad = [(0, 0), (0, T - width)] + [(0, 0)] * (x.ndim - 2)
                 return jnp.pad(x, widths_pad) if width < T else x
 
+            # One padded array for every layer's new K (and one for V): a pad per layer
+            # costs more in per-op overhead than the few kilobytes it moves.
+            pad_kv = [(0, 0), (0, 0), (0, T - width), (0, 0), (0, 0)]
             return (
                 pad(out.logits),
-                tuple(pad(k) for k in out.k),
-                tuple(pad(v) for v in out.v),
+                pad(verify.first_argmax(out.logits)),
+                jnp.pad(jnp.stack(out.k), pad_kv),  # [L, B, w, G, E]: layer slices are views
+                jnp.pad(jnp.stack(out.v), pad_kv),
                 tuple(pad(h) for h in out.hidden),
             )
 
         return run
 
     if len(widths) == 1:
-        logits, k, v, hidden = branch(widths[0])((cache, v_tokens, v_pos))
+        logits, greedy, k, v, hidden = branch(widths[0])((cache, v_tokens, v_pos))
     else:
         needed = jnp.max(draft_len_B) + 1
         index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed)
-        logits, k, v, hidden = jax.lax.switch(
+        logits, greedy, k, v, hidden = jax.lax.switch(
             index, [branch(w) for w in widths], (cache, v_tokens, v_pos)
         )
-    return logits, commit_kv(cache, v_pos, k, v, after=logits), hidden
+    k_layers = tuple(k[i] for i in range(k.shape[0]))
+    v_layers = tuple(v[i] for i in range(v.shape[0]))
+    return logits, greedy, commit_kv(cache, v_pos, k_layers, v_layers, after=logits), hidden
 
 
 def spec_step(
@@ -378,7 +387,7 @@ def spec_step(
     v_tokens = jnp.concatenate([state.last_token[:, None], d_tokens], axis=1)  # [B, K+1]
     v_valid = jnp.concatenate([active[:, None], d_valid & active[:, None]], axis=1)
     v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
-    logits, cache, hidden = _verify_forward(
+    logits, greedy, cache, hidden = _verify_forward(
         engine, target_params, state.cache, v_tokens, v_pos, draft_len
     )
     draft = DraftOutput(tokens=d_tokens, valid=d_valid, q=q)
@@ -405,7 +414,7 @@ def spec_step(
             run.sampling.repeat_penalty == 1.0
         )
         result = jax.lax.cond(
-            all_greedy, lambda x: verify.verify_greedy(x, draft), full_verify, logits
+            all_greedy, lambda _: verify.verify_greedy(greedy, draft), full_verify, logits
         )
     n_acc = jnp.where(active, result.n_accepted, 0).astype(jnp.int32)
     next_token = result.next_token.astype(jnp.int32)

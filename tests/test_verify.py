@@ -494,7 +494,7 @@ def test_verify_greedy_equals_verify_rows_at_temperature_zero() -> None:
     """The engine's greedy fast path must be bit-identical to the general verifier."""
     from specjax.drafters.base import DraftOutput
     from specjax.sampling import SamplingParams
-    from specjax.verify import verify_greedy, verify_rows
+    from specjax.verify import first_argmax, verify_greedy, verify_rows
 
     b, k, v = 6, 4, 9
     rng = np.random.default_rng(0)
@@ -509,10 +509,23 @@ def test_verify_greedy_equals_verify_rows_at_temperature_zero() -> None:
     valid[4] = False  # no draft at all
     draft = DraftOutput(tokens=jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid))
     params = SamplingParams.create(batch=b, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
-    fast = verify_greedy(logits, draft)
+    fast = verify_greedy(first_argmax(logits), draft)
     full = verify_rows(logits, draft, params, jnp.arange(b, dtype=jnp.int32) + 10)
     for name in ("n_accepted", "next_token", "tokens", "branch"):
         np.testing.assert_array_equal(
             np.asarray(getattr(fast, name)), np.asarray(getattr(full, name))
         )
     np.testing.assert_array_equal(np.asarray(fast.n_accepted), [4, 2, 0, 2, 0, 4])
+
+
+def test_first_argmax_is_argmax_with_lowest_index_on_ties() -> None:
+    from specjax.verify import first_argmax
+
+    rng = np.random.default_rng(1)
+    ties = rng.integers(0, 3, (7, 5, 11)).astype(np.float32)  # many ties
+    wide = rng.standard_normal((3, 2, 2048)).astype(np.float32)
+    for x in (ties, wide, -np.abs(ties) - 1e30):
+        for axis in (-1, 1):
+            np.testing.assert_array_equal(
+                np.asarray(first_argmax(jnp.asarray(x), axis=axis)), np.argmax(x, axis=axis)
+            )
