@@ -13,8 +13,9 @@ Invariants:
 * Row b is llama.cpp's sequence b. Cells are never shared between rows.
 * Keys are stored already rotated (RoPE) at the position in `pos`; `seq_add`/`seq_div`
   re-rotate them by the position delta, as llama.cpp's K-shift does.
-* A new token goes to the lowest free cell of its row (found with a cumulative count of free
-  cells), so holes left by a mid-range `seq_rm` are reused. Cell order carries no meaning:
+* A new token goes to the lowest free cell of its row, so holes left by a mid-range `seq_rm`
+  are reused. When every row's occupied cells form a prefix (generation only removes
+  tails), the free cells are those from the high-water mark on; otherwise they are searched. Cell order carries no meaning:
   attention visibility derives from positions alone (key visible iff pos_k >= 0 and
   pos_k <= pos_q, and pos_q - pos_k < window on sliding-window layers).
 * Because new tokens take the lowest free cells, every occupied cell lies below the
@@ -115,7 +116,23 @@ def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:
     T = positions_BT.shape[1]
     valid_BT = positions_BT >= 0
     rank_BT = jnp.cumsum(valid_BT, axis=1) - 1
-    free_idx_BT = jax.vmap(lambda free: jnp.nonzero(free, size=T, fill_value=S)[0])(pos_BS < 0)
+    occupied_BS = pos_BS >= 0
+    high_water_B = jnp.max(jnp.where(occupied_BS, jnp.arange(1, S + 1)[None, :], 0), axis=1)
+    # Only tails are removed during generation, so the occupied cells of each row usually
+    # form a prefix: then the free cells are simply those from the high-water mark on, found
+    # with two reductions instead of a search over all S cells (O(S) scans dominated decode
+    # at large capacities). Rows with holes take the general search.
+    compact = jnp.all(jnp.sum(occupied_BS, axis=1) == high_water_B)
+
+    def after_high_water(_: Array) -> Array:
+        idx_BT = high_water_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
+        return jnp.where(idx_BT < S, idx_BT, S).astype(jnp.int32)
+
+    def lowest_free(occupied_BS: Array) -> Array:
+        search = jax.vmap(lambda free: jnp.nonzero(free, size=T, fill_value=S)[0])
+        return search(~occupied_BS).astype(jnp.int32)
+
+    free_idx_BT = jax.lax.cond(compact, after_high_water, lowest_free, occupied_BS)
     slot_BT = jnp.take_along_axis(free_idx_BT, jnp.clip(rank_BT, 0, T - 1), axis=1)
     slot_BT = jnp.where(valid_BT, slot_BT, S).astype(jnp.int32)
     overflow_B = jnp.any(valid_BT & (slot_BT >= S), axis=1)

@@ -291,3 +291,45 @@ def test_padding_is_finite_and_never_written() -> None:
     logits = r.step(np.array([[3], [4]]), np.array([[-1], [-1]]))
     assert np.isfinite(logits).all()
     assert r.cell_positions(0) == [0, 1] + [-1] * (S - 2)
+
+
+def test_assign_slots_takes_the_lowest_free_cells_with_and_without_holes() -> None:
+    """Against a plain-Python transcription: the k-th valid new token of a row goes to the
+    row's k-th lowest free cell (S when none is left). Covers compact rows (occupied cells
+    form a prefix: the fast path) and rows with holes (the general search), in one batch and
+    alone, since the fast path is taken only when every row is compact."""
+    from specjax.cache import assign_slots
+
+    S, T = 12, 5
+    rng = np.random.default_rng(7)
+
+    def reference(pos_row: list[int], new_row: list[int]) -> list[int]:
+        free = [c for c in range(S) if pos_row[c] < 0]
+        out, k = [], 0
+        for p in new_row:
+            if p < 0:
+                out.append(S)
+            else:
+                out.append(free[k] if k < len(free) else S)
+                k += 1
+        return out
+
+    rows = []
+    for n in (0, 3, 9, 12):  # compact prefixes, including empty and full
+        rows.append([10 + i if i < n else -1 for i in range(S)])
+    for _ in range(4):  # random holes
+        rows.append([int(p) if rng.random() < 0.6 else -1 for p in rng.integers(0, 50, S)])
+    new = [[int(p) if rng.random() < 0.7 else -1 for p in rng.integers(0, 50, T)] for _ in rows]
+    for batch in (list(range(4)), list(range(len(rows)))):  # all compact / mixed
+        pos = jnp.asarray([rows[b] for b in batch], jnp.int32)
+        positions = jnp.asarray([new[b] for b in batch], jnp.int32)
+        slot, overflow = assign_slots(pos, positions)
+        want = [reference(rows[b], new[b]) for b in batch]
+        np.testing.assert_array_equal(np.asarray(slot), want)
+        np.testing.assert_array_equal(
+            np.asarray(overflow),
+            [
+                any(w == S and p >= 0 for w, p in zip(want_row, new[b]))
+                for want_row, b in zip(want, batch)
+            ],
+        )
