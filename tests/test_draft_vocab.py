@@ -121,3 +121,16 @@ def test_real_tokenizers_and_the_registry_path():
         build_drafters(spec, specjax.init_model(config, 0), far)
     near = specjax.init_model(tiny_config(vocab_size=base.vocab_size + 128), 1)
     build_drafters(spec, specjax.init_model(config, 0), near)
+
+
+def test_draft_vocabulary_smaller_than_the_draft_top_k():
+    """llama.cpp's draft sampler keeps the top 10 tokens, clamped to the vocabulary: a pair
+    of 8-token models drafts (and verifies losslessly) instead of failing in top_k."""
+    target = specjax.init_model(tiny_config(vocab_size=8), 0)
+    draft = specjax.init_model(tiny_config(vocab_size=8), 0)  # same weights: drafts accepted
+    prompt = [[3, 4, 5, 6, 3, 4]]
+    plain = specjax.generate(target, prompt, max_new_tokens=12)
+    spec = specjax.SpecConfig(types=("draft-simple",), draft_n_max=4, adaptive=False)
+    out = specjax.generate(target, prompt, max_new_tokens=12, spec=spec, draft=draft)
+    assert out.tokens == plain.tokens
+    assert out.stats.to_dict()["num_draft_tokens"] > 0
