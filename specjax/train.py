@@ -559,9 +559,22 @@ def _restore(mngr: Any, step: int, like: TrainState) -> TrainState:
 
 
 def _read_log(path: Path, upto_step: int) -> list[dict[str, Any]]:
+    """The log's records up to `upto_step` (the checkpoint being resumed).
+
+    A run killed while appending leaves a partial last line: it is dropped (the resumed run
+    writes that record again). A malformed line anywhere else is an error naming it.
+    """
     if not path.exists():
         return []
-    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    lines = [line for line in path.read_text().splitlines() if line.strip()]
+    rows = []
+    for i, line in enumerate(lines):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError as err:
+            if i == len(lines) - 1:
+                break
+            raise ValueError(f"{path}: line {i + 1} is not a JSON record ({err})") from err
     return [r for r in rows if r["step"] <= upto_step]
 
 

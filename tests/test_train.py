@@ -319,3 +319,17 @@ def test_stdlib_file_list_is_sorted_and_excludes_site_packages() -> None:
     assert all(f.endswith(".py") for f in files)
     assert not any("site-packages" in f for f in files)
     assert "os.py" in files
+
+
+def test_training_log_with_a_partial_last_line_is_read_up_to_it(tmp_path) -> None:
+    """A kill while appending to train_log.jsonl leaves half a line: resuming drops it (the
+    record is written again); a broken line before the end is an error naming the line."""
+    from specjax.train import _read_log
+
+    log = tmp_path / "train_log.jsonl"
+    log.write_text('{"step": 4, "loss": 1.5}\n{"step": 8, "loss": 1.2}\n{"step": 12, "lo')
+    assert _read_log(log, 8) == [{"step": 4, "loss": 1.5}, {"step": 8, "loss": 1.2}]
+    assert _read_log(log, 4) == [{"step": 4, "loss": 1.5}]
+    log.write_text('{"step": 4, "loss": 1.5}\n{"step": 8, "lo\n{"step": 12, "loss": 1.0}\n')
+    with pytest.raises(ValueError, match="line 2 is not a JSON record"):
+        _read_log(log, 12)
