@@ -15,9 +15,10 @@ Invariants:
   re-rotate them by the position delta, as llama.cpp's K-shift does.
 * A new token goes to the lowest free cell of its row, so holes left by a mid-range `seq_rm`
   are reused. When every row's occupied cells form a prefix (generation only removes
-  tails), the free cells are those from the high-water mark on; otherwise they are searched. Cell order carries no meaning:
-  attention visibility derives from positions alone (key visible iff pos_k >= 0 and
-  pos_k <= pos_q, and pos_q - pos_k < window on sliding-window layers).
+  tails), the free cells are those from the high-water mark on; otherwise they are searched.
+  Cell order carries no meaning: attention visibility derives from positions alone (key
+  visible iff pos_k >= 0 and pos_k <= pos_q, and pos_q - pos_k < window on sliding-window
+  layers).
 * Because new tokens take the lowest free cells, every occupied cell lies below the
   high-water mark `used_cells(cache.pos)`; attention reads only the chunks of cells below it,
   so per-token cost follows the used context, not the capacity.
@@ -100,11 +101,16 @@ class KVCache:
         )
 
 
-def used_cells(pos_BS: Array) -> Array:
-    """High-water mark: 1 + the highest occupied cell index over all rows (0 when empty)."""
+def row_high_water(pos_BS: Array) -> Array:
+    """Per row [B]: 1 + the highest occupied cell index (0 when the row is empty)."""
     S = pos_BS.shape[1]
     idx = jnp.arange(1, S + 1, dtype=jnp.int32)
-    return jnp.max(jnp.where(pos_BS >= 0, idx[None, :], 0))
+    return jnp.max(jnp.where(pos_BS >= 0, idx[None, :], 0), axis=1)
+
+
+def used_cells(pos_BS: Array) -> Array:
+    """High-water mark: 1 + the highest occupied cell index over all rows (0 when empty)."""
+    return jnp.max(row_high_water(pos_BS))
 
 
 def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:
@@ -117,7 +123,7 @@ def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:
     valid_BT = positions_BT >= 0
     rank_BT = jnp.cumsum(valid_BT, axis=1) - 1
     occupied_BS = pos_BS >= 0
-    high_water_B = jnp.max(jnp.where(occupied_BS, jnp.arange(1, S + 1)[None, :], 0), axis=1)
+    high_water_B = row_high_water(pos_BS)
     # Only tails are removed during generation, so the occupied cells of each row usually
     # form a prefix: then the free cells are simply those from the high-water mark on, found
     # with two reductions instead of a search over all S cells (O(S) scans dominated decode

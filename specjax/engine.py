@@ -339,9 +339,7 @@ def _verify_forward(
         logits, greedy, k, v, hidden = jax.lax.switch(
             index, [branch(w) for w in widths], (cache, v_tokens, v_pos)
         )
-    k_layers = tuple(k[i] for i in range(k.shape[0]))
-    v_layers = tuple(v[i] for i in range(v.shape[0]))
-    return logits, greedy, commit_kv(cache, v_pos, k_layers, v_layers, after=logits), hidden
+    return logits, greedy, commit_kv(cache, v_pos, tuple(k), tuple(v), after=logits), hidden
 
 
 def spec_step(

@@ -414,7 +414,7 @@ def verify_greedy(greedy_BT: Array, draft: DraftOutput) -> VerifyResult:
         n = _prefix_count(argmax_T[:k] == draft_K, valid_K.astype(bool))
         return _emit(draft_K, n, argmax_T[n], BRANCH_MATCH)
 
-    return jax.vmap(row)(greedy_BT.astype(jnp.int32), draft.tokens, draft.valid)
+    return jax.vmap(row)(greedy_BT, draft.tokens, draft.valid)
 
 
 # --------------------------------------------------------------------------------------------
