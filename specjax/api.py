@@ -135,7 +135,10 @@ def load(path: str, dtype: str | None = None) -> Model:
         wanted = default_compute_dtype(config.dtype)
         if wanted != config.dtype:
             config = dataclasses.replace(config, dtype=wanted)
-            params = jax.tree.map(lambda x: np.asarray(x).astype(wanted), params)
+            params = jax.tree.map(
+                lambda x: np.asarray(x).astype(wanted) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                params,
+            )
     else:
         config, params, tokenizer = load_model_files(path, dtype=dtype)
     return Model(
@@ -422,7 +425,7 @@ def cost_model(
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-        elif draft is not None and any(t == "draft-simple" for t in spec.types):
+        elif draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
             t, d = model.config, draft.config
             draft_step = max(d.L / t.L, d.num_params() / t.num_params())
     return CostModel(
@@ -511,6 +514,10 @@ def generate(
             for k, v in sampling_args.items()
         }
     k_max = spec.resolved_k_max() if spec else 0
+    if spec is not None and spec.k_max is None:
+        from specjax.drafters.base import chain_width
+
+        k_max = chain_width(drafters, k_max)  # the maximum over the chain's drafters
     T, S, out_cap = build_engine_inputs(
         model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max
     )

@@ -39,7 +39,13 @@ import jax.numpy as jnp
 from specjax import adaptive, sampling, verify
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
+from specjax.drafters.base import (
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    hidden_by_layer,
+)
 from specjax.models.config import ModelConfig
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass
@@ -179,7 +185,12 @@ def prefill(
     else:
         no_cells = jnp.zeros((B,), jnp.int32)
         states = tuple(d.rollback(s, no_cells) for d, s in zip(engine.drafters, states))
-    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, hidden=out.hidden, is_prompt=True)
+    batch = TargetBatch(
+        tokens=tokens_BT,
+        positions=positions_BT,
+        hidden=hidden_by_layer(engine.hidden_layers, out.hidden),
+        is_prompt=True,
+    )
     hist = TokenHistory(tokens=history, length=lengths_B)
     states = tuple(
         d.begin(d.process(p, s, batch), hist)
@@ -446,7 +457,9 @@ def spec_step(
 
     # drafter feedback: process the verify batch, accept, trim their memory
     if engine.drafters:
-        batch = TargetBatch(tokens=v_tokens, positions=v_pos, hidden=hidden)
+        batch = TargetBatch(
+            tokens=v_tokens, positions=v_pos, hidden=hidden_by_layer(engine.hidden_layers, hidden)
+        )
         new_states = []
         for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
             s = d.process(p, s, batch)
