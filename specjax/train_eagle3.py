@@ -136,9 +136,7 @@ def target_outputs(
     return out.logits, dict(zip(layers, out.hidden))
 
 
-def _ttt_attention(
-    cfg: e3.Eagle3Config, q: Array, ks: list[Array], vs: list[Array]
-) -> Array:
+def _ttt_attention(cfg: e3.Eagle3Config, q: Array, ks: list[Array], vs: list[Array]) -> Array:
     """Step j's attention (j = len(ks) - 1): anchor-causal over step-0 rows + own-anchor rows
     of steps 1..j. q [B, T, H, E], ks/vs [B, T, G, E] per step; returns [B, T, H * E]."""
     B, T, H, E = q.shape
@@ -161,6 +159,35 @@ def _ttt_attention(
     return out.reshape(B, T, H * E)
 
 
+def ttt_rollout(
+    cfg: e3.Eagle3Config,
+    n_steps: int,
+    params: Params,
+    shared: Params,
+    inputs_BT: Array,
+    feats_BTF: Array,
+) -> list[Array]:
+    """The head rolled out `n_steps` steps from every anchor P of the window: step j's
+    logits [B, T, V] at anchor P read token `inputs[P + j + 1]` (clipped at the window end)
+    and predict the token at position P + j + 2."""
+    B, T = inputs_BT.shape
+    g = e3.encode(cfg, params, feats_BTF)
+    anchors = jnp.arange(T, dtype=jnp.int32)
+    ks: list[Array] = []
+    vs: list[Array] = []
+    out = []
+    for j in range(n_steps):
+        tok = inputs_BT[:, jnp.minimum(anchors + j + 1, T - 1)]
+        pos = jnp.broadcast_to(anchors + j, (B, T))
+        qkv = e3.decoder_qkv(cfg, params, shared, tok, g, pos)
+        ks.append(qkv.k)
+        vs.append(qkv.v)
+        attn = _ttt_attention(cfg, qkv.q, ks, vs)
+        g = e3.decoder_out(cfg, params, attn, qkv.residual)
+        out.append(e3.head_logits(cfg, params, shared, g))
+    return out
+
+
 def ttt_loss(
     cfg: e3.Eagle3Config,
     n_steps: int,
@@ -173,32 +200,19 @@ def ttt_loss(
 ) -> tuple[Array, dict[str, Array]]:
     """Weighted soft cross-entropy of the rolled-out head against the target, per step."""
     B, T = inputs_BT.shape
-    g = e3.encode(cfg, params, feats_BTF)
     anchors = jnp.arange(T, dtype=jnp.int32)
-    t_logp = jax.nn.log_softmax(t_logits_BTV, axis=-1)
-    t_prob = jnp.exp(t_logp)
+    t_prob = jax.nn.softmax(t_logits_BTV, axis=-1)
     t_top = jnp.argmax(t_logits_BTV, axis=-1)
-    ks: list[Array] = []
-    vs: list[Array] = []
     total = jnp.zeros((), jnp.float32)
     wsum = 0.0
     metrics: dict[str, Array] = {}
-    for j in range(n_steps):
-        idx = anchors + j + 1  # input token t_{P+j+1}; target distribution at P+j+1
-        valid = idx <= T - 1
+    for j, logits in enumerate(ttt_rollout(cfg, n_steps, params, shared, inputs_BT, feats_BTF)):
+        idx = anchors + j + 1  # the target's distribution at P + j + 1
         idx_c = jnp.minimum(idx, T - 1)
-        tok = inputs_BT[:, idx_c]
-        pos = jnp.broadcast_to(anchors + j, (B, T))
-        qkv = e3.decoder_qkv(cfg, params, shared, tok, g, pos)
-        ks.append(qkv.k)
-        vs.append(qkv.v)
-        attn = _ttt_attention(cfg, qkv.q, ks, vs)
-        g = e3.decoder_out(cfg, params, attn, qkv.residual)
-        logits = e3.head_logits(cfg, params, shared, g)
         logq = jax.nn.log_softmax(logits, axis=-1)
         tp = t_prob[:, idx_c]
         ce = -jnp.sum(tp * jnp.where(tp > 0, logq, 0.0), axis=-1)  # [B, T]
-        m = jnp.broadcast_to(valid[None, :], (B, T)).astype(jnp.float32)
+        m = jnp.broadcast_to((idx <= T - 1)[None, :], (B, T)).astype(jnp.float32)
         ce_j = jnp.sum(ce * m) / jnp.sum(m)
         agree = (jnp.argmax(logits, axis=-1) == t_top[:, idx_c]).astype(jnp.float32)
         w = decay**j
@@ -256,7 +270,7 @@ def save_head(run_dir: Path, cfg: e3.Eagle3Config, params: Params, step: int) ->
     run_dir.mkdir(parents=True, exist_ok=True)
     flat = {k: np.asarray(v) for k, v in params.items()}
     tmp = run_dir / "params.tmp.npz"
-    np.savez(tmp, **flat)
+    np.savez(tmp, **flat)  # type: ignore[arg-type]
     tmp.replace(run_dir / "params.npz")
     (run_dir / "config.json").write_text(json.dumps({"head": cfg.to_dict(), "step": step}))
 
@@ -316,9 +330,9 @@ def train(config: Eagle3TrainConfig) -> dict[str, Any]:
             print(json.dumps(row), file=sys.stderr, flush=True)
         if val_batch is not None and (i + 1) % loop.eval_every == 0:
             _, vm = eval_fn(params, shared, target.params, val_batch)
-            row = {"step": i, "val": {k: round(float(v), 4) for k, v in vm.items()}}
-            log.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
+            vrow: dict[str, Any] = {"step": i, "val": {k: round(float(v), 4) for k, v in vm.items()}}
+            log.append(vrow)
+            print(json.dumps(vrow), file=sys.stderr, flush=True)
         if (i + 1) % loop.save_every == 0:
             save_head(run_dir, cfg, params, i + 1)
             (run_dir / "train_log.json").write_text(json.dumps(log))
