@@ -136,7 +136,9 @@ def load(path: str, dtype: str | None = None) -> Model:
         if wanted != config.dtype:
             config = dataclasses.replace(config, dtype=wanted)
             params = jax.tree.map(
-                lambda x: np.asarray(x).astype(wanted) if jnp.issubdtype(x.dtype, jnp.floating) else x,
+                lambda x: (
+                    np.asarray(x).astype(wanted) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                ),
                 params,
             )
     else:

@@ -212,9 +212,10 @@ def test_boundary_sequence_matches_plain_python_transcription(target, head):
     v_pos = np.array([[13, 14, -1, -1], [7, -1, -1, -1]])
     run_process(v_tok, v_pos)
     check()
-    state = accept(state, jnp.asarray([0, 0]), jnp.asarray([True, True]))
-    for b in range(B):
-        ref.accept(b, 0)
+    # (upstream clamps n_accepted to the rows process saw: row 1 verified only id_last)
+    state = accept(state, jnp.asarray([0, 2]), jnp.asarray([True, True]))
+    for b, n in enumerate([0, 2]):
+        ref.accept(b, n)
     check()
     # get_state agrees with upstream's blob
     for b in range(B):

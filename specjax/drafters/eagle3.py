@@ -238,10 +238,16 @@ class Eagle3Drafter:
                 token, alive, n, tokens, valid, q = sample(i, logits, alive, n, tokens, valid, q)
 
                 def step(operands):
-                    scratch, logits, g = operands
+                    scratch, _logits, g = operands
                     p = jnp.where(alive, state.pending_pos + i + 1, -1)
                     o = e3.decoder_compute(
-                        cfg, head, shared, token[:, None], g[:, None], p[:, None], cache,
+                        cfg,
+                        head,
+                        shared,
+                        token[:, None],
+                        g[:, None],
+                        p[:, None],
+                        cache,
                         extra=scratch,
                     )
                     assert o.logits is not None
