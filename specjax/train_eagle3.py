@@ -330,7 +330,10 @@ def train(config: Eagle3TrainConfig) -> dict[str, Any]:
             print(json.dumps(row), file=sys.stderr, flush=True)
         if val_batch is not None and (i + 1) % loop.eval_every == 0:
             _, vm = eval_fn(params, shared, target.params, val_batch)
-            vrow: dict[str, Any] = {"step": i, "val": {k: round(float(v), 4) for k, v in vm.items()}}
+            vrow: dict[str, Any] = {
+                "step": i,
+                "val": {k: round(float(v), 4) for k, v in vm.items()},
+            }
             log.append(vrow)
             print(json.dumps(vrow), file=sys.stderr, flush=True)
         if (i + 1) % loop.save_every == 0:

@@ -50,7 +50,7 @@ class Eagle3BoundaryRef:
             if b < 0 or e < 0:
                 continue
             pending = self.pending_pos[seq]
-            if pending >= 0 and pending + 1 == rows[b][1]:
+            if pending >= 0 and pending + 1 == rows[b][1]:  # noqa: SIM102 - as upstream
                 if pending > self.pos_max(seq):
                     added.append((seq, pending, rows[b][0], self.pending_g[seq].copy()))
             for k in range(b, e):
