@@ -135,6 +135,7 @@ def save_eagle3_gguf(
         w.write_tensors_to_file()
         w.close()
         os.replace(tmp, path)
+        os.chmod(path, 0o644)
     except BaseException:
         if os.path.exists(tmp):
             os.remove(tmp)
