@@ -70,6 +70,8 @@ class LoopConfig:
     eval_every: int = 200
     eval_windows: int = 16
     save_every: int = 100
+    #: a run directory whose params.npz starts this run (fresh optimiser state); "" = init
+    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -296,6 +298,10 @@ def train(config: Eagle3TrainConfig) -> dict[str, Any]:
     sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
     optimizer = make_optimizer(config.optim)
     params = e3.init_params(cfg, jax.random.key(loop.seed))
+    if loop.init_from:
+        init_cfg, params = load_head(loop.init_from)
+        if init_cfg != cfg:
+            raise ValueError(f"{loop.init_from}: head config differs from the recipe's")
     with jax.numpy_dtype_promotion("standard"):
         opt_state = optimizer.init(params)
     step_fn, eval_fn = make_step(cfg, target.config, loop, config.optim, optimizer)
