@@ -34,20 +34,25 @@ def test_llama_cpp_runs_the_shipped_head_with_the_same_acceptance(tmp_path):
     if not HEAD.exists():
         pytest.skip("models/code-eagle3 is not shipped")
     n = 128
-    proc = subprocess.run(
-        [
-            tool,
-            *("-m", str(TARGET), "-md", str(HEAD), "--spec-type", "draft-eagle3"),
-            *("-f", str(PROMPT), "-n", str(n), "--temp", "0", "-c", "2048", "-t", "2"),
-            *("--spec-draft-n-max", "4", "--seed", "0", "-lv", "4"),
-        ],
-        capture_output=True,
-        text=True,
-        env={**os.environ, "OMP_WAIT_POLICY": "passive"},
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-800:]
-    m = _STATS.search(proc.stderr)
+    # llama.cpp's logger thread is not joined at exit (issue #22142): on a busy machine the
+    # last lines, the statistics among them, are sometimes lost; such a run is repeated.
+    for _ in range(6):
+        proc = subprocess.run(
+            [
+                tool,
+                *("-m", str(TARGET), "-md", str(HEAD), "--spec-type", "draft-eagle3"),
+                *("-f", str(PROMPT), "-n", str(n), "--temp", "0", "-c", "2048", "-t", "2"),
+                *("--spec-draft-n-max", "4", "--seed", "0", "-lv", "4"),
+            ],
+            capture_output=True,
+            text=True,
+            env={**os.environ, "OMP_WAIT_POLICY": "passive"},
+            timeout=600,
+        )
+        assert proc.returncode == 0, proc.stderr[-800:]
+        m = _STATS.search(proc.stderr)
+        if m:
+            break
     assert m, proc.stderr[-800:]
     calls, accepted = int(m.group(1)), int(m.group(2))
     llama_len = 1 + accepted / calls
