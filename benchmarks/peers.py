@@ -69,7 +69,16 @@ PROMPT_FILES = {
     "repetitive": PROMPTS / "repetitive.py",  # code that repeats a block: n-grams match
     "norepeat": PROMPTS / "norepeat.py",  # little to match
 }
-SPEC_TYPES = ("draft-simple", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache")
+SPEC_TYPES = (
+    "draft-simple",
+    "draft-eagle3",
+    "ngram-simple",
+    "ngram-mod",
+    "ngram-map-k",
+    "ngram-cache",
+)
+#: The EAGLE-3 head for code-target (draft-eagle3 cases are skipped when it is missing).
+DEFAULT_EAGLE3 = ROOT / "models" / "code-eagle3" / "code-eagle3-f16.gguf"
 #: Lookup n-gram length that cannot match within prompt + output (the longest both allow):
 #: the drafter runs every round and proposes nothing (min_hits would not do: llama.cpp's
 #: ngram-map-k ignores it in key-only mode, and the model's own output repeats itself).
@@ -216,8 +225,10 @@ class Llama:
         threads: int,
         n_predict: int,
         omp_wait_policy: str = "passive",
+        eagle3: str | None = None,
     ):
         self.bin_dir, self.target, self.draft = bin_dir, target, draft
+        self.eagle3 = eagle3
         self.common = ["-t", str(threads), "--temp", "0", "-n", str(n_predict), "-lv", "4"]
         self.env = dict(os.environ)
         if omp_wait_policy:
@@ -241,6 +252,8 @@ class Llama:
         ]
         if spec_type == "draft-simple":
             cmd += ["-md", self.draft]
+        if spec_type == "draft-eagle3" and self.eagle3:
+            cmd += ["-md", self.eagle3]
         return cmd
 
     def run(self, cmd: list[str], prompt_text: str | None = None) -> dict[str, Any]:
@@ -270,9 +283,10 @@ class Llama:
 
 
 class Specjax:
-    def __init__(self, target: str, draft: str, n_predict: int):
+    def __init__(self, target: str, draft: str, n_predict: int, eagle3: str | None = None):
         self.model = specjax.load(target)
         self.draft = specjax.load(draft)
+        self.eagle3 = specjax.load(eagle3) if eagle3 else None
         self.n_predict = n_predict
         self.compile_seconds: dict[str, float] = {}
 
@@ -287,6 +301,8 @@ class Specjax:
         kwargs = dict(max_new_tokens=self.n_predict, n_ctx=n_ctx, spec=spec, temperature=0.0)
         if spec is not None and "draft-simple" in spec.types:
             kwargs["draft"] = self.draft
+        if spec is not None and "draft-eagle3" in spec.types:
+            kwargs["draft"] = self.eagle3
         if key not in self.compile_seconds:  # warm-up: compiles (or loads from the cache)
             first = specjax.generate(self.model, [ids], **kwargs)
             self.compile_seconds[key] = float(first.timings.get("compile_seconds", 0.0))
@@ -364,15 +380,27 @@ def _summary(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     bin_dir = find_llamacpp()
     llama = (
-        Llama(bin_dir, args.model, args.draft, args.threads, args.n_predict, args.omp_wait_policy)
+        Llama(
+            bin_dir,
+            args.model,
+            args.draft,
+            args.threads,
+            args.n_predict,
+            args.omp_wait_policy,
+            eagle3=args.eagle3,
+        )
         if bin_dir
         else None
     )
-    sj = Specjax(args.model, args.draft, args.n_predict)
+    sj = Specjax(args.model, args.draft, args.n_predict, args.eagle3)
     texts = {name: path.read_text(encoding="utf-8") for name, path in PROMPT_FILES.items()}
     ids = {name: sj.ids(text) for name, text in texts.items()}
     spec_prompts = ["main", "repetitive"] if not args.quick else ["repetitive"]
-    spec_types = SPEC_TYPES if not args.quick else ("draft-simple", "ngram-mod")
+    spec_types = SPEC_TYPES if not args.quick else ("draft-simple", "draft-eagle3", "ngram-mod")
+    if args.spec_types:
+        spec_types = tuple(args.spec_types.split(","))
+    if not args.eagle3:
+        spec_types = tuple(t for t in spec_types if t != "draft-eagle3")
 
     # (name, llama command or None, specjax thunk, prompt name)
     cases: list[tuple[str, list[str] | None, Callable[[], dict[str, Any]], str]] = []
@@ -383,40 +411,44 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cases.append((name, cmd, lambda: sj.run(name, ids[prompt], n_ctx), prompt))
 
     def add_spec(name: str, prompt: str, spec_type: str, extra=(), **spec_kwargs: Any) -> None:
+        if spec_type == "draft-eagle3":  # acceptance compared with llama.cpp: no governor
+            spec_kwargs.setdefault("adaptive", False)
         cfg = specjax.SpecConfig(types=(spec_type,), draft_n_max=4, **spec_kwargs)
         cmd = llama.speculative(PROMPT_FILES[prompt], 2048, spec_type, extra) if llama else None
         cases.append((name, cmd, lambda: sj.run(name, ids[prompt], 2048, cfg), prompt))
 
     add_plain("main", 2048)
-    add_plain("short", 512)
-    add_plain("short", 8192)
+    if not args.spec_types:
+        add_plain("short", 512)
+        add_plain("short", 8192)
     for prompt in spec_prompts:
         if prompt != "main":
             add_plain(prompt, 2048)
         for spec_type in spec_types:
             add_spec(f"spec/{prompt}/{spec_type}", prompt, spec_type)
-    add_plain("norepeat", 2048)
-    add_spec(
-        "nodraft/norepeat/ngram-simple",
-        "norepeat",
-        "ngram-simple",
-        extra=("--spec-ngram-simple-size-n", str(NO_MATCH_N)),
-        ngram_simple_size_n=NO_MATCH_N,
-    )
-    add_spec(
-        "nodraft/norepeat/ngram-map-k",
-        "norepeat",
-        "ngram-map-k",
-        extra=("--spec-ngram-map-k-size-n", str(NO_MATCH_N)),
-        ngram_map_k_size_n=NO_MATCH_N,
-    )
-    add_spec(
-        "nodraft/norepeat/ngram-mod",
-        "norepeat",
-        "ngram-mod",
-        extra=("--spec-ngram-mod-n-match", str(NO_MATCH_N)),
-        ngram_mod_n_match=NO_MATCH_N,
-    )
+    if not args.spec_types:  # the no-draft cases (skipped when only some drafters run)
+        add_plain("norepeat", 2048)
+        add_spec(
+            "nodraft/norepeat/ngram-simple",
+            "norepeat",
+            "ngram-simple",
+            extra=("--spec-ngram-simple-size-n", str(NO_MATCH_N)),
+            ngram_simple_size_n=NO_MATCH_N,
+        )
+        add_spec(
+            "nodraft/norepeat/ngram-map-k",
+            "norepeat",
+            "ngram-map-k",
+            extra=("--spec-ngram-map-k-size-n", str(NO_MATCH_N)),
+            ngram_map_k_size_n=NO_MATCH_N,
+        )
+        add_spec(
+            "nodraft/norepeat/ngram-mod",
+            "norepeat",
+            "ngram-mod",
+            extra=("--spec-ngram-mod-n-match", str(NO_MATCH_N)),
+            ngram_mod_n_match=NO_MATCH_N,
+        )
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         c[0]: {"llama": [], "specjax": []} for c in cases
@@ -545,8 +577,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             }
         )
     report["speculative"] = [r for r in spec_rows if r["kind"] == "spec"]
+    # draft-eagle3: the same head in both programs (the 10% criterion)
+    report["eagle3"] = [
+        {
+            "case": r["case"],
+            "llama_mean_acc_len": r["llama_mean_acc_len"],
+            "specjax_mean_acc_len": r["specjax_mean_acc_len"],
+            "specjax_over_llama": _ratio(r["specjax_mean_acc_len"], r["llama_mean_acc_len"]),
+        }
+        for r in spec_rows
+        if r["drafter"] == "draft-eagle3"
+    ]
     report["no_draft"] = [r for r in spec_rows if r["kind"] == "nodraft"]
-    report["cli"] = measure_cli(args, llama)
+    report["cli"] = measure_cli(args, llama) if not args.no_cli else {}
     report["memory"] = {
         "kv_cache_bytes": {
             "llama_c2048": side(main, "llama", "kv_cache_bytes"),
@@ -695,6 +738,11 @@ def main() -> None:
     )
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
     ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument(
+        "--eagle3",
+        default=str(DEFAULT_EAGLE3) if DEFAULT_EAGLE3.exists() else "",
+        help="EAGLE-3 head for draft-eagle3 ('' = skip those cases)",
+    )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp -t")
     ap.add_argument(
@@ -706,6 +754,8 @@ def main() -> None:
     )
     ap.add_argument("--n-predict", type=int, default=256)
     ap.add_argument("--quick", action="store_true", help="fewer drafters and prompts")
+    ap.add_argument("--spec-types", default="", help="comma list: only these drafters")
+    ap.add_argument("--no-cli", action="store_true", help="skip the whole-CLI measurements")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers.json"))
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG of --out")
     args = ap.parse_args()

@@ -135,7 +135,12 @@ def load(path: str, dtype: str | None = None) -> Model:
         wanted = default_compute_dtype(config.dtype)
         if wanted != config.dtype:
             config = dataclasses.replace(config, dtype=wanted)
-            params = jax.tree.map(lambda x: np.asarray(x).astype(wanted), params)
+            params = jax.tree.map(
+                lambda x: (
+                    np.asarray(x).astype(wanted) if jnp.issubdtype(x.dtype, jnp.floating) else x
+                ),
+                params,
+            )
     else:
         config, params, tokenizer = load_model_files(path, dtype=dtype)
     return Model(
@@ -422,7 +427,7 @@ def cost_model(
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-        elif draft is not None and any(t == "draft-simple" for t in spec.types):
+        elif draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
             t, d = model.config, draft.config
             draft_step = max(d.L / t.L, d.num_params() / t.num_params())
     return CostModel(
@@ -464,6 +469,7 @@ def generate(
     stop: Sequence[str] = (),
     cache_type_k: str = "f16",
     cache_type_v: str = "f16",
+    n_ubatch: int = 0,
     _slots: _Slots | None = None,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
@@ -476,6 +482,8 @@ def generate(
     ValueError). `stop` strings end a row's text at their first occurrence (applied on
     the host after the device loop, which itself stops at end-of-generation tokens and
     max_new_tokens); the row's tokens are cut after the token completing the stop string.
+    `n_ubatch` (llama.cpp's `-ub`) prefills the prompt in chunks of that many tokens, each
+    chunk processed by the drafters (0 = one forward over the whole prompt).
     `cache_type_k` / `cache_type_v` (`f32`, `f16`, `bf16`; llama.cpp's `-ctk` / `-ctv`) set
     the target's KV cache types, F16 by default as in llama.cpp. Compilation is cached per static shape; `timings["compile_seconds"]`
     reports it apart from prefill/decode time. Drafter state lives for one call; a
@@ -483,6 +491,8 @@ def generate(
     """
     from specjax.drafters.registry import build_drafters
 
+    if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
+        raise ValueError(f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}")
     prompt_ids = _tokenize_prompts(model, prompts)
     n_prompts = len(prompt_ids)
     B = n_prompts if _slots is None else _slots.batch
@@ -511,6 +521,10 @@ def generate(
             for k, v in sampling_args.items()
         }
     k_max = spec.resolved_k_max() if spec else 0
+    if spec is not None and spec.k_max is None:
+        from specjax.drafters.base import chain_width
+
+        k_max = chain_width(drafters, k_max)  # the maximum over the chain's drafters
     T, S, out_cap = build_engine_inputs(
         model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max
     )
@@ -537,6 +551,7 @@ def generate(
         synthetic=synth is not None,
         cache_type_k=cache_dtype(cache_type_k),
         cache_type_v=cache_dtype(cache_type_v),
+        n_ubatch=int(n_ubatch),
     )
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompt_ids):

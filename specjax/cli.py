@@ -22,6 +22,7 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "file": None,
     "n_predict": 64,
     "ctx_size": 0,
+    "ubatch_size": 0,
     "temp": 0.0,
     "top_k": 0,
     "top_p": 1.0,
@@ -74,6 +75,13 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("-n", "--n-predict", type=int, help="tokens to generate per prompt")
     p.add_argument(
         "-c", "--ctx-size", type=int, help="context size (0 = from prompt and n-predict)"
+    )
+    p.add_argument(
+        "-ub",
+        "--ubatch-size",
+        type=int,
+        help="prefill the prompt in chunks of this many tokens, each chunk processed by the "
+        "drafters (llama.cpp's n_ubatch; 0 = the whole prompt at once)",
     )
     p.add_argument("--temp", type=float)
     p.add_argument("--top-k", type=int)
@@ -250,8 +258,9 @@ def generate_main(argv: list[str]) -> int:
     draft = None
     if opts.get("spec_draft_model"):
         draft = load(opts["spec_draft_model"])
-    if spec is not None and "draft-simple" in spec.types and draft is None:
-        raise SystemExit("error: --spec-type draft-simple needs -md/--spec-draft-model")
+    for needs in ("draft-simple", "draft-eagle3"):
+        if spec is not None and needs in spec.types and draft is None:
+            raise SystemExit(f"error: --spec-type {needs} needs -md/--spec-draft-model")
     print(
         f"specjax: model {opts['model']} ({model.config.num_params() / 1e6:.2f}M params), "
         f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
@@ -270,6 +279,7 @@ def generate_main(argv: list[str]) -> int:
         n_ctx=int(opts["ctx_size"]) or None,
         spec=spec,
         draft=draft,
+        n_ubatch=int(opts["ubatch_size"] or 0),
     )
     for prompt, text in zip(prompts, result.text):
         sys.stdout.write(prompt + text + "\n")

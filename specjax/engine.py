@@ -39,7 +39,13 @@ import jax.numpy as jnp
 from specjax import adaptive, sampling, verify
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
+from specjax.drafters.base import (
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    hidden_by_layer,
+)
 from specjax.models.config import ModelConfig
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass
@@ -69,6 +75,10 @@ class Engine:
     #: KV cache dtypes of the target (llama.cpp's `-ctk` / `-ctv`); None = the model's dtype.
     cache_type_k: str | None = None
     cache_type_v: str | None = None
+    #: Prefill chunk (llama.cpp's `n_ubatch`, `-ub`): the prompt is evaluated in chunks of
+    #: this many tokens and every chunk is handed to the drafters' `process` (EAGLE-3's
+    #: cross-ubatch bridge); 0 = the whole prompt in one forward.
+    n_ubatch: int = 0
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -151,19 +161,30 @@ def prefill(
     )
     cache = new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v)
     last_idx = jnp.maximum(lengths_B - 1, 0)
-    out = forward_compute(
-        engine.target,
-        target_params,
-        tokens_BT,
-        positions_BT,
-        cache,
-        engine.hidden_layers,
-        cache_empty=True,
-        logit_index=last_idx,
-    )
-    cache = commit_kv(cache, positions_BT, out.k, out.v)
-    assert out.logits is not None
-    logits_BV = out.logits[:, 0]
+    if states is None:
+        states = tuple(d.init(B, S) for d in engine.drafters)
+    else:
+        no_cells = jnp.zeros((B,), jnp.int32)
+        states = tuple(d.rollback(s, no_cells) for d, s in zip(engine.drafters, states))
+    chunked = 0 < engine.n_ubatch < T
+    if chunked:
+        cache, logits_BV, states = _prefill_chunked(
+            engine, target_params, drafter_params, tokens_BT, positions_BT, lengths_B, cache, states
+        )
+    else:
+        out = forward_compute(
+            engine.target,
+            target_params,
+            tokens_BT,
+            positions_BT,
+            cache,
+            engine.hidden_layers,
+            cache_empty=True,
+            logit_index=last_idx,
+        )
+        cache = commit_kv(cache, positions_BT, out.k, out.v)
+        assert out.logits is not None
+        logits_BV = out.logits[:, 0]
     history = jnp.zeros((B, S), jnp.int32).at[:, :T].set(jnp.where(positions_BT >= 0, tokens_BT, 0))
     window = _history_window(history, lengths_B, engine.penalty_window)
     logits_BV = jax.vmap(sampling.apply_penalties)(
@@ -174,17 +195,18 @@ def prefill(
     )
     first = sampling.sample(logits_BV, run.sampling, keys)
 
-    if states is None:
-        states = tuple(d.init(B, S) for d in engine.drafters)
-    else:
-        no_cells = jnp.zeros((B,), jnp.int32)
-        states = tuple(d.rollback(s, no_cells) for d, s in zip(engine.drafters, states))
-    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, hidden=out.hidden, is_prompt=True)
+    if not chunked:
+        batch = TargetBatch(
+            tokens=tokens_BT,
+            positions=positions_BT,
+            hidden=hidden_by_layer(engine.hidden_layers, out.hidden),
+            is_prompt=True,
+        )
+        states = tuple(
+            d.process(p, s, batch) for d, p, s in zip(engine.drafters, drafter_params, states)
+        )
     hist = TokenHistory(tokens=history, length=lengths_B)
-    states = tuple(
-        d.begin(d.process(p, s, batch), hist)
-        for d, p, s in zip(engine.drafters, drafter_params, states)
-    )
+    states = tuple(d.begin(s, hist) for d, s in zip(engine.drafters, states))
     out_tokens = jnp.zeros((B, out_cap), jnp.int32).at[:, 0].set(first)
     is_eog = _is_eog(engine, first)
     # llama.cpp stops when the context is full: the last token it emits sits at position S-1
@@ -212,6 +234,64 @@ def prefill(
         governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
     )
+
+
+def _prefill_chunked(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    tokens_BT: Array,
+    positions_BT: Array,
+    lengths_B: Array,
+    cache: KVCache,
+    states: tuple[Any, ...],
+) -> tuple[KVCache, Array, tuple[Any, ...]]:
+    """The prompt in chunks of `engine.n_ubatch` tokens (a scan): each chunk's forward reads
+    the cache the earlier chunks wrote, and each chunk is `process`ed by every drafter, as
+    llama.cpp's server processes a prompt batch by batch. Returns the cache, the logits of
+    every row's last prompt token [B, V] and the processed drafter states."""
+    B, T = tokens_BT.shape
+    U = engine.n_ubatch
+    n = -(-T // U)
+    pad = n * U - T
+    tok_nBU = jnp.pad(tokens_BT, ((0, 0), (0, pad))).reshape(B, n, U).transpose(1, 0, 2)
+    pos_nBU = jnp.pad(positions_BT, ((0, 0), (0, pad)), constant_values=-1)
+    pos_nBU = pos_nBU.reshape(B, n, U).transpose(1, 0, 2)
+    last = jnp.maximum(lengths_B - 1, 0)
+
+    def body(carry, xs):
+        cache, logits_BV, states = carry
+        c, tok_BU, pos_BU = xs
+        idx = jnp.clip(last - c * U, 0, U - 1)
+        out = forward_compute(
+            engine.target,
+            target_params,
+            tok_BU,
+            pos_BU,
+            cache,
+            engine.hidden_layers,
+            logit_index=idx,
+        )
+        assert out.logits is not None
+        cache = commit_kv(cache, pos_BU, out.k, out.v, after=out.logits)
+        here = (last >= c * U) & (last < (c + 1) * U)
+        logits_BV = jnp.where(here[:, None], out.logits[:, 0], logits_BV)
+        batch = TargetBatch(
+            tokens=tok_BU,
+            positions=pos_BU,
+            hidden=hidden_by_layer(engine.hidden_layers, out.hidden),
+            is_prompt=True,
+        )
+        states = tuple(
+            d.process(p, s, batch) for d, p, s in zip(engine.drafters, drafter_params, states)
+        )
+        return (cache, logits_BV, states), None
+
+    logits0 = jnp.zeros((B, engine.target.V), jnp.float32)
+    (cache, logits_BV, states), _ = jax.lax.scan(
+        body, (cache, logits0, states), (jnp.arange(n, dtype=jnp.int32), tok_nBU, pos_nBU)
+    )
+    return cache, logits_BV, states
 
 
 # ----------------------------------------------------------------------------------------
@@ -453,7 +533,9 @@ def spec_step(
 
     # drafter feedback: process the verify batch, accept, trim their memory
     if engine.drafters:
-        batch = TargetBatch(tokens=v_tokens, positions=v_pos, hidden=hidden)
+        batch = TargetBatch(
+            tokens=v_tokens, positions=v_pos, hidden=hidden_by_layer(engine.hidden_layers, hidden)
+        )
         new_states = []
         for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
             s = d.process(p, s, batch)

@@ -9,7 +9,17 @@ static configuration (it can be a jit static argument) and implementing:
     draft(params, state, inp, k_max)              -> (state, DraftOutput)
     accept(state, n_accepted, is_other, active)   -> state     feedback after verification
     rollback(state, keep)                         -> state     seq_rm(row, keep[row], -1) on own memory
-    get_state(state) / set_state(state, blob)                  optional per-row checkpoint state
+    get_state(state, row) -> bytes | None                      optional per-row checkpoint blob
+    set_state(state, row, blob) -> state                       (ignores a blob of the wrong size)
+
+Static facts a drafter instance reports (attributes, class-level or per instance):
+* `hidden_layers`: target layer ids whose features `process` reads from
+  `TargetBatch.hidden` (a dict keyed by layer id: id i < L is the input of layer i, id L the
+  last layer's output before the final norm, llama.cpp's rule for an id equal to n_layer).
+  The engine evaluates the union over the chain; each drafter reads its own ids by key.
+* `max_draft_len` (optional): the longest draft it produces; the engine's static draft
+  width K is the maximum over the chain (`chain_width`). Without it the width comes from
+  the spec's per-type rule (`SpecConfig.resolved_k_max`).
 
 Conventions (all arrays are per row, B = batch):
 * `history.tokens [B, S]` holds the tokens in the target's memory, positions 0..length-1;
@@ -30,6 +40,8 @@ Conventions (all arrays are per row, B = batch):
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import jax.numpy as jnp
@@ -79,7 +91,8 @@ class TargetBatch:
 
     tokens: Array  # [B, T] int32
     positions: Array  # [B, T] int32, -1 = padding (not evaluated)
-    hidden: tuple[Array, ...] = ()  # [B, T, D] per layer the chain asked for (static list)
+    #: {layer id: [B, T, D]} for every layer the chain asked for (keys static)
+    hidden: dict[int, Array] = dataclasses.field(default_factory=dict)
     #: True for the prompt (prefill), False for a verify batch (static).
     is_prompt: bool = static_field(default=False)
 
@@ -123,8 +136,9 @@ class Drafter(Protocol):
     """Structural type every drafter implements (see module docstring)."""
 
     name: ClassVar[str]
-    #: Target layers whose input hiddens this drafter reads in `process` (static).
-    hidden_layers: ClassVar[tuple[int, ...]]
+    #: Target layer ids whose features this drafter reads in `process` (static; a class
+    #: attribute or, for drafters whose layers come from their model file, per instance).
+    hidden_layers: tuple[int, ...]
 
     def init(self, batch: int, capacity: int) -> Any: ...
 
@@ -139,6 +153,18 @@ class Drafter(Protocol):
     def accept(self, state: Any, n_accepted: Array, is_other: Array, active: Array) -> Any: ...
 
     def rollback(self, state: Any, keep: Array) -> Any: ...
+
+
+def hidden_by_layer(layers: Sequence[int], hidden: Sequence[Array]) -> dict[int, Array]:
+    """The target forward's hiddens (in `layers` order) as `TargetBatch.hidden`."""
+    return dict(zip(layers, hidden))
+
+
+def chain_width(drafters: Sequence[Any], fallback: int) -> int:
+    """Static draft width K: the maximum `max_draft_len` over the chain; drafters without one
+    count as `fallback` (the spec's per-type width)."""
+    widths = [int(getattr(d, "max_draft_len", fallback)) for d in drafters]
+    return max([1, *widths]) if drafters else fallback
 
 
 class ModelFreeDrafter:

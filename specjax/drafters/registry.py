@@ -39,6 +39,51 @@ def _draft_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     return drafter, draft.params
 
 
+def _draft_eagle3(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
+    from specjax.config import DRAFT_K_MIN
+    from specjax.drafters.eagle3 import Eagle3Drafter
+    from specjax.models.eagle3 import Eagle3Config, shared_weights
+
+    if draft is None:
+        raise ValueError("draft-eagle3 needs an EAGLE-3 head (-md/--spec-draft-model)")
+    cfg = draft.config
+    if not isinstance(cfg, Eagle3Config):
+        raise ValueError(
+            "draft-eagle3 needs a draft model of architecture eagle3 (expected 3 extract "
+            f"layers), got {getattr(cfg, 'arch', type(cfg).__name__)!r}"
+        )
+    tc = target.config
+    if cfg.target_hidden != tc.D:
+        raise ValueError(
+            f"EAGLE-3 head expects target hidden size {cfg.target_hidden}, the target has {tc.D}"
+        )
+    for layer in cfg.target_layers:
+        if layer > tc.L:
+            raise ValueError(f"EAGLE3: target layer id {layer} exceeds target n_layer {tc.L}")
+    if cfg.V != tc.V:
+        raise ValueError(f"EAGLE-3 head vocabulary {cfg.V} differs from the target's {tc.V}")
+    if not cfg.own_embed and cfg.D != tc.D:
+        raise ValueError(
+            f"EAGLE-3 head of width {cfg.D} has no token embeddings and cannot use the "
+            f"target's (width {tc.D})"
+        )
+    if target.tokenizer is not None and draft.tokenizer is not None:
+        from specjax.drafters.draft_simple import check_vocab_compatible
+
+        check_vocab_compatible(target.tokenizer, draft.tokenizer, tc.V, cfg.V)
+    drafter = Eagle3Drafter(
+        config=cfg,
+        hidden_layers=tuple(sorted(set(cfg.target_layers))),
+        max_draft_len=max(spec.draft_n_max, DRAFT_K_MIN) if spec.k_max is None else spec.k_max,
+        probabilistic=spec.draft_sampling == "probabilistic",
+    )
+    params = {
+        "head": draft.params,
+        "shared": shared_weights(cfg, target.params, tc.tie_embeddings),
+    }
+    return drafter, params
+
+
 def _ngram_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_simple import NgramSimple
 
@@ -87,6 +132,7 @@ def _ngram_cache(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
 
 _BUILDERS: dict[str, Callable[[SpecConfig, Any, Any], tuple[Any, Any]]] = {
     "draft-simple": _draft_simple,
+    "draft-eagle3": _draft_eagle3,
     "ngram-simple": _ngram_simple,
     "ngram-mod": _ngram_mod,
     "ngram-map-k": _ngram_map_k,

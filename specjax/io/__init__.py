@@ -26,10 +26,15 @@ def load_model_files(
     if os.path.isdir(path):
         return load_hf(path, dtype=dtype)
     if os.path.isfile(path):
+        with open(path, "rb") as f:
+            is_gguf = f.read(4) == b"GGUF"
+        if is_gguf:
+            from specjax.io.eagle3_gguf import ARCH, gguf_architecture, load_eagle3_gguf
+
+            if gguf_architecture(path) == ARCH:  # an EAGLE-3 head: (Eagle3Config, ...)
+                return load_eagle3_gguf(path, dtype=dtype)  # type: ignore[return-value]
+            return load_gguf(path, dtype=dtype)
         if path.lower().endswith(".gguf"):
             return load_gguf(path, dtype=dtype)
-        with open(path, "rb") as f:
-            if f.read(4) == b"GGUF":
-                return load_gguf(path, dtype=dtype)
         raise ModelFileError(f"{path}: neither a .gguf file nor a Hugging Face model directory")
     raise ModelFileError(f"{path}: no such file or directory")

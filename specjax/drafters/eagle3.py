@@ -1,0 +1,326 @@
+"""draft-eagle3: an EAGLE-3 head reading the target's features (llama.cpp section 5.2).
+
+Input convention: at memory position P the head's decoder consumes `(t_{P+1}, g_P)` -- the
+NEXT token with the feature of P -- so the last row of every target batch cannot be written
+when the batch is processed: its token is not known yet. That deferred boundary is explicit
+per-row state (upstream's `common_speculative_impl_draft_eagle3`):
+
+    pending_g [B, D], pending_pos [B]   the deferred row's g and position (-1 = none)
+    verify_g [B, R, D], verify_pos_first [B], verify_rows [B]
+                                         snapshot of the last `process`, for `accept`
+
+* `process(batch)`: g = fc(features of the target's `hidden_layers`) for every row; per row
+  with evaluated tokens `[beg, end]`: (a) the cross-ubatch bridge -- when `pending_pos >= 0`,
+  `pending_pos + 1 == pos[beg]` and `pending_pos` is above the head's highest cached
+  position, write `(token[beg], pending_g)` at `pending_pos`; (b) write `(token[k+1], g[k])`
+  at `pos[k]` for k in beg..end-1; (c) snapshot: `verify_pos_first = pos[beg]`,
+  `pending_pos = pos[end]`, `verify_g = g[beg..end]`, `pending_g = g[end]`. Rows of a batch
+  with no evaluated token are untouched. (The rows of rejected drafts are written too, as
+  upstream; `rollback` and the seq_rm in `draft` drop them.)
+* `accept(n)`: `i = min(n, rows - 1)`; `pending_pos = verify_pos_first + i`,
+  `pending_g = verify_g[i]`.
+* `draft`: rows asked to draft with `pending_pos >= 0`: `seq_rm(row, pending_pos, -1)`, write
+  `(id_last, pending_g)` at `pending_pos` (kept in the cache), then step i = 0, 1, ...: top-10
+  softmax of the row's logits, take the argmax; stop when its probability is < p_min (token
+  not added); append; stop when the length reaches the draft model's n_max (`draft_n_max`,
+  at least 1 token; the caller's budget `n_max` is NOT applied here -- the relay truncates,
+  as upstream); else feed `(token, prenorm)` at `pending_pos + i + 1`. Drafts shorter than
+  n_min are cleared. Drafted rows live in a scratch, never in the cache (upstream removes
+  them after drafting: `seq_rm(draft, pos_max + 1, -1)`).
+* `rollback(keep)`: `seq_rm(row, keep, -1)` on the head's cache only (the boundary stays).
+* `get_state` / `set_state`: upstream's blob, little-endian int32 `pending_pos` followed by
+  D float32 of `pending_g`; `get_state` returns None when `pending_pos < 0`, `set_state`
+  ignores a blob of the wrong size. (Upstream only stashes it for recurrent/hybrid targets,
+  whose checkpoints lose the boundary; here it is always available.)
+* Probabilistic mode (`--spec-draft-sampling probabilistic`), as draft-simple: rows at
+  temperature > 0 sample their drafts from the tempered top-10 and return q for rejection
+  sampling; rows at temperature 0 draft the argmax.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling
+from specjax.cache import KVCache, keep_prefix
+from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.draft_simple import DRAFT_SEED_XOR, DRAFT_TOP_K
+from specjax.models import eagle3 as e3
+from specjax.models.llama import ExtraKV, commit_kv, new_cache
+from specjax.pytree import pytree_dataclass, replace
+from specjax.types import Array
+
+
+@pytree_dataclass
+class Eagle3State:
+    cache: KVCache  # the decoder layer's KV ([B, G, S, E], one layer)
+    pending_g: Array  # [B, D] float32
+    pending_pos: Array  # [B] int32, -1 = no boundary yet
+    verify_g: Array  # [B, S, D] float32, rows 0..verify_rows-1 valid
+    verify_pos_first: Array  # [B] int32
+    verify_rows: Array  # [B] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Drafter:
+    name: ClassVar[str] = "draft-eagle3"
+
+    config: e3.Eagle3Config
+    #: target layer ids whose inputs `process` reads (the head's extract_layers)
+    hidden_layers: tuple[int, ...]
+    #: the longest draft this drafter produces (static: part of the chain's draft width)
+    max_draft_len: int
+    probabilistic: bool = False
+    top_k: int = DRAFT_TOP_K
+
+    def init(self, batch: int, capacity: int) -> Eagle3State:
+        D = self.config.D
+        return Eagle3State(
+            cache=new_cache(self.config.layer_config, batch, capacity),
+            pending_g=jnp.zeros((batch, D), jnp.float32),
+            pending_pos=jnp.full((batch,), -1, jnp.int32),
+            verify_g=jnp.zeros((batch, capacity, D), jnp.float32),
+            verify_pos_first=jnp.full((batch,), -1, jnp.int32),
+            verify_rows=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def begin(self, state: Eagle3State, history: TokenHistory) -> Eagle3State:
+        del history  # upstream only warns when process() missed a prefill chunk
+        return state
+
+    # ----------------------------------------------------------------------------- process
+    def process(self, params: Any, state: Eagle3State, batch: TargetBatch) -> Eagle3State:
+        cfg = self.config
+        head, shared = params["head"], params["shared"]
+        tokens, pos = batch.tokens, batch.positions
+        B, T = tokens.shape
+        valid = pos >= 0
+        has = jnp.any(valid, axis=1)
+        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)
+        end = (T - 1 - jnp.argmax(valid[:, ::-1], axis=1)).astype(jnp.int32)
+        pos_beg = jnp.take_along_axis(pos, beg[:, None], axis=1)[:, 0]
+        pos_end = jnp.take_along_axis(pos, end[:, None], axis=1)[:, 0]
+        feats = e3.gather_features(cfg, batch.hidden)
+        g = e3.encode(cfg, head, feats).astype(jnp.float32)  # [B, T, D]
+
+        dft_pos_max = jnp.max(state.cache.pos, axis=1)
+        bridge = (
+            has
+            & (state.pending_pos >= 0)
+            & (state.pending_pos + 1 == pos_beg)
+            & (state.pending_pos > dft_pos_max)
+        )
+        col = jnp.arange(T)[None, :]
+        main = has[:, None] & (col >= beg[:, None]) & (col < end[:, None])
+        next_tok = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
+        bridge_tok = jnp.take_along_axis(tokens, beg[:, None], axis=1)
+        dec_tok = jnp.concatenate([bridge_tok, next_tok], axis=1)
+        dec_g = jnp.concatenate([state.pending_g[:, None], g], axis=1)
+        dec_pos = jnp.concatenate(
+            [
+                jnp.where(bridge, state.pending_pos, -1)[:, None],
+                jnp.where(main, pos, -1),
+            ],
+            axis=1,
+        ).astype(jnp.int32)
+        out = e3.decoder_compute(
+            cfg, head, shared, dec_tok, dec_g.astype(cfg.dtype), dec_pos, state.cache, logits=False
+        )
+        cache = commit_kv(state.cache, dec_pos, out.k, out.v, after=out.prenorm)
+
+        idx = jnp.clip(beg[:, None] + jnp.arange(T)[None, :], 0, T - 1)
+        g_rows = jnp.take_along_axis(g, idx[..., None], axis=1)
+        new_vg = jax.lax.dynamic_update_slice_in_dim(state.verify_g, g_rows, 0, axis=1)
+        g_end = jnp.take_along_axis(g, end[:, None, None], axis=1)[:, 0]
+        return Eagle3State(
+            cache=cache,
+            pending_g=jnp.where(has[:, None], g_end, state.pending_g),
+            pending_pos=jnp.where(has, pos_end, state.pending_pos).astype(jnp.int32),
+            verify_g=jnp.where(has[:, None, None], new_vg, state.verify_g),
+            verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
+            verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
+        )
+
+    # ------------------------------------------------------------------------------ accept
+    def accept(
+        self, state: Eagle3State, n_accepted: Array, is_other: Array, active: Array
+    ) -> Eagle3State:
+        del is_other  # upstream moves the boundary whoever drafted
+        rows = active & (state.verify_rows > 0)
+        i = jnp.minimum(n_accepted, state.verify_rows - 1).astype(jnp.int32)
+        i = jnp.maximum(i, 0)
+        g_i = jnp.take_along_axis(state.verify_g, i[:, None, None], axis=1)[:, 0]
+        return replace(
+            state,
+            pending_pos=jnp.where(rows, state.verify_pos_first + i, state.pending_pos),
+            pending_g=jnp.where(rows[:, None], g_i, state.pending_g),
+        )
+
+    def rollback(self, state: Eagle3State, keep: Array) -> Eagle3State:
+        return replace(state, cache=keep_prefix(state.cache, keep))
+
+    # ------------------------------------------------------------------------------- draft
+    def draft(
+        self, params: Any, state: Eagle3State, inp: DraftInput, k_max: int
+    ) -> tuple[Eagle3State, DraftOutput]:
+        cfg = self.config
+        head, shared = params["head"], params["shared"]
+        B = inp.last_token.shape[0]
+        V = cfg.V
+        drafting = inp.drafting & (state.pending_pos >= 0)
+
+        def run(state: Eagle3State) -> tuple[Eagle3State, DraftOutput]:
+            seed = inp.seed if inp.seed is not None else jnp.zeros((B,), jnp.int32)
+            draft_seed = jnp.bitwise_xor(seed.astype(jnp.uint32), jnp.uint32(DRAFT_SEED_XOR))
+            n_max = inp.draft_n_max if inp.draft_n_max is not None else jnp.asarray(k_max)
+            limit = jnp.clip(n_max, 1, k_max)  # the first token is always taken (upstream)
+            S = state.cache.capacity
+            big = jnp.full((B,), S + (1 << 20), jnp.int32)
+            cache = keep_prefix(state.cache, jnp.where(drafting, state.pending_pos, big))
+            seed_pos = jnp.where(drafting, state.pending_pos, -1)[:, None]
+            out = e3.decoder_compute(
+                cfg,
+                head,
+                shared,
+                inp.last_token[:, None].astype(jnp.int32),
+                state.pending_g[:, None].astype(cfg.dtype),
+                seed_pos,
+                cache,
+            )
+            assert out.logits is not None
+            cache = commit_kv(cache, seed_pos, out.k, out.v, after=out.logits)
+            temp = inp.temperature.astype(jnp.float32)
+            rows = jnp.arange(B)
+            lc = cfg.layer_config
+            shape = (B, lc.G, k_max, lc.E)
+            scratch0 = ExtraKV(
+                k=(jnp.zeros(shape, cache.k[0].dtype),),
+                v=(jnp.zeros(shape, cache.v[0].dtype),),
+                pos=jnp.full((B, k_max), -1, jnp.int32),
+            )
+
+            def sample(i: Array, logits: Array, alive: Array, n: Array, tokens, valid, q):
+                top_vals, top_ids = jax.lax.top_k(logits, self.top_k)
+                probs = jax.nn.softmax(top_vals, axis=-1)
+                token = top_ids[:, 0]
+                if self.probabilistic:
+                    sampled_mode = temp > 0
+                    t = jnp.where(sampled_mode, temp, 1.0)[:, None]
+                    tempered = jax.nn.softmax(top_vals / t, axis=-1)
+                    keys = sampling.make_keys(
+                        draft_seed, inp.history.length + i + 1, sampling.ROLE_DRAFT
+                    )
+                    choice = jax.vmap(jax.random.categorical)(keys, jnp.log(tempered))
+                    sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=1)[:, 0]
+                    token = jnp.where(sampled_mode, sampled, token)
+                    probs = jnp.where(sampled_mode[:, None], tempered, probs)
+                    q_row = jnp.zeros((B, V), jnp.float32).at[rows[:, None], top_ids].set(tempered)
+                    q = q.at[:, i].set(jnp.where(alive[:, None], q_row, 0.0))
+                keep = alive & (probs[:, 0] >= inp.p_min)
+                tokens = tokens.at[:, i].set(jnp.where(keep, token, 0).astype(jnp.int32))
+                valid = valid.at[:, i].set(keep)
+                n = n + keep.astype(jnp.int32)
+                alive = keep & (n < limit)
+                return token.astype(jnp.int32), alive, n, tokens, valid, q
+
+            def cond(carry):
+                i, _, _, _, alive, _, _, _, _ = carry
+                return (i < k_max) & jnp.any(alive)
+
+            def body(carry):
+                i, scratch, logits, g, alive, n, tokens, valid, q = carry
+                token, alive, n, tokens, valid, q = sample(i, logits, alive, n, tokens, valid, q)
+
+                def step(operands):
+                    scratch, _logits, g = operands
+                    p = jnp.where(alive, state.pending_pos + i + 1, -1)
+                    o = e3.decoder_compute(
+                        cfg,
+                        head,
+                        shared,
+                        token[:, None],
+                        g[:, None],
+                        p[:, None],
+                        cache,
+                        extra=scratch,
+                    )
+                    assert o.logits is not None
+                    scratch = ExtraKV(
+                        k=(_put(scratch.k[0], i, o.k[0]),),
+                        v=(_put(scratch.v[0], i, o.v[0]),),
+                        pos=jax.lax.dynamic_update_slice_in_dim(scratch.pos, p[:, None], i, 1),
+                    )
+                    return scratch, o.logits[:, 0], o.prenorm[:, 0]
+
+                scratch, logits, g = jax.lax.cond(
+                    jnp.any(alive), step, lambda x: x, (scratch, logits, g)
+                )
+                return i + 1, scratch, logits, g, alive, n, tokens, valid, q
+
+            q0 = (
+                jnp.zeros((B, k_max, V), jnp.float32)
+                if self.probabilistic
+                else jnp.zeros((), jnp.float32)
+            )
+            init = (
+                jnp.zeros((), jnp.int32),
+                scratch0,
+                out.logits[:, 0],
+                out.prenorm[:, 0],
+                drafting,
+                jnp.zeros((B,), jnp.int32),
+                jnp.zeros((B, k_max), jnp.int32),
+                jnp.zeros((B, k_max), bool),
+                q0,
+            )
+            _, _, _, _, _, n, tokens, valid, q = jax.lax.while_loop(cond, body, init)
+            valid = valid & (n >= inp.n_min)[:, None]
+            new_state = replace(state, cache=cache)
+            return new_state, DraftOutput(
+                tokens=tokens, valid=valid, q=q if self.probabilistic else None
+            )
+
+        def skip(state: Eagle3State) -> tuple[Eagle3State, DraftOutput]:
+            out = empty_draft(B, k_max)
+            if self.probabilistic:
+                out = DraftOutput(
+                    tokens=out.tokens, valid=out.valid, q=jnp.zeros((B, k_max, V), jnp.float32)
+                )
+            return state, out
+
+        return jax.lax.cond(jnp.any(drafting), run, skip, state)
+
+    # ------------------------------------------------------------------------ checkpoints
+    def get_state(self, state: Eagle3State, row: int) -> bytes | None:
+        """Upstream's blob for one row: int32 pending_pos + D float32 (None: no boundary)."""
+        pos = int(np.asarray(state.pending_pos)[row])
+        if pos < 0:
+            return None
+        g = np.asarray(state.pending_g)[row].astype("<f4")
+        return struct.pack("<i", pos) + g.tobytes()
+
+    def set_state(self, state: Eagle3State, row: int, blob: bytes) -> Eagle3State:
+        """Restore one row's boundary from `get_state`'s blob; a wrong-sized blob is ignored."""
+        D = self.config.D
+        if len(blob) != 4 + 4 * D:
+            return state
+        (pos,) = struct.unpack("<i", blob[:4])
+        g = np.frombuffer(blob[4:], "<f4").astype(np.float32)
+        return replace(
+            state,
+            pending_pos=state.pending_pos.at[row].set(pos),
+            pending_g=state.pending_g.at[row].set(jnp.asarray(g)),
+        )
+
+
+def _put(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:
+    """Write one token's [B, 1, G, E] K or V into scratch slot i."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        scratch_BGKE, new_BTGE.transpose(0, 2, 1, 3).astype(scratch_BGKE.dtype), i, 2
+    )
