@@ -174,16 +174,10 @@ def make_loss(recipe: DistillRecipe, draft_cfg: ModelConfig, target_cfg: ModelCo
     return loss_fn
 
 
-def evaluate(
-    recipe: DistillRecipe,
-    draft_cfg: ModelConfig,
-    target_cfg: ModelConfig,
-    dparams: Params,
-    tparams: Params,
-    windows: np.ndarray,
-    mask: np.ndarray,
-) -> dict[str, float]:
-    """Held-out mean alpha / p(argmax q) per temperature, argmax agreement, KL (teacher forced)."""
+def make_evaluator(recipe: DistillRecipe, draft_cfg: ModelConfig, target_cfg: ModelConfig) -> Any:
+    """evaluate(draft_params, target_params, windows, mask) -> held-out means (teacher forced):
+    alpha (probabilistic draft) and p(argmax q) (greedy draft) per temperature, argmax
+    agreement and KL(p || q). One jitted function, compiled once per run."""
 
     @jax.jit
     def stats(dp: Params, tp: Params, w: Array, m: Array) -> dict[str, Array]:
@@ -191,7 +185,7 @@ def evaluate(
         d_logits = model_logits(draft_cfg, dp, inputs)
         t_logits = model_logits(target_cfg, tp, inputs)
         out = {"agreement": obj.argmax_agreement(t_logits, d_logits)}
-        for temp in recipe.temperatures + (1.0,):
+        for temp in (*recipe.temperatures, 1.0):
             tpar = _target_params(recipe, temp)
             dpar = obj.draft_params(temp, recipe.draft_top_k)
             out[f"alpha@{temp:g}"] = obj.acceptance_rate(t_logits, d_logits, tpar, dpar)
@@ -201,13 +195,18 @@ def evaluate(
         out["kl"] = obj.kl_divergence(logp, logq)
         return {k: jnp.sum(v * m) for k, v in out.items()}
 
-    sums: dict[str, float] = {}
-    for i in range(0, windows.shape[0], 8):
-        got = stats(dparams, tparams, jnp.asarray(windows[i : i + 8]), jnp.asarray(mask[i : i + 8]))
-        for k, v in got.items():
-            sums[k] = sums.get(k, 0.0) + float(v)
-    n = float(mask.sum())
-    return {k: v / n for k, v in sorted(sums.items())}
+    def evaluate(
+        dparams: Params, tparams: Params, windows: np.ndarray, mask: np.ndarray
+    ) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for i in range(0, windows.shape[0], 8):
+            w, m = jnp.asarray(windows[i : i + 8]), jnp.asarray(mask[i : i + 8])
+            for k, v in stats(dparams, tparams, w, m).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        n = float(mask.sum())
+        return {k: v / n for k, v in sorted(sums.items())}
+
+    return evaluate
 
 
 def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
@@ -233,6 +232,7 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
 
     optimizer = make_optimizer(recipe.optim)
     loss_fn = make_loss(recipe, draft_cfg, target_cfg)
+    evaluate = make_evaluator(recipe, draft_cfg, target_cfg)
     steps = loop.steps
     total_steps = jnp.asarray(steps, jnp.int32)
 
@@ -256,9 +256,7 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
         "tokens_per_step": B * T,
     }
     if ev_windows is not None and ev_mask is not None:
-        summary["eval_before"] = evaluate(
-            recipe, draft_cfg, target_cfg, dparams, tparams, ev_windows, ev_mask
-        )
+        summary["eval_before"] = evaluate(dparams, tparams, ev_windows, ev_mask)
     with jax.numpy_dtype_promotion("standard"):
         opt_state = optimizer.init(dparams)
     params = jax.tree.map(jnp.copy, dparams)
@@ -285,9 +283,7 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
         log=log,
     )
     if ev_windows is not None and ev_mask is not None:
-        summary["eval_after"] = evaluate(
-            recipe, draft_cfg, target_cfg, params, tparams, ev_windows, ev_mask
-        )
+        summary["eval_after"] = evaluate(params, tparams, ev_windows, ev_mask)
     npz = run_dir / "params.npz"
     save_params_npz(npz, draft_cfg, params, "float32")
     summary["params"] = str(npz)
