@@ -43,6 +43,20 @@ def test_truncated_probs_equal_the_verifiers_distribution() -> None:
             assert np.array_equal(row > 0, ref > 0), kw
 
 
+def test_top_p_boundary_is_the_verifiers() -> None:
+    """top_p exactly equal to an exclusive cumulative mass: that token is cut, as upstream."""
+    lg = _logits(11)
+    p1 = jax.nn.softmax(jnp.asarray(lg))
+    sorted_p = p1[jnp.argsort(-jnp.asarray(lg), stable=True)]
+    boundary = float((jnp.cumsum(sorted_p) - sorted_p)[3])  # mass before the 4th token
+    params = obj.sampling_params(temperature=0.9, top_p=boundary)
+    mine = np.asarray(obj.truncated_probs(jnp.asarray(lg), params))
+    ref = np.asarray(target_probs(jnp.asarray(lg), params))
+    assert int((ref > 0).sum()) == 3
+    np.testing.assert_array_equal(mine > 0, ref > 0)
+    np.testing.assert_allclose(mine, ref, atol=2e-7)
+
+
 def test_draft_q_is_draft_simples_top10_tempered_softmax() -> None:
     lg = _logits(3)
     q = np.asarray(obj.truncated_probs(jnp.asarray(lg), obj.draft_params(0.7)))
