@@ -329,6 +329,7 @@ def generate_main(argv: list[str]) -> int:
 _COMMAND_HELP = {
     "generate": "generate text, plain or speculative (llama.cpp's flags)",
     "train": "train a model from a YAML config (how the shipped models were made)",
+    "train-draft": "distil a draft model on an acceptance objective (ce, tv, nla, kl, lk)",
     "lookup-create": "build a static n-gram lookup cache from a text (llama-lookup-create)",
     "lookup-merge": "merge lookup cache files (llama-lookup-merge)",
     "lookup-stats": "measure lookup-cache drafting on a text (llama-lookup-stats)",
@@ -353,6 +354,9 @@ def main(argv: list[str] | None = None) -> int:
     commands = {
         "generate": generate_main,
         "train": lambda a: __import__("specjax.train", fromlist=["train_main"]).train_main(a),
+        "train-draft": lambda a: __import__("specjax.train_draft", fromlist=["x"]).train_draft_main(
+            a
+        ),
         "lookup-create": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_create_main(
             a
         ),

@@ -1,0 +1,328 @@
+"""Draft distillation on an acceptance objective: `specjax train-draft --objective {ce,tv,nla,kl,lk}`.
+
+Fine-tunes a draft model (a GGUF file or a params .npz of `specjax.train`) against a target
+model on the training corpus of `specjax.data` with one of `specjax.objectives.OBJECTIVES`,
+then exports the result as an F16 GGUF that `specjax generate -md` loads.
+
+    specjax train-draft --config configs/train/distill-code-draft.yaml --objective tv \
+        [--set train.max_seconds=120 ...]
+
+Recipe YAML sections: top-level ``draft`` / ``target`` (model files), ``objective``,
+``temperatures`` (verification temperatures the acceptance objectives average over),
+``target_top_k`` / ``target_top_p`` / ``target_min_p`` (the verifier's truncation), ``draft_top_k``
+(draft-simple's q: 10), ``kl_weight`` (the lk hybrid), ``data`` / ``optim`` / ``train`` as in
+`specjax.train` (`DataConfig`, `OptimConfig`, `LoopConfig`; ``train.run_dir`` may contain
+``{objective}``), ``export_gguf`` (output path, may contain ``{objective}``; null = none).
+
+Invariants:
+* Every objective starts from the same draft parameters and sees the same batches: batch ``s``
+  is `specjax.train.TokenSampler`'s pure function of ``(seed, s)``; the step count and schedule
+  come from the config alone (``train.max_seconds`` only cuts a run short, and the summary says
+  so), so objectives differ only in their loss.
+* The target's logits are computed in the same jitted step under `stop_gradient`.
+* Objectives, truncation and the acceptance definitions are `specjax.objectives`'; the summary
+  reports held-out alpha (probabilistic draft) and p(argmax q) (greedy draft) per temperature
+  before and after training, on the validation split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import yaml
+
+from specjax import objectives as obj
+from specjax.models.config import ModelConfig
+from specjax.train import (
+    DataConfig,
+    LoopConfig,
+    OptimConfig,
+    TokenSampler,
+    _from_dict,
+    apply_overrides,
+    eval_windows,
+    learning_rate,
+    load_params_npz,
+    make_optimizer,
+    model_logits,
+    resolve_data,
+    save_params_npz,
+)
+from specjax.types import Array, Params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DistillRecipe:
+    draft: str
+    target: str
+    objective: str = "kl"
+    temperatures: tuple[float, ...] = (0.7,)
+    target_top_k: int = 0
+    target_top_p: float = 1.0
+    target_min_p: float = 0.0
+    draft_top_k: int = obj.DRAFT_TOP_K
+    kl_weight: float = 1.0
+    #: held-out evaluation: this many validation windows of data.seq_len tokens
+    eval_windows: int = 16
+    export_gguf: str | None = "runs/distill/{objective}/draft-f16.gguf"
+    tokenizer_dir: str = "models/tokenizer"
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
+    train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> DistillRecipe:
+        raw = dict(raw)
+        sections = {
+            "data": _from_dict(DataConfig, raw.pop("data", None), "data"),
+            "optim": _from_dict(OptimConfig, raw.pop("optim", None), "optim"),
+            "train": _from_dict(LoopConfig, raw.pop("train", None), "train"),
+        }
+        known = {f.name for f in dataclasses.fields(cls)} - set(sections)
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ValueError(f"unknown keys in the distillation recipe: {', '.join(unknown)}")
+        for key in ("draft", "target"):
+            if not raw.get(key):
+                raise ValueError(f"the distillation recipe needs {key!r} (a .gguf or params .npz)")
+        if "temperatures" in raw:
+            raw["temperatures"] = tuple(float(t) for t in raw["temperatures"])
+        recipe = cls(**raw, **sections)
+        recipe.validate()
+        return recipe
+
+    def validate(self) -> None:
+        if self.objective not in obj.OBJECTIVES:
+            raise ValueError(
+                f"unknown objective {self.objective!r}; expected one of {', '.join(obj.OBJECTIVES)}"
+            )
+        if not self.temperatures or any(t <= 0 for t in self.temperatures):
+            raise ValueError(f"temperatures must be > 0, got {list(self.temperatures)}")
+        if self.draft_top_k < 1:
+            raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["temperatures"] = list(self.temperatures)
+        return out
+
+
+def load_recipe(path: str | Path, overrides: Sequence[str] = ()) -> DistillRecipe:
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    return DistillRecipe.from_dict(apply_overrides(raw, overrides))
+
+
+def load_model(path: str) -> tuple[ModelConfig, Params]:
+    """(config, float32 params) from a GGUF file / HF directory or a `specjax.train` .npz."""
+    if path.endswith(".npz"):
+        config, params = load_params_npz(path, dtype="float32")
+    else:
+        import specjax
+
+        model = specjax.load(path, dtype="float32")
+        config, params = model.config, model.params
+    config = dataclasses.replace(config, dtype="float32")
+    return config, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+
+
+def _target_params(recipe: DistillRecipe, temperature: float) -> Any:
+    return obj.sampling_params(
+        temperature=temperature,
+        top_k=recipe.target_top_k,
+        top_p=recipe.target_top_p,
+        min_p=recipe.target_min_p,
+    )
+
+
+def make_loss(recipe: DistillRecipe, draft_cfg: ModelConfig, target_cfg: ModelConfig) -> Any:
+    """loss(draft_params, target_params, batch [B, T+1]) -> (loss, metrics)."""
+
+    def loss_fn(dparams: Params, tparams: Params, batch: Array) -> tuple[Array, dict[str, Array]]:
+        inputs, targets = batch[:, :-1], batch[:, 1:]
+        d_logits = model_logits(draft_cfg, dparams, inputs)
+        t_logits = jax.lax.stop_gradient(model_logits(target_cfg, tparams, inputs))
+        total = jnp.float32(0.0)
+        metrics: dict[str, Array] = {}
+        for temp in recipe.temperatures:
+            terms = obj.objective_terms(
+                recipe.objective,
+                t_logits,
+                d_logits,
+                targets,
+                _target_params(recipe, temp),
+                obj.draft_params(temp, recipe.draft_top_k),
+                kl_weight=recipe.kl_weight,
+            )
+            total = total + jnp.mean(terms.loss)
+            metrics[f"alpha@{temp:g}"] = jnp.mean(terms.alpha)
+            metrics[f"greedy_alpha@{temp:g}"] = jnp.mean(terms.greedy_alpha)
+            metrics["kl"] = jnp.mean(terms.kl)
+        return total / len(recipe.temperatures), metrics
+
+    return loss_fn
+
+
+def make_evaluator(recipe: DistillRecipe, draft_cfg: ModelConfig, target_cfg: ModelConfig) -> Any:
+    """evaluate(draft_params, target_params, windows, mask) -> held-out means (teacher forced):
+    alpha (probabilistic draft) and p(argmax q) (greedy draft) per temperature, argmax
+    agreement and KL(p || q). One jitted function, compiled once per run."""
+
+    @jax.jit
+    def stats(dp: Params, tp: Params, w: Array, m: Array) -> dict[str, Array]:
+        inputs = w[:, :-1]
+        d_logits = model_logits(draft_cfg, dp, inputs)
+        t_logits = model_logits(target_cfg, tp, inputs)
+        out = {"agreement": obj.argmax_agreement(t_logits, d_logits)}
+        for temp in (*recipe.temperatures, 1.0):
+            tpar = _target_params(recipe, temp)
+            dpar = obj.draft_params(temp, recipe.draft_top_k)
+            out[f"alpha@{temp:g}"] = obj.acceptance_rate(t_logits, d_logits, tpar, dpar)
+            out[f"greedy_alpha@{temp:g}"] = obj.greedy_acceptance_rate(t_logits, d_logits, tpar)
+        logp = jax.nn.log_softmax(t_logits, -1)
+        logq = jax.nn.log_softmax(d_logits, -1)
+        out["kl"] = obj.kl_divergence(logp, logq)
+        return {k: jnp.sum(v * m) for k, v in out.items()}
+
+    def evaluate(
+        dparams: Params, tparams: Params, windows: np.ndarray, mask: np.ndarray
+    ) -> dict[str, float]:
+        sums: dict[str, float] = {}
+        for i in range(0, windows.shape[0], 8):
+            w, m = jnp.asarray(windows[i : i + 8]), jnp.asarray(mask[i : i + 8])
+            for k, v in stats(dparams, tparams, w, m).items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        n = float(mask.sum())
+        return {k: v / n for k, v in sorted(sums.items())}
+
+    return evaluate
+
+
+def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
+    """Run the recipe; returns the summary also written to run_dir/summary.json."""
+    t_start = time.perf_counter()
+    loop = recipe.train
+    run_dir = Path(loop.run_dir.format(objective=recipe.objective))
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "recipe.yaml").write_text(yaml.safe_dump(recipe.to_dict(), sort_keys=False))
+    draft_cfg, dparams = load_model(recipe.draft)
+    target_cfg, tparams = load_model(recipe.target)
+    if draft_cfg.vocab_size != target_cfg.vocab_size:
+        raise ValueError(
+            f"draft vocabulary {draft_cfg.vocab_size} != target vocabulary {target_cfg.vocab_size}"
+        )
+    train_tokens, val_tokens = resolve_data(recipe.data)
+    T, B = recipe.data.seq_len, recipe.data.batch_size
+    sampler = TokenSampler(train_tokens, T, B, loop.seed)
+
+    ev_windows = ev_mask = None
+    if val_tokens is not None and recipe.eval_windows > 0:
+        ev_windows, ev_mask = eval_windows(val_tokens[: recipe.eval_windows * T + 1], T)
+
+    optimizer = make_optimizer(recipe.optim)
+    loss_fn = make_loss(recipe, draft_cfg, target_cfg)
+    evaluate = make_evaluator(recipe, draft_cfg, target_cfg)
+    steps = loop.steps
+    total_steps = jnp.asarray(steps, jnp.int32)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step_fn(
+        params: Params, opt_state: Any, step: Array, batch: Array, tp: Params
+    ) -> tuple[Params, Any, dict[str, Array]]:
+        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tp, batch)
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+        lr = learning_rate(recipe.optim, step, total_steps)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, {"loss": loss, "lr": lr, **metrics}
+
+    summary: dict[str, Any] = {
+        "objective": recipe.objective,
+        "run_dir": str(run_dir),
+        "draft_init": recipe.draft,
+        "target": recipe.target,
+        "planned_steps": steps,
+        "tokens_per_step": B * T,
+    }
+    if ev_windows is not None and ev_mask is not None:
+        summary["eval_before"] = evaluate(dparams, tparams, ev_windows, ev_mask)
+    with jax.numpy_dtype_promotion("standard"):
+        opt_state = optimizer.init(dparams)
+    params = jax.tree.map(jnp.copy, dparams)
+    log: list[dict[str, float]] = []
+    stopped, step, t_loop = "done", 0, time.perf_counter()
+    while step < steps:
+        batch = jnp.asarray(sampler.batch(step))
+        params, opt_state, metrics = step_fn(params, opt_state, jnp.int32(step), batch, tparams)
+        step += 1
+        if step % loop.log_every == 0 or step == steps:
+            rec = {"step": step, **{k: float(v) for k, v in metrics.items()}}
+            log.append(rec)
+            if loop.progress:
+                print(json.dumps(rec), file=sys.stderr, flush=True)
+        if loop.max_seconds and time.perf_counter() - t_start > loop.max_seconds:
+            stopped = "max_seconds"
+            break
+    jax.block_until_ready(params)
+    summary.update(
+        stopped=stopped,
+        steps=step,
+        tokens_seen=step * B * T,
+        train_seconds=round(time.perf_counter() - t_loop, 1),
+        log=log,
+    )
+    if ev_windows is not None and ev_mask is not None:
+        summary["eval_after"] = evaluate(params, tparams, ev_windows, ev_mask)
+    npz = run_dir / "params.npz"
+    save_params_npz(npz, draft_cfg, params, "float32")
+    summary["params"] = str(npz)
+    if recipe.export_gguf:
+        from specjax.train import export_gguf
+
+        out = Path(recipe.export_gguf.format(objective=recipe.objective))
+        export_gguf(npz, out, recipe.tokenizer_dir, "f16")
+        summary["gguf"] = str(out)
+    summary["seconds"] = round(time.perf_counter() - t_start, 1)
+    (run_dir / "summary.json").write_text(json.dumps(summary, indent=1))
+    return summary
+
+
+def train_draft_main(argv: Sequence[str] | None = None) -> int:
+    """`specjax train-draft --config FILE [--objective NAME] [--set section.key=value ...]`."""
+    p = argparse.ArgumentParser(
+        prog="specjax train-draft",
+        description="distil a draft model on an acceptance objective (specjax.objectives)",
+    )
+    p.add_argument("--config", required=True, help="recipe YAML (configs/train/distill-*.yaml)")
+    p.add_argument("--objective", choices=obj.OBJECTIVES, help="overrides the recipe's objective")
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a recipe value (YAML-parsed), e.g. --set train.steps=100",
+    )
+    args = p.parse_args(argv)
+    overrides = list(args.overrides)
+    if args.objective:
+        overrides.append(f"objective={args.objective}")
+    summary = train_draft(load_recipe(args.config, overrides))
+    print(json.dumps({k: v for k, v in summary.items() if k != "log"}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
+    raise SystemExit(train_draft_main(sys.argv[1:]))
