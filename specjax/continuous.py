@@ -86,14 +86,14 @@ def _set_row(x: Array, slot: Array, value: Array) -> Array:
 
 def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]:
     """`batch` idle slots: empty memory, done, fresh drafter states."""
-    B, S, O = batch, engine.capacity, engine.out_capacity
+    B, S, out_cap = batch, engine.capacity, engine.out_capacity
     zeros = jnp.zeros((B,), jnp.int32)
     state = eng.GenState(
         cache=new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v),
         history=jnp.zeros((B, S), jnp.int32),
         length=zeros,
         last_token=zeros,
-        out_tokens=jnp.zeros((B, O), jnp.int32),
+        out_tokens=jnp.zeros((B, out_cap), jnp.int32),
         out_len=zeros,
         done=jnp.ones((B,), bool),
         finish=zeros,
@@ -211,8 +211,8 @@ def prefill_chunk(
     def pick(new: Array, old: Array) -> Array:
         return jnp.where(final, new, old)
 
-    O = engine.out_capacity
-    out_row = jnp.zeros((1, O), jnp.int32).at[0, 0].set(first)
+    out_cap = engine.out_capacity
+    out_row = jnp.zeros((1, out_cap), jnp.int32).at[0, 0].set(first)
     gov = state.governor
     fresh = adaptive.Governor.create(1)
     governor = replace(
