@@ -25,6 +25,8 @@ from specjax.api import (
     init_model,
     load,
 )
+from specjax.batching import BatchInputError, BatchSummary
+from specjax.batching import batch as batch
 from specjax.cache import KVCache
 from specjax.compile_cache import enable_default as _enable_compile_cache
 from specjax.compile_cache import set_compile_cache
@@ -48,7 +50,10 @@ __all__ = [
     "SpecConfig",
     "SpecReport",
     "SpecjaxError",
+    "BatchInputError",
+    "BatchSummary",
     "VocabMismatchError",
+    "batch",
     "forward",
     "generate",
     "init_model",

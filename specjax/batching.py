@@ -342,6 +342,7 @@ def batch(
     segment_rounds: int = 64,
     fsync_interval: float = 1.0,
     progress: bool = True,
+    mesh: dict[str, int] | None = None,
     log: Any = None,
 ) -> BatchSummary:
     """Run every request of `requests` (a JSONL path, or an iterable of request dicts) with

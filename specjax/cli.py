@@ -318,6 +318,7 @@ def generate_main(argv: list[str]) -> int:
 #: Subcommands and their one-line descriptions (`specjax --help`).
 _COMMAND_HELP = {
     "generate": "generate text, plain or speculative (llama.cpp's flags)",
+    "batch": "run a JSONL file of requests with continuous batching (resumable)",
     "train": "train a model from a YAML config (how the shipped models were made)",
     "lookup-create": "build a static n-gram lookup cache from a text (llama-lookup-create)",
     "lookup-merge": "merge lookup cache files (llama-lookup-merge)",
@@ -342,6 +343,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "generate": generate_main,
+        "batch": lambda a: __import__("specjax.batch_cli", fromlist=["x"]).batch_main(a),
         "train": lambda a: __import__("specjax.train", fromlist=["train_main"]).train_main(a),
         "lookup-create": lambda a: __import__("specjax.lookup", fromlist=["x"]).lookup_create_main(
             a

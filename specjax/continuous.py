@@ -208,7 +208,7 @@ def prefill_chunk(
         jnp.where(max_new <= 1, eng.FINISH_LENGTH, jnp.where(full, eng.FINISH_CONTEXT, 0)),
     )
 
-    def pick(new: Array, old: Array) -> Array:
+    def pick(new: Array | int | bool, old: Array | int | bool) -> Array:
         return jnp.where(final, new, old)
 
     out_cap = engine.out_capacity
