@@ -39,6 +39,8 @@ __version__ = "0.1.0"
 _enable_compile_cache()
 
 __all__ = [
+    "BatchInputError",
+    "BatchSummary",
     "CacheOverflowError",
     "GenerationResult",
     "Generator",
@@ -50,8 +52,6 @@ __all__ = [
     "SpecConfig",
     "SpecReport",
     "SpecjaxError",
-    "BatchInputError",
-    "BatchSummary",
     "VocabMismatchError",
     "batch",
     "forward",
