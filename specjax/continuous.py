@@ -185,8 +185,8 @@ def prefill_chunk(
         s1 = _take(s, flags, slot)
         s1 = d.rollback(s1, start[None])
         s1 = d.process(p, s1, batch_1)
-        begun = d.begin(s1, hist_1)
-        s1 = jax.tree.map(lambda new, old: jnp.where(final, new, old), begun, s1)
+        # `begin` only with the final chunk (a cond: ngram-mod's ingestion is not cheap)
+        s1 = jax.lax.cond(final, lambda s, d=d: d.begin(s, hist_1), lambda s: s, s1)
         dstates.append(_put(s, s1, flags, slot))
 
     # the first generated token (used only when `final`)
