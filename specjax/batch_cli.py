@@ -38,8 +38,12 @@ def _batch_parser() -> argparse.ArgumentParser:
         "--distributed",
         action="store_true",
         default=None,
-        help="call jax.distributed.initialize() first (coordinator from the environment)",
+        help="join a jax.distributed job (coordinator and process ids from the environment "
+        "or the flags below; on a TPU slice detected automatically)",
     )
+    b.add_argument("--coordinator", help="jax.distributed coordinator HOST:PORT")
+    b.add_argument("--num-processes", type=int, help="jax.distributed process count")
+    b.add_argument("--process-id", type=int, help="this process's index")
     return p
 
 
@@ -52,6 +56,9 @@ _BATCH_DEFAULTS: dict[str, Any] = {
     "fsync_interval": 1.0,
     "progress": True,
     "distributed": False,
+    "coordinator": None,
+    "num_processes": None,
+    "process_id": None,
 }
 
 
@@ -95,10 +102,14 @@ def parse_mesh(text: str | None) -> dict[str, int] | None:
 
 def batch_main(argv: list[str]) -> int:
     opts = _load_options(argv)
-    if opts.get("distributed"):
+    if opts.get("distributed") or opts.get("coordinator") or opts.get("num_processes"):
         import jax
 
-        jax.distributed.initialize()
+        jax.distributed.initialize(
+            coordinator_address=opts.get("coordinator"),
+            num_processes=opts.get("num_processes"),
+            process_id=opts.get("process_id"),
+        )
     from specjax.cli import _spec_from_options
 
     if not opts.get("model"):

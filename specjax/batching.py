@@ -384,7 +384,7 @@ def batch(
     reqs, errors, source = parse_requests(model, requests, n_ctx=check_ctx, defaults=defaults)
     if errors and errors_path is None:
         raise BatchInputError(errors, source)
-    if errors_path is not None:
+    if errors_path is not None and jax.process_index() == 0:
         with open(errors_path, "w", encoding="utf-8") as fh:
             for e in errors:
                 fh.write(json.dumps({"line": e.line, "error": e.error, "text": e.text}) + "\n")
@@ -396,6 +396,10 @@ def batch(
     S, out_cap = _sizes(model, reqs, n_ctx, k_max, prefill_chunk)
 
     out = os.fspath(out)
+    n_proc, proc = jax.process_count(), jax.process_index()
+    if n_proc > 1:  # jax.distributed: process i runs requests i, i + n, ... into its own shard
+        out = shard_path(out, proc, n_proc)
+        reqs = reqs[proc::n_proc]
     finished = read_results(out)
     done_ids = {(type(r["id"]).__name__, r["id"]) for r in finished}
     if len(done_ids) != len(finished):
@@ -422,6 +426,7 @@ def batch(
         cache_type_v=cache_type_v,
         prefill_chunk=prefill_chunk,
         segment_rounds=segment_rounds,
+        mesh=mesh,
     )
     writer = _Appender(out, fsync_interval)
     bar = None
@@ -461,6 +466,12 @@ def batch(
     )
 
 
+def shard_path(path: str, index: int, count: int) -> str:
+    """`out.jsonl` -> `out.shard-1-of-2.jsonl`: the results of process `index` of `count`."""
+    root, ext = os.path.splitext(path)
+    return f"{root}.shard-{index}-of-{count}{ext}"
+
+
 class _Runner:
     """The slots of one job on device, fed and drained by the host."""
 
@@ -478,6 +489,7 @@ class _Runner:
         cache_type_v: str,
         prefill_chunk: int,
         segment_rounds: int,
+        mesh: dict[str, int] | None = None,
     ) -> None:
         from specjax.drafters.registry import build_drafters
 
@@ -508,6 +520,41 @@ class _Runner:
         self.cost = api.cost_model(spec, model, draft)
         self.stats_host: Any = None
         self.compile_seconds = 0.0
+        self.params = model.params
+        self.init_fn: Any = cont.init_slots_jit
+        self.prefill_fn: Any = cont.prefill_chunk_jit
+        self.segment_fn: Any = cont.run_segment_jit
+        if mesh is not None:
+            self._place(mesh)
+
+    def _place(self, axes: dict[str, int]) -> None:
+        """Shard params and slots over a ("data", "model") mesh (specjax.batch_sharding)."""
+        from specjax import batch_sharding as bs
+
+        mesh = bs.make_mesh(axes, self.B, self.model.config)
+        self.params = jax.device_put(self.model.params, bs.param_shardings(mesh, self.params))
+        self.drafter_params = jax.device_put(
+            self.drafter_params, bs.replicated(mesh, self.drafter_params)
+        )
+        shapes = jax.eval_shape(lambda: cont.init_slots(self.engine, self.B))
+        st, ss = bs.state_shardings(mesh, self.engine, *shapes)
+        rep = bs.replicated(mesh, 0)
+        donate = ("state", "slot_stats")
+        self.init_fn = jax.jit(
+            cont.init_slots, static_argnames=("engine", "batch"), out_shardings=(st, ss)
+        )
+        self.prefill_fn = jax.jit(
+            cont.prefill_chunk,
+            static_argnames=("engine",),
+            donate_argnames=donate,
+            out_shardings=(st, ss),
+        )
+        self.segment_fn = jax.jit(
+            cont.run_segment,
+            static_argnames=("engine",),
+            donate_argnames=donate,
+            out_shardings=(st, ss, rep),
+        )
 
     def _run_params(self) -> eng.RunParams:
         h, spec = self.host, self.spec
@@ -548,9 +595,9 @@ class _Runner:
             part = ids[i * C : (i + 1) * C]
             tokens = np.zeros(C, np.int32)
             tokens[: len(part)] = part
-            state, ss = cont.prefill_chunk_jit(
+            state, ss = self.prefill_fn(
                 self.engine,
-                self.model.params,
+                self.params,
                 self.drafter_params,
                 state,
                 ss,
@@ -569,7 +616,7 @@ class _Runner:
         queue = collections.deque(todo)
         slots: list[tuple[Request, float] | None] = [None] * B
         tc = time.perf_counter()
-        state, ss = cont.init_slots_jit(engine, B)
+        state, ss = self.init_fn(engine, B)
         jax.block_until_ready(state.done)
         self.compile_seconds = time.perf_counter() - tc
         eog = set(self.model.eog_ids)
@@ -587,9 +634,9 @@ class _Runner:
                 slots[b] = (req, time.perf_counter())
                 state, ss = self._prefill(state, ss, b, req, run)
             busy = np.asarray([s is not None for s in slots])
-            state, ss, _ = cont.run_segment_jit(
+            state, ss, _ = self.segment_fn(
                 engine,
-                self.model.params,
+                self.params,
                 self.drafter_params,
                 state,
                 ss,
