@@ -129,7 +129,7 @@ def test_bad_lines_reported_with_numbers_before_anything_runs(model, tmp_path):
     assert not out.exists()
 
     errors = tmp_path / "errors.jsonl"
-    summary = run_job(model, src, out, errors_path=errors)
+    summary = run_job(model, src, out, errors_path=errors, n_parallel=1, n_predict=16)
     written = [json.loads(x) for x in errors.read_text().splitlines()]
     assert [e["line"] for e in written] == bad
     assert written[0]["text"] == lines[1]
@@ -163,17 +163,17 @@ def test_records_independent_of_slots_and_speculation(model, spec, draft, tmp_pa
 def test_resume_skips_finished_ids_and_repairs_a_torn_line(model, tmp_path):
     reqs = make_requests(model, 9, seed=1)
     full = tmp_path / "full.jsonl"
-    run_job(model, reqs, full, n_parallel=3)
+    run_job(model, reqs, full, n_parallel=1)
     want = records(full)
     lines = full.read_text().splitlines(keepends=True)
     part = tmp_path / "part.jsonl"
     # three whole lines and half of the fourth: a crash mid-write
     part.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
-    summary = run_job(model, reqs, part, n_parallel=3)
+    summary = run_job(model, reqs, part, n_parallel=1)
     assert summary.n_skipped == 3 and summary.n_done == 6
     got = records(part)
     assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
-    again = run_job(model, reqs, part, n_parallel=3)
+    again = run_job(model, reqs, part, n_parallel=1)
     assert again.n_skipped == 9 and again.n_done == 0
     assert len(part.read_text().splitlines()) == 9
 

@@ -71,6 +71,31 @@ def _env(devices: int) -> dict[str, str]:
     return env
 
 
+def test_mesh_in_process_two_devices(files, tmp_path):
+    """The default run's check on this process's 2 CPU devices (tests/conftest.py)."""
+    import jax
+
+    import specjax
+
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    model = tiny_model_with_tokenizer(0)
+    kw = dict(n_ctx=128, prefill_chunk=16, progress=False)
+    records = {}
+    for name, np_, mesh in [
+        ("one", 1, None),
+        ("data2", 2, {"data": 2, "model": 1}),
+        ("model2", 1, {"data": 1, "model": 2}),
+    ]:
+        out = tmp_path / f"{name}.jsonl"
+        specjax.batch(model, files / "req.jsonl", out, n_parallel=np_, mesh=mesh, **kw)
+        records[name] = {r["id"]: r["tokens"] for r in batching.read_results(out)}
+    assert len(records["one"]) == 12
+    assert records["data2"] == records["one"]
+    assert records["model2"] == records["one"]
+
+
+@pytest.mark.slow
 def test_mesh_shardings_give_the_one_device_records(files):
     proc = subprocess.run(
         [sys.executable, "-c", JOB, str(files / "t.gguf"), str(files / "req.jsonl"), str(files)]
@@ -95,6 +120,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow
 def test_two_processes_write_their_shards(files):
     base = [sys.executable, "-m", "specjax.cli", "batch", "-m", str(files / "t.gguf")]
     base += ["--in", str(files / "req.jsonl"), "-c", "128", "--prefill-chunk", "16"]
