@@ -53,6 +53,7 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "spec_synthetic_acceptance_length": None,
     "spec_synthetic_acceptance_rates": None,
     "verbose": False,
+    "stream": False,
     # None: the default (SPECJAX_COMPILE_CACHE or the user cache dir); False: off; str: dir
     "compile_cache": None,
 }
@@ -123,6 +124,13 @@ def _generate_parser() -> argparse.ArgumentParser:
     g.add_argument("-lcd", "--lookup-cache-dynamic", dest="lookup_cache_dynamic")
     g.add_argument("--spec-synthetic-acceptance-length", type=float)
     g.add_argument("--spec-synthetic-acceptance-rates", help="comma list of K rates")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        default=None,
+        help="print the text as it is produced (one prompt; the host reads the state every "
+        "few rounds)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", default=None)
     c = p.add_mutually_exclusive_group()
     c.add_argument(
@@ -257,9 +265,21 @@ def generate_main(argv: list[str]) -> int:
         f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
         file=log,
     )
+    stream = None
+    if opts.get("stream"):
+        if len(prompts) != 1:
+            raise SystemExit(f"error: --stream takes one prompt, got {len(prompts)}")
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+
+        def stream(row: int, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
     result = generate(
         model,
         prompts,
+        stream=stream,
         max_new_tokens=int(opts["n_predict"]),
         temperature=float(opts["temp"]),
         top_k=int(opts["top_k"]),
@@ -272,6 +292,9 @@ def generate_main(argv: list[str]) -> int:
         draft=draft,
     )
     for prompt, text in zip(prompts, result.text):
+        if stream is not None:
+            sys.stdout.write("\n")
+            continue
         sys.stdout.write(prompt + text + "\n")
         if len(prompts) > 1:
             sys.stdout.write("\n")

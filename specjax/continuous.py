@@ -286,3 +286,27 @@ prefill_chunk_jit = jax.jit(
 run_segment_jit = jax.jit(
     run_segment, static_argnames=("engine",), donate_argnames=("state", "slot_stats")
 )
+
+
+def run_rounds(
+    engine: eng.Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: eng.GenState,
+    run: eng.RunParams,
+    n_rounds: Array,
+) -> eng.GenState:
+    """At most `n_rounds` rounds of `engine.generate_loop` (the same rounds, so the same
+    tokens): streaming reads the state between calls."""
+    stop = state.n_rounds + n_rounds
+
+    def cond(s: eng.GenState) -> Array:
+        return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity) & (s.n_rounds < stop)
+
+    def body(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(engine, target_params, drafter_params, s, run)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+run_rounds_jit = jax.jit(run_rounds, static_argnames=("engine",), donate_argnames=("state",))
