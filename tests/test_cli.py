@@ -251,7 +251,7 @@ def test_top_level_help_lists_the_subcommands(capsys):
     assert cli.main(["--help"]) == 0
     captured = capsys.readouterr()
     listed = [line.split()[0] for line in captured.out.splitlines() if line.startswith("  ")]
-    assert listed == ["generate", "train", "lookup-create", "lookup-merge", "lookup-stats"]
+    assert listed == ["generate", "batch", "train", "lookup-create", "lookup-merge", "lookup-stats"]
     assert "--n-predict" not in captured.out and captured.err == ""
     assert cli.main(["-h"]) == 0 and capsys.readouterr().out == captured.out
     assert cli.main([]) == 2 and capsys.readouterr().err == captured.out
