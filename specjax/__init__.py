@@ -25,6 +25,8 @@ from specjax.api import (
     init_model,
     load,
 )
+from specjax.batching import BatchInputError, BatchSummary
+from specjax.batching import batch as batch
 from specjax.cache import KVCache
 from specjax.compile_cache import enable_default as _enable_compile_cache
 from specjax.compile_cache import set_compile_cache
@@ -37,6 +39,8 @@ __version__ = "0.1.0"
 _enable_compile_cache()
 
 __all__ = [
+    "BatchInputError",
+    "BatchSummary",
     "CacheOverflowError",
     "GenerationResult",
     "Generator",
@@ -49,6 +53,7 @@ __all__ = [
     "SpecReport",
     "SpecjaxError",
     "VocabMismatchError",
+    "batch",
     "forward",
     "generate",
     "init_model",

@@ -471,6 +471,8 @@ def generate(
     cache_type_v: str = "f16",
     n_ubatch: int = 0,
     _slots: _Slots | None = None,
+    stream: Any = None,
+    stream_rounds: int = 8,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -488,6 +490,10 @@ def generate(
     the target's KV cache types, F16 by default as in llama.cpp. Compilation is cached per static shape; `timings["compile_seconds"]`
     reports it apart from prefill/decode time. Drafter state lives for one call; a
     `Generator` keeps it across calls.
+
+    `stream(row, text)`: called with each prompt's new text as it is produced (the host
+    reads the state every `stream_rounds` rounds; the tokens are the same as without it;
+    `stop` strings apply to the returned result only).
     """
     from specjax.drafters.registry import build_drafters
 
@@ -580,9 +586,14 @@ def generate(
         eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run, carried
     )
     state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
-    loop_exe = _compiled(
-        eng.generate_loop_jit, engine, model.params, drafter_params, state_shape, run
-    )
+    if stream is None:
+        loop_exe = _compiled(
+            eng.generate_loop_jit, engine, model.params, drafter_params, state_shape, run
+        )
+    else:
+        loop_exe = _streaming_loop(
+            model, engine, drafter_params, state_shape, run, stream, stream_rounds, n_prompts
+        )
     t0 = time.perf_counter()
     state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run, carried)
     jax.block_until_ready(state.last_token)
@@ -645,6 +656,49 @@ def generate(
         prompt_tokens=prompt_ids[:n_prompts],
         drafter_states={d.name: st for d, st in zip(drafters, state.drafter_states)},
     )
+
+
+def _streaming_loop(
+    model: Model,
+    engine: eng.Engine,
+    drafter_params: Any,
+    state_shape: Any,
+    run: eng.RunParams,
+    stream: Any,
+    rounds: int,
+    n_prompts: int,
+) -> Any:
+    """The generation loop in calls of `rounds` rounds (`continuous.run_rounds`, compiled
+    once), handing each prompt's new text to `stream(row, text)` between calls."""
+    from specjax import continuous as cont
+
+    if rounds < 1:
+        raise ValueError(f"stream_rounds must be >= 1, got {rounds}")
+    n = jnp.asarray(rounds, jnp.int32)
+    exe = _compiled(cont.run_rounds_jit, engine, model.params, drafter_params, state_shape, run, n)
+    eog = set(model.eog_ids)
+
+    def loop(params: Any, dparams: Any, state: Any, run: eng.RunParams) -> Any:
+        shown = [""] * n_prompts
+        while True:
+            state = exe(params, dparams, state, run, n)
+            out_tokens, out_len, done, finish, n_rounds = jax.device_get(
+                (state.out_tokens, state.out_len, state.done, state.finish, state.n_rounds)
+            )
+            for b in range(n_prompts):
+                ids = [int(t) for t in out_tokens[b, : out_len[b]]]
+                if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
+                    ids = ids[:-1]
+                text = model.decode(ids) if model.tokenizer is not None else ""
+                if not done[b]:  # an unfinished multi-byte character waits for its bytes
+                    text = text.rstrip("\ufffd")
+                if text.startswith(shown[b]) and len(text) > len(shown[b]):
+                    stream(b, text[len(shown[b]) :])
+                    shown[b] = text
+            if done.all() or int(n_rounds) >= engine.out_capacity:
+                return state
+
+    return loop
 
 
 class Generator:

@@ -54,6 +54,7 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "spec_synthetic_acceptance_length": None,
     "spec_synthetic_acceptance_rates": None,
     "verbose": False,
+    "stream": False,
     # None: the default (SPECJAX_COMPILE_CACHE or the user cache dir); False: off; str: dir
     "compile_cache": None,
 }
@@ -131,6 +132,13 @@ def _generate_parser() -> argparse.ArgumentParser:
     g.add_argument("-lcd", "--lookup-cache-dynamic", dest="lookup_cache_dynamic")
     g.add_argument("--spec-synthetic-acceptance-length", type=float)
     g.add_argument("--spec-synthetic-acceptance-rates", help="comma list of K rates")
+    p.add_argument(
+        "--stream",
+        action="store_true",
+        default=None,
+        help="print the text as it is produced (one prompt; the host reads the state every "
+        "few rounds)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", default=None)
     c = p.add_mutually_exclusive_group()
     c.add_argument(
@@ -266,9 +274,21 @@ def generate_main(argv: list[str]) -> int:
         f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
         file=log,
     )
+    stream = None
+    if opts.get("stream"):
+        if len(prompts) != 1:
+            raise SystemExit(f"error: --stream takes one prompt, got {len(prompts)}")
+        sys.stdout.write(prompts[0])
+        sys.stdout.flush()
+
+        def stream(row: int, text: str) -> None:
+            sys.stdout.write(text)
+            sys.stdout.flush()
+
     result = generate(
         model,
         prompts,
+        stream=stream,
         max_new_tokens=int(opts["n_predict"]),
         temperature=float(opts["temp"]),
         top_k=int(opts["top_k"]),
@@ -282,6 +302,9 @@ def generate_main(argv: list[str]) -> int:
         n_ubatch=int(opts["ubatch_size"] or 0),
     )
     for prompt, text in zip(prompts, result.text):
+        if stream is not None:
+            sys.stdout.write("\n")
+            continue
         sys.stdout.write(prompt + text + "\n")
         if len(prompts) > 1:
             sys.stdout.write("\n")
@@ -328,6 +351,7 @@ def generate_main(argv: list[str]) -> int:
 #: Subcommands and their one-line descriptions (`specjax --help`).
 _COMMAND_HELP = {
     "generate": "generate text, plain or speculative (llama.cpp's flags)",
+    "batch": "run a JSONL file of requests with continuous batching (resumable)",
     "train": "train a model from a YAML config (how the shipped models were made)",
     "train-draft": "distil a draft model on an acceptance objective (ce, tv, nla, kl, lk)",
     "lookup-create": "build a static n-gram lookup cache from a text (llama-lookup-create)",
@@ -353,6 +377,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     commands = {
         "generate": generate_main,
+        "batch": lambda a: __import__("specjax.batch_cli", fromlist=["x"]).batch_main(a),
         "train": lambda a: __import__("specjax.train", fromlist=["train_main"]).train_main(a),
         "train-draft": lambda a: __import__("specjax.train_draft", fromlist=["x"]).train_draft_main(
             a

@@ -253,6 +253,7 @@ def test_top_level_help_lists_the_subcommands(capsys):
     listed = [line.split()[0] for line in captured.out.splitlines() if line.startswith("  ")]
     assert listed == [
         "generate",
+        "batch",
         "train",
         "train-draft",
         "lookup-create",

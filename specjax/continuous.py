@@ -1,0 +1,312 @@
+"""Continuous batching on device: slots that take a new request while the others keep going.
+
+A job holds `B` slots (llama.cpp's `-np`), one `GenState` row each. Three jitted entry
+points, all of fixed shapes, so a whole job compiles each once:
+
+    init_slots      every slot idle (done, empty memory, fresh drafter states)
+    prefill_chunk   C prompt tokens of ONE slot (traced slot index, start, count, final):
+                    the slot's row of the target cache and of every per-row drafter leaf is
+                    sliced out, evaluated at batch 1, and written back; the other rows are
+                    untouched. The first chunk (start 0) drops the row's memory (llama.cpp's
+                    `seq_rm` of the slot); the final chunk samples the first token, runs the
+                    drafters' `begin` and makes the row active.
+    run_segment     `engine.spec_step` rounds (speculation per row, every drafter) until a
+                    busy slot finishes, every row is done, or `max_rounds` rounds ran; the
+                    host then collects finished rows and prefills the next requests into them.
+
+Invariants:
+* A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
+  its final chunk.
+* A request's tokens depend only on the request and the model: its prefill runs at batch 1
+  in chunks of the static size C at positions 0.., whatever slot it lands in; decode rounds
+  compute each row independently of the others (attention and sampling are per row; the RNG
+  key of the token at absolute position p is make_key(seed, p, role)); drafts only change
+  which tokens are verified, never which are emitted (match verification; rejection
+  sampling of probabilistic drafts would break this, so the host refuses it).
+* Drafter state leaves are per row when their leading axis follows the batch size
+  (`init(2, S)` vs `init(3, S)`), else shared by all slots (ngram-mod's pool): shared leaves
+  keep learning across requests, as llama.cpp's server keeps a slot's drafters.
+* `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards)
+  and accepted draft tokens (length grows by accepted + 1 per round).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import adaptive, sampling
+from specjax import engine as eng
+from specjax import stats as stats_mod
+from specjax.cache import KVCache, keep_prefix
+from specjax.drafters.base import TargetBatch, TokenHistory
+from specjax.models.llama import commit_kv, forward_compute, new_cache
+from specjax.pytree import pytree_dataclass, replace
+from specjax.types import Array, Params
+
+
+@pytree_dataclass
+class SlotStats:
+    rounds: Array  # [B] int32 verify rounds of the row's current request
+    accepted: Array  # [B] int32 accepted draft tokens of the row's current request
+
+
+def _row_flags(drafter: Any, capacity: int) -> list[bool]:
+    """Per leaf of `drafter`'s state: True when its leading axis is the batch (per row)."""
+    a = jax.tree.leaves(jax.eval_shape(lambda: drafter.init(2, capacity)))
+    b = jax.tree.leaves(jax.eval_shape(lambda: drafter.init(3, capacity)))
+    return [x.ndim > 0 and x.shape[0] != y.shape[0] for x, y in zip(a, b)]
+
+
+def _take(tree: Any, flags: list[bool], slot: Array) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    out = [jax.lax.dynamic_slice_in_dim(x, slot, 1, 0) if f else x for x, f in zip(leaves, flags)]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _put(tree: Any, sub: Any, flags: list[bool], slot: Array) -> Any:
+    leaves, treedef = jax.tree.flatten(tree)
+    subs = jax.tree.leaves(sub)
+    out = [
+        jax.lax.dynamic_update_slice_in_dim(x, y, slot, 0) if f else y
+        for x, y, f in zip(leaves, subs, flags)
+    ]
+    return jax.tree.unflatten(treedef, out)
+
+
+def _row(x: Array, slot: Array) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, slot, 1, 0)
+
+
+def _set_row(x: Array, slot: Array, value: Array) -> Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), slot, 0)
+
+
+def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]:
+    """`batch` idle slots: empty memory, done, fresh drafter states."""
+    B, S, out_cap = batch, engine.capacity, engine.out_capacity
+    zeros = jnp.zeros((B,), jnp.int32)
+    state = eng.GenState(
+        cache=new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v),
+        history=jnp.zeros((B, S), jnp.int32),
+        length=zeros,
+        last_token=zeros,
+        out_tokens=jnp.zeros((B, out_cap), jnp.int32),
+        out_len=zeros,
+        done=jnp.ones((B,), bool),
+        finish=zeros,
+        drafter_states=tuple(d.init(B, S) for d in engine.drafters),
+        impl_last=jnp.full((B,), -1, jnp.int32),
+        stats=stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1)),
+        governor=adaptive.Governor.create(B),
+        n_rounds=jnp.zeros((), jnp.int32),
+    )
+    return state, SlotStats(rounds=zeros, accepted=zeros)
+
+
+def prefill_chunk(
+    engine: eng.Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: eng.GenState,
+    slot_stats: SlotStats,
+    slot: Array,
+    tokens_C: Array,
+    start: Array,
+    n_valid: Array,
+    final: Array,
+    run: eng.RunParams,
+) -> tuple[eng.GenState, SlotStats]:
+    """Evaluate prompt tokens `tokens_C[:n_valid]` at positions start.. in slot `slot`.
+
+    `start == 0` begins a new request in the slot (its memory and per-row drafter memory are
+    dropped first); `final` marks the prompt's last chunk: the first token is sampled from
+    its last logits (key make_key(seed, prompt length, SAMPLE), as `engine.prefill`), the
+    drafters' `begin` runs and the row turns active unless that token already ends it.
+    """
+    (C,) = tokens_C.shape
+    S = engine.capacity
+    slot = slot.astype(jnp.int32)
+    start = start.astype(jnp.int32)
+    n_valid = n_valid.astype(jnp.int32)
+    length = start + n_valid
+
+    # the slot's row of the target cache, minus cells at positions >= start
+    c = state.cache
+    cache_1 = KVCache(
+        k=tuple(_row(x, slot) for x in c.k),
+        v=tuple(_row(x, slot) for x in c.v),
+        pos=_row(c.pos, slot),
+        overflow=_row(c.overflow, slot) & (start > 0),
+        inv_freq=c.inv_freq,
+    )
+    cache_1 = keep_prefix(cache_1, start[None])
+    idx_C = jnp.arange(C, dtype=jnp.int32)
+    positions_1C = jnp.where(idx_C < n_valid, start + idx_C, -1)[None, :]
+    tokens_1C = tokens_C[None, :].astype(jnp.int32)
+    out = forward_compute(
+        engine.target,
+        target_params,
+        tokens_1C,
+        positions_1C,
+        cache_1,
+        engine.hidden_layers,
+        logit_index=jnp.maximum(n_valid - 1, 0)[None],
+    )
+    assert out.logits is not None
+    cache_1 = commit_kv(cache_1, positions_1C, out.k, out.v, after=out.logits)
+    cache = KVCache(
+        k=tuple(_set_row(x, slot, y) for x, y in zip(c.k, cache_1.k)),
+        v=tuple(_set_row(x, slot, y) for x, y in zip(c.v, cache_1.v)),
+        pos=_set_row(c.pos, slot, cache_1.pos),
+        overflow=_set_row(c.overflow, slot, cache_1.overflow),
+        inv_freq=c.inv_freq,
+    )
+
+    # the slot's token history: cleared at start 0, the chunk written at its positions
+    hist_1S = _row(state.history, slot)
+    hist_1S = jnp.where(jnp.arange(S)[None, :] < start, hist_1S, 0)
+    hist_1S = hist_1S.at[0, jnp.where(idx_C < n_valid, start + idx_C, S)].set(
+        tokens_C.astype(jnp.int32), mode="drop"
+    )
+    history = _set_row(state.history, slot, hist_1S)
+    length_1 = length[None]
+
+    # drafters: rows sliced out (shared leaves whole), memory >= start dropped, chunk processed
+    batch_1 = TargetBatch(
+        tokens=tokens_1C, positions=positions_1C, hidden=out.hidden, is_prompt=True
+    )
+    hist_1 = TokenHistory(tokens=hist_1S, length=length_1)
+    dstates = []
+    for d, p, s in zip(engine.drafters, drafter_params, state.drafter_states):
+        flags = _row_flags(d, S)
+        s1 = _take(s, flags, slot)
+        s1 = d.rollback(s1, start[None])
+        s1 = d.process(p, s1, batch_1)
+        # `begin` only with the final chunk (a cond: ngram-mod's ingestion is not cheap)
+        s1 = jax.lax.cond(final, lambda s, d=d: d.begin(s, hist_1), lambda s: s, s1)
+        dstates.append(_put(s, s1, flags, slot))
+
+    # the first generated token (used only when `final`)
+    samp_1 = jax.tree.map(lambda x: _row(x, slot), run.sampling)
+    logits_1V = out.logits[:, 0]
+    window = eng._history_window(hist_1S, length_1, engine.penalty_window)
+    logits_1V = jax.vmap(sampling.apply_penalties)(
+        logits_1V, window, window >= 0, samp_1.repeat_penalty
+    )
+    keys = sampling.make_keys(samp_1.seed, length_1, sampling.ROLE_SAMPLE)
+    first = sampling.sample(logits_1V, samp_1, keys).astype(jnp.int32)[0]
+    max_new = run.max_new[slot]
+    is_eog = eng._is_eog(engine, first)
+    full = length >= S - 1
+    finished = is_eog | (max_new <= 1) | full
+    finish = jnp.where(
+        is_eog,
+        eng.FINISH_EOG,
+        jnp.where(max_new <= 1, eng.FINISH_LENGTH, jnp.where(full, eng.FINISH_CONTEXT, 0)),
+    )
+
+    def pick(new: Array | int | bool, old: Array | int | bool) -> Array:
+        return jnp.where(final, new, old)
+
+    out_cap = engine.out_capacity
+    out_row = jnp.zeros((1, out_cap), jnp.int32).at[0, 0].set(first)
+    gov = state.governor
+    fresh = adaptive.Governor.create(1)
+    governor = replace(
+        gov,
+        hit_num=_set_row(gov.hit_num, slot, fresh.hit_num),
+        hit_den=_set_row(gov.hit_den, slot, fresh.hit_den),
+        acc_num=_set_row(gov.acc_num, slot, fresh.acc_num),
+        acc_den=_set_row(gov.acc_den, slot, fresh.acc_den),
+    )
+    new_state = replace(
+        state,
+        cache=cache,
+        history=history,
+        length=_set_row(state.length, slot, length_1),
+        last_token=_set_row(state.last_token, slot, pick(first, state.last_token[slot])[None]),
+        out_tokens=_set_row(
+            state.out_tokens, slot, jnp.where(final, out_row, _row(state.out_tokens, slot))
+        ),
+        out_len=_set_row(state.out_len, slot, pick(1, 0)[None]),
+        done=_set_row(state.done, slot, pick(finished, True)[None]),
+        finish=_set_row(state.finish, slot, pick(finish, 0)[None]),
+        drafter_states=tuple(dstates),
+        impl_last=_set_row(state.impl_last, slot, jnp.full((1,), -1, jnp.int32)),
+        stats=stats_mod.record_begin(state.stats, final[None]) if engine.drafters else state.stats,
+        governor=governor,
+    )
+    zero = jnp.zeros((1,), jnp.int32)
+    slot_stats = SlotStats(
+        rounds=_set_row(slot_stats.rounds, slot, zero),
+        accepted=_set_row(slot_stats.accepted, slot, zero),
+    )
+    return new_state, slot_stats
+
+
+def run_segment(
+    engine: eng.Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: eng.GenState,
+    slot_stats: SlotStats,
+    run: eng.RunParams,
+    busy_B: Array,
+    max_rounds: Array,
+) -> tuple[eng.GenState, SlotStats, Array]:
+    """Speculative rounds until a busy slot is done, all rows are done, or `max_rounds` ran.
+
+    `busy_B [B]`: slots whose request the host has not collected yet; the loop returns at
+    once when one of them is done (e.g. finished by its first token). Returns the state, the
+    per-slot counters and the number of rounds run.
+    """
+
+    def cond(carry: tuple[eng.GenState, SlotStats, Array]) -> Array:
+        s, _, i = carry
+        return jnp.any(~s.done) & (i < max_rounds) & ~jnp.any(s.done & busy_B)
+
+    def body(carry: tuple[eng.GenState, SlotStats, Array]) -> tuple[eng.GenState, SlotStats, Array]:
+        s, st, i = carry
+        active = ~s.done
+        new = eng.spec_step(engine, target_params, drafter_params, s, run)
+        acc = jnp.where(active, new.length - s.length - 1, 0)
+        st = SlotStats(rounds=st.rounds + active.astype(jnp.int32), accepted=st.accepted + acc)
+        return new, st, i + 1
+
+    return jax.lax.while_loop(cond, body, (state, slot_stats, jnp.zeros((), jnp.int32)))
+
+
+init_slots_jit = jax.jit(init_slots, static_argnames=("engine", "batch"))
+prefill_chunk_jit = jax.jit(
+    prefill_chunk, static_argnames=("engine",), donate_argnames=("state", "slot_stats")
+)
+run_segment_jit = jax.jit(
+    run_segment, static_argnames=("engine",), donate_argnames=("state", "slot_stats")
+)
+
+
+def run_rounds(
+    engine: eng.Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: eng.GenState,
+    run: eng.RunParams,
+    n_rounds: Array,
+) -> eng.GenState:
+    """At most `n_rounds` rounds of `engine.generate_loop` (the same rounds, so the same
+    tokens): streaming reads the state between calls."""
+    stop = state.n_rounds + n_rounds
+
+    def cond(s: eng.GenState) -> Array:
+        return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity) & (s.n_rounds < stop)
+
+    def body(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(engine, target_params, drafter_params, s, run)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+run_rounds_jit = jax.jit(run_rounds, static_argnames=("engine",), donate_argnames=("state",))
