@@ -201,5 +201,3 @@ def make_drafter(
     )
     # n_max / n_min themselves are traced per call (DraftInput), clamped again in `draft`
     return drafter, warning
-
-

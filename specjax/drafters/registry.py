@@ -105,9 +105,7 @@ def _draft_block(dspark: bool) -> Callable[[SpecConfig, Any, Any], tuple[Any, An
         if dspark and not cfg.is_dspark:
             raise ValueError(f"{kind} needs a DSpark head (markov_w1/markov_w2); this is DFlash")
         if dspark and spec.draft_p_min > 0 and not cfg.has_confidence:
-            raise ValueError(
-                "DSpark draft has no confidence head: please set --spec-draft-p-min 0"
-            )
+            raise ValueError("DSpark draft has no confidence head: please set --spec-draft-p-min 0")
         tc = target.config
         if cfg.target_hidden != tc.D:
             raise ValueError(
@@ -123,9 +121,7 @@ def _draft_block(dspark: bool) -> Callable[[SpecConfig, Any, Any], tuple[Any, An
                 f"DFlash head of width {cfg.D} shares the target's embeddings / LM head "
                 f"(width {tc.D})"
             )
-        drafter, warning = make_drafter(
-            cfg, dspark, spec.draft_n_max, spec.draft_n_min, spec.k_max
-        )
+        drafter, warning = make_drafter(cfg, dspark, spec.draft_n_max, spec.draft_n_min, spec.k_max)
         if warning is not None:
             warnings.warn(f"{kind}: {warning}", stacklevel=3)
         params = {

@@ -334,7 +334,9 @@ class LayerKV(NamedTuple):
     v: tuple[Array, ...]
 
 
-def inject_kv(config: DFlashConfig, params: Params, g_BTD: Array, positions_BT: Array, cache: KVCache) -> LayerKV:
+def inject_kv(
+    config: DFlashConfig, params: Params, g_BTD: Array, positions_BT: Array, cache: KVCache
+) -> LayerKV:
     """K/V of every layer computed from `g` (k_norm + RoPE on K; V as is): the KV injection."""
     E, G = config.E, config.G
     B, T, _ = g_BTD.shape

@@ -39,9 +39,13 @@ class DFlashRef:
     def __init__(self, cfg, params, shared, n_seq: int, dspark: bool, n_max: int, n_min: int):
         self.cfg = cfg
         self.p = {k: np.asarray(v, np.float64) for k, v in params.items() if k != "layers"}
-        self.layers = [{k: np.asarray(v, np.float64) for k, v in lay.items()} for lay in params["layers"]]
+        self.layers = [
+            {k: np.asarray(v, np.float64) for k, v in lay.items()} for lay in params["layers"]
+        ]
         self.embed = np.asarray(params["embed"] if cfg.own_embed else shared["embed"], np.float64)
-        self.head = np.asarray(params["lm_head"] if cfg.own_lm_head else shared["lm_head"], np.float64)
+        self.head = np.asarray(
+            params["lm_head"] if cfg.own_lm_head else shared["lm_head"], np.float64
+        )
         self.d2t = np.asarray(params["d2t"]) if "d2t" in params else None
         self.mem: list[dict[int, tuple[list[np.ndarray], list[np.ndarray]]]] = [
             {} for _ in range(n_seq)
