@@ -418,35 +418,37 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cases.append((name, cmd, lambda: sj.run(name, ids[prompt], 2048, cfg), prompt))
 
     add_plain("main", 2048)
-    add_plain("short", 512)
-    add_plain("short", 8192)
+    if not args.spec_types:
+        add_plain("short", 512)
+        add_plain("short", 8192)
     for prompt in spec_prompts:
         if prompt != "main":
             add_plain(prompt, 2048)
         for spec_type in spec_types:
             add_spec(f"spec/{prompt}/{spec_type}", prompt, spec_type)
-    add_plain("norepeat", 2048)
-    add_spec(
-        "nodraft/norepeat/ngram-simple",
-        "norepeat",
-        "ngram-simple",
-        extra=("--spec-ngram-simple-size-n", str(NO_MATCH_N)),
-        ngram_simple_size_n=NO_MATCH_N,
-    )
-    add_spec(
-        "nodraft/norepeat/ngram-map-k",
-        "norepeat",
-        "ngram-map-k",
-        extra=("--spec-ngram-map-k-size-n", str(NO_MATCH_N)),
-        ngram_map_k_size_n=NO_MATCH_N,
-    )
-    add_spec(
-        "nodraft/norepeat/ngram-mod",
-        "norepeat",
-        "ngram-mod",
-        extra=("--spec-ngram-mod-n-match", str(NO_MATCH_N)),
-        ngram_mod_n_match=NO_MATCH_N,
-    )
+    if not args.spec_types:  # the no-draft cases (skipped when only some drafters run)
+        add_plain("norepeat", 2048)
+        add_spec(
+            "nodraft/norepeat/ngram-simple",
+            "norepeat",
+            "ngram-simple",
+            extra=("--spec-ngram-simple-size-n", str(NO_MATCH_N)),
+            ngram_simple_size_n=NO_MATCH_N,
+        )
+        add_spec(
+            "nodraft/norepeat/ngram-map-k",
+            "norepeat",
+            "ngram-map-k",
+            extra=("--spec-ngram-map-k-size-n", str(NO_MATCH_N)),
+            ngram_map_k_size_n=NO_MATCH_N,
+        )
+        add_spec(
+            "nodraft/norepeat/ngram-mod",
+            "norepeat",
+            "ngram-mod",
+            extra=("--spec-ngram-mod-n-match", str(NO_MATCH_N)),
+            ngram_mod_n_match=NO_MATCH_N,
+        )
 
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
         c[0]: {"llama": [], "specjax": []} for c in cases

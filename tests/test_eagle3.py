@@ -392,3 +392,59 @@ def test_chunked_prefill_drafts_like_a_whole_prefill(target, head, plain):
         assert sorted(ca) == sorted(cb)
         for p in ca:
             np.testing.assert_allclose(ca[p], cb[p], atol=1e-3)
+
+
+# ------------------------------------------------------------------- CLI, chain, GGUF
+def test_cli_chain_with_ngram_mod_and_chunked_prefill(tmp_path, capsys):
+    """`specjax generate -m T -md HEAD.gguf --spec-type draft-eagle3,ngram-mod -ub 4`: the
+    head goes through its GGUF file, the chain and the chunked prefill; greedy output is the
+    plain output and both drafters draft."""
+    import json
+
+    from specjax import cli
+    from specjax.io.eagle3_gguf import save_eagle3_gguf
+    from specjax.io.gguf_io import save_gguf
+    from specjax.testing import tiny_model_with_tokenizer
+
+    model = tiny_model_with_tokenizer(0)
+    head = echo_head(model)
+    t_path, h_path = tmp_path / "t.gguf", tmp_path / "h.gguf"
+    save_gguf(str(t_path), model.config, model.params, model.tokenizer, dtype="f32")
+    save_eagle3_gguf(h_path, head.config, head.params, model.tokenizer, dtype="f32")
+    prompt = "x = 1\nx = 1\nx = 1\nx = 1\nx = 1\n"  # n-grams to match
+    base = ["generate", "-m", str(t_path), "-p", prompt, "-n", "24"]
+    assert cli.main([*base, "--out", str(tmp_path / "plain.jsonl")]) == 0
+    spec = [
+        *("-md", str(h_path), "--spec-type", "draft-eagle3,ngram-mod", "-ub", "4"),
+        *("--spec-ngram-mod-n-match", "2", "--spec-ngram-mod-n-min", "1"),
+        *("--spec-ngram-mod-n-max", "4", "--spec-draft-n-max", "3", "--spec-governor", "off"),
+    ]
+    assert cli.main([*base, *spec, "--out", str(tmp_path / "spec.jsonl")]) == 0
+    err = capsys.readouterr().err
+    plain = json.loads((tmp_path / "plain.jsonl").read_text())
+    got = json.loads((tmp_path / "spec.jsonl").read_text())
+    assert got["tokens"] == plain["tokens"] and len(got["tokens"]) == 24
+    drafters = got["stats"]["drafters"]
+    assert drafters["draft-eagle3"]["n_gen_drafts"] > 0 and "ngram-mod" in drafters
+    assert "draft-eagle3" in err
+
+
+@pytest.mark.slow
+def test_chain_with_ngram_mod_both_draft_and_stay_lossless(target, head, plain):
+    """`draft-eagle3,ngram-mod`: ngram-mod (first in priority) wins a row that repeats an
+    earlier occurrence, the head drafts the other rows; greedy output stays plain."""
+    prompts = [PROMPTS[0] + plain.tokens[0][:12] + PROMPTS[0], *PROMPTS[1:]]
+    ref = generate(target, prompts, max_new_tokens=MAX_NEW)
+    spec = SpecConfig(
+        types=("draft-eagle3", "ngram-mod"),
+        adaptive=False,
+        draft_n_max=3,
+        ngram_mod_n_match=4,
+        ngram_mod_n_min=1,
+        ngram_mod_n_max=8,
+    )
+    out = generate(target, prompts, max_new_tokens=MAX_NEW, spec=spec, draft=head)
+    assert out.tokens == ref.tokens
+    d = out.stats.to_dict()["drafters"]
+    assert d["draft-eagle3"]["n_gen_drafts"] > 0 and d["ngram-mod"]["n_gen_drafts"] > 0
+    assert 0 < out.stats.to_dict()["num_accepted_tokens"] < out.stats.to_dict()["num_draft_tokens"]
