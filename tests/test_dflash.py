@@ -267,3 +267,52 @@ def test_process_draft_sequence_matches_plain_python_transcription(variant):
             ref.seq_rm(b, n_past[b])
         state = rollback(state, jnp.asarray(n_past, jnp.int32))
     assert n_cut > 0 and n_full > 0  # p_min cut drafts short, others ran to the clamp
+
+
+# ------------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize("variant", ["dflash", "dspark-d2t-bonus"])
+def test_gguf_round_trip(tmp_path, variant):
+    from specjax.io import load_model_files
+    from specjax.io.dflash_gguf import save_dflash_gguf
+    from specjax.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    V = tok.vocab_size  # type: ignore[attr-defined]
+    extra: dict[str, object] = (
+        dict(
+            markov_rank=5,
+            sample_from_anchor=False,
+            draft_vocab=V // 2,
+            own_lm_head=True,
+            markov_w2_scale=True,
+        )
+        if variant != "dflash"
+        else dict(own_embed=True, own_lm_head=True, fc_scale=True)
+    )
+    cfg = df.DFlashConfig(
+        vocab_size=V,
+        dim=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=24,
+        target_hidden=8,
+        target_layers=(3, 1, 2),
+        block_size=6,
+        mask_token_id=V - 1,
+        **extra,  # type: ignore[arg-type]
+    )
+    params = dict(df.init_params(cfg, jax.random.key(2)))
+    params = jax.tree.map(lambda x: x + 0.01 if x.dtype != jnp.int32 else x, params)
+    if cfg.has_d2t:
+        params["d2t"] = jnp.asarray(np.arange(cfg.Vd) * 2, jnp.int32)
+    path = tmp_path / "head.gguf"
+    save_dflash_gguf(path, cfg, params, tok, dtype="f32")
+    cfg2, params2, tok2 = load_model_files(path)
+    assert cfg2 == cfg
+    assert tok2.vocab_size == tok.vocab_size  # type: ignore[attr-defined]
+    flat1, tree1 = jax.tree.flatten(params)
+    flat2, tree2 = jax.tree.flatten(params2)
+    assert tree1 == tree2
+    for a, b in zip(flat1, flat2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
