@@ -316,3 +316,65 @@ def test_gguf_round_trip(tmp_path, variant):
     assert tree1 == tree2
     for a, b in zip(flat1, flat2):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- training
+@pytest.mark.parametrize("dspark", [False, True])
+def test_training_blocks_are_the_drafters_blocks(dspark):
+    """The trainer's block (context = the window's K/V at positions < n, attended besides
+    the block) equals the drafter's block over a cache filled by `process`; one optax step
+    lowers the loss."""
+    import optax
+
+    from specjax.drafters.dflash import make_drafter
+    from specjax.train_dflash import LoopConfig, block_loss
+
+    V, Dt, T, W = 41, 12, 10, 4
+    cfg = df.DFlashConfig(
+        vocab_size=V, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24,
+        target_hidden=Dt, target_layers=(0, 1), block_size=W, mask_token_id=V - 1,
+        markov_rank=4 if dspark else 0, own_embed=True, own_lm_head=True,
+    )  # fmt: skip
+    params = df.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    inputs = jnp.asarray(rng.integers(0, V - 1, (1, T)), jnp.int32)
+    feats = {i: jnp.asarray(rng.standard_normal((1, T, Dt)), jnp.float32) for i in (0, 1)}
+    n = 6
+    # the drafter: process rows 0..n-1, then draft from id_last = inputs[n] at n_past = n
+    drafter, _ = make_drafter(cfg, dspark, W, 0, None)
+    state = drafter.init(1, 32)
+    pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), -1)[None].astype(jnp.int32)
+    state = drafter.process(
+        {"head": params, "shared": {}},
+        state,
+        TargetBatch(tokens=inputs, positions=pos, hidden=feats),
+    )
+    inp = DraftInput(
+        history=TokenHistory(tokens=inputs, length=jnp.asarray([n], jnp.int32)),
+        last_token=inputs[:, n],
+        n_max=jnp.asarray([W]),
+        drafting=jnp.asarray([True]),
+        n_min=jnp.asarray(0),
+        p_min=jnp.asarray(0.0),
+        temperature=jnp.zeros((1,)),
+        draft_n_max=jnp.asarray(W),
+    )
+    tokens, positions, mask_pos, _ = drafter.block_inputs(inp, W)
+    want = df.block_forward(cfg, params, {}, tokens, positions, mask_pos, state.cache)
+    # the trainer's graph for anchor n
+    loop = LoopConfig(anchors=1)
+    f = df.gather_features(cfg, feats)
+    t_logits = jnp.asarray(rng.standard_normal((1, T, V)), jnp.float32)
+    g = df.encode(cfg, params, f)
+    kv = df.inject_kv(cfg, params, g, jnp.arange(T)[None])
+    ctx_pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), -1)[None]
+    h = df.block_hidden(cfg, params, {}, tokens, positions, mask_pos, None, (kv, ctx_pos))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
+    anchors = jnp.asarray([[n]])
+    loss_fn = lambda p: block_loss(cfg, loop, p, {}, inputs, f, t_logits, anchors)[0]  # noqa: E731
+    opt = optax.adam(1e-2)
+    l0, grads = jax.value_and_grad(loss_fn)(params)
+    with jax.numpy_dtype_promotion("standard"):
+        upd, _ = opt.update(grads, opt.init(params), params)
+        stepped = optax.apply_updates(params, upd)
+    assert float(loss_fn(stepped)) < float(l0)

@@ -335,7 +335,11 @@ class LayerKV(NamedTuple):
 
 
 def inject_kv(
-    config: DFlashConfig, params: Params, g_BTD: Array, positions_BT: Array, cache: KVCache
+    config: DFlashConfig,
+    params: Params,
+    g_BTD: Array,
+    positions_BT: Array,
+    cache: KVCache | None = None,
 ) -> LayerKV:
     """K/V of every layer computed from `g` (k_norm + RoPE on K; V as is): the KV injection."""
     E, G = config.E, config.G
@@ -347,8 +351,11 @@ def inject_kv(
         kv = jnp.einsum("btd,od->bto", g_BTD, w)
         k = rms_norm(kv[..., : G * E].reshape(B, T, G, E), layer["k_norm"], config.norm_eps)
         v = kv[..., G * E :].reshape(B, T, G, E)
-        ks.append(apply_rope(k, cos, sin).astype(cache.k[i].dtype))
-        vs.append(v.astype(cache.v[i].dtype))
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = k.astype(cache.k[i].dtype), v.astype(cache.v[i].dtype)
+        ks.append(k)
+        vs.append(v)
     return LayerKV(tuple(ks), tuple(vs))
 
 
@@ -421,11 +428,17 @@ def block_hidden(
 
 
 def markov_head(
-    config: DFlashConfig, params: Params, base_BWV: Array, hidden_BWD: Array, anchor_B: Array
+    config: DFlashConfig,
+    params: Params,
+    base_BWV: Array,
+    hidden_BWD: Array,
+    anchor_B: Array,
+    prev_BW: Array | None = None,
 ) -> tuple[Array, Array | None]:
     """DSpark's in-graph Markov chain over the block (upstream `build_dspark_markov_head`):
     biased logits [B, W, V] and sigmoid confidences [B, W] (None without a confidence head;
-    slot 0 without `sample_from_anchor` is padding, never read)."""
+    slot 0 without `sample_from_anchor` is padding, never read). `prev_BW` (training:
+    teacher forcing) gives each row's previous token instead of the greedy chain."""
     W = base_BWV.shape[1]
     beg = 0 if config.sample_from_anchor else 1
     w1, w2 = params["markov_w1"], params["markov_w2"]
@@ -433,6 +446,8 @@ def markov_head(
     cols = [base_BWV[:, 0]] if beg else []
     confs = [jax.nn.sigmoid(base_BWV[:, 0, 0])] if beg else []
     for i in range(beg, W):
+        if prev_BW is not None:
+            prev = prev_BW[:, i].astype(jnp.int32)
         w1_prev = w1[prev].astype(jnp.float32)  # [B, R]
         bias = jnp.einsum("vr,br->bv", w2.astype(jnp.float32), w1_prev)
         if config.markov_w2_scale:
