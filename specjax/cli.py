@@ -266,7 +266,7 @@ def generate_main(argv: list[str]) -> int:
     draft = None
     if opts.get("spec_draft_model"):
         draft = load(opts["spec_draft_model"])
-    for needs in ("draft-simple", "draft-eagle3"):
+    for needs in ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark"):
         if spec is not None and needs in spec.types and draft is None:
             raise SystemExit(f"error: --spec-type {needs} needs -md/--spec-draft-model")
     print(

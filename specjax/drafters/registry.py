@@ -84,6 +84,55 @@ def _draft_eagle3(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     return drafter, params
 
 
+def _draft_block(dspark: bool) -> Callable[[SpecConfig, Any, Any], tuple[Any, Any]]:
+    """draft-dflash / draft-dspark: one builder, upstream's shared implementation."""
+
+    def build(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
+        import warnings
+
+        from specjax.drafters.dflash import make_drafter
+        from specjax.models.dflash import DFlashConfig, shared_weights
+
+        kind = "draft-dspark" if dspark else "draft-dflash"
+        if draft is None:
+            raise ValueError(f"{kind} needs a DFlash head (-md/--spec-draft-model)")
+        cfg = draft.config
+        if not isinstance(cfg, DFlashConfig):
+            raise ValueError(
+                f"{kind} needs a draft model of architecture dflash, got "
+                f"{getattr(cfg, 'arch', type(cfg).__name__)!r}"
+            )
+        if dspark and not cfg.is_dspark:
+            raise ValueError(f"{kind} needs a DSpark head (markov_w1/markov_w2); this is DFlash")
+        if dspark and spec.draft_p_min > 0 and not cfg.has_confidence:
+            raise ValueError("DSpark draft has no confidence head: please set --spec-draft-p-min 0")
+        tc = target.config
+        if cfg.target_hidden != tc.D:
+            raise ValueError(
+                f"DFlash head expects target hidden size {cfg.target_hidden}, the target has {tc.D}"
+            )
+        for layer in cfg.target_layers:
+            if layer > tc.L:
+                raise ValueError(f"DFlash: target layer id {layer} exceeds target n_layer {tc.L}")
+        if cfg.V != tc.V:
+            raise ValueError(f"DFlash head vocabulary {cfg.V} differs from the target's {tc.V}")
+        if (not cfg.own_embed or not cfg.own_lm_head) and cfg.D != tc.D:
+            raise ValueError(
+                f"DFlash head of width {cfg.D} shares the target's embeddings / LM head "
+                f"(width {tc.D})"
+            )
+        drafter, warning = make_drafter(cfg, dspark, spec.draft_n_max, spec.draft_n_min, spec.k_max)
+        if warning is not None:
+            warnings.warn(f"{kind}: {warning}", stacklevel=3)
+        params = {
+            "head": draft.params,
+            "shared": shared_weights(cfg, target.params, tc.tie_embeddings),
+        }
+        return drafter, params
+
+    return build
+
+
 def _ngram_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     from specjax.drafters.ngram_simple import NgramSimple
 
@@ -133,6 +182,8 @@ def _ngram_cache(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
 _BUILDERS: dict[str, Callable[[SpecConfig, Any, Any], tuple[Any, Any]]] = {
     "draft-simple": _draft_simple,
     "draft-eagle3": _draft_eagle3,
+    "draft-dflash": _draft_block(False),
+    "draft-dspark": _draft_block(True),
     "ngram-simple": _ngram_simple,
     "ngram-mod": _ngram_mod,
     "ngram-map-k": _ngram_map_k,

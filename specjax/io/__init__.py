@@ -31,8 +31,13 @@ def load_model_files(
         if is_gguf:
             from specjax.io.eagle3_gguf import ARCH, gguf_architecture, load_eagle3_gguf
 
-            if gguf_architecture(path) == ARCH:  # an EAGLE-3 head: (Eagle3Config, ...)
+            arch = gguf_architecture(path)
+            if arch == ARCH:  # an EAGLE-3 head: (Eagle3Config, ...)
                 return load_eagle3_gguf(path, dtype=dtype)  # type: ignore[return-value]
+            if arch == "dflash":  # a DFlash / DSpark head: (DFlashConfig, ...)
+                from specjax.io.dflash_gguf import load_dflash_gguf
+
+                return load_dflash_gguf(path, dtype=dtype)  # type: ignore[return-value]
             return load_gguf(path, dtype=dtype)
         if path.lower().endswith(".gguf"):
             return load_gguf(path, dtype=dtype)

@@ -1,0 +1,203 @@
+"""draft-dflash / draft-dspark: block drafting from target features (llama.cpp section 5.4).
+
+One implementation for both types (upstream's `common_speculative_impl_draft_dflash`); the
+state is the head's KV cache only (`accept` is a no-op, there is no deferred boundary):
+
+* `process(batch)`: for every evaluated row of the batch (prompt chunk or verify batch, the
+  rejected rows included, as upstream) `g = encode(features)` and K/V of every layer computed
+  from `g` are written into the head's cache at the row's real position (KV injection).
+* `draft`: for rows asked to draft, one forward of the block `[id_last, MASK x (n_block - 1)]`
+  at positions `n_past + j` over the injected context (positions < n_past) and the whole
+  block without a causal mask. `n_block = n + 1` for DFlash and DSpark without
+  `sample_from_anchor`, `n` for DSpark with it, where `n` is the draft model's n_max
+  (`draft_n_max`, NOT the caller's budget: the relay truncates) clamped to `max_draft`.
+  - DFlash: block rows 1..n_block-1 in order; the top-10 softmax's top candidate; stop at
+    the first probability < p_min.
+  - DSpark: rows from 0 (anchor) or 1; with p_min > 0 stop when the row's confidence is
+    < p_min (no probability check); the logits carry the Markov bias.
+  - drafts shorter than n_min (clamped like n_max) are cleared.
+  The block's K/V are never written to the cache (upstream writes then removes them).
+* `rollback(keep)`: `seq_rm(row, keep, -1)` on the head's cache (upstream's caller trims the
+  draft context to n_past after verification; the verify batch re-injects real features).
+* `get_state` / `set_state`: upstream has none for this drafter (None / ignored).
+
+Invariant: the draft for a row reads only cache cells at positions < n_past (the block sees
+no stale injected rows even when a caller skipped `rollback`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+
+from specjax.cache import KVCache, keep_prefix
+from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.draft_simple import DRAFT_TOP_K
+from specjax.models import dflash as df
+from specjax.models.llama import commit_kv, new_cache
+from specjax.pytree import pytree_dataclass
+from specjax.types import Array
+
+
+@pytree_dataclass
+class DFlashState:
+    cache: KVCache  # the head's KV ([B, G, S, E] per layer)
+
+
+def clamp_draft_sizes(
+    config: df.DFlashConfig, dspark: bool, n_max: int, n_min: int
+) -> tuple[int, int, str | None]:
+    """Upstream's constructor clamp: (n_max, n_min, warning or None)."""
+    limit = config.max_draft(dspark)
+    if n_max > limit or n_min > limit:
+        msg = (
+            f"requested draft size (n_max={n_max}, n_min={n_min}) exceeds the trained block "
+            f"size {config.block_size} -- clamping to {limit}"
+        )
+        return min(n_max, limit), min(n_min, limit), msg
+    return n_max, n_min, None
+
+
+@dataclasses.dataclass(frozen=True)
+class DFlashDrafter:
+    name: ClassVar[str] = "draft-dflash"
+
+    config: df.DFlashConfig
+    hidden_layers: tuple[int, ...]
+    #: the longest draft (static): the block width is max_draft_len (+ 1 without the anchor)
+    max_draft_len: int
+    dspark: bool = False
+    top_k: int = DRAFT_TOP_K
+
+    def __post_init__(self) -> None:
+        limit = self.config.max_draft(self.dspark)
+        if not 1 <= self.max_draft_len <= limit:
+            raise ValueError(
+                f"max_draft_len must be in 1..{limit} (block_size {self.config.block_size}), "
+                f"got {self.max_draft_len}"
+            )
+
+    @property
+    def anchor(self) -> bool:
+        """DSpark with `sample_from_anchor`: the draft starts at block row 0."""
+        return self.dspark and self.config.sample_from_anchor
+
+    @property
+    def block_width(self) -> int:
+        return self.max_draft_len + (0 if self.anchor else 1)
+
+    def init(self, batch: int, capacity: int) -> DFlashState:
+        return DFlashState(cache=new_cache(self.config.layer_config, batch, capacity))
+
+    def begin(self, state: DFlashState, history: TokenHistory) -> DFlashState:
+        del history  # upstream only warns when process() missed a prefill chunk
+        return state
+
+    def process(self, params: Any, state: DFlashState, batch: TargetBatch) -> DFlashState:
+        cfg = self.config
+        head = params["head"]
+        feats = df.gather_features(cfg, batch.hidden)
+        g = df.encode(cfg, head, feats)
+        pos = batch.positions.astype(jnp.int32)
+        kv = df.inject_kv(cfg, head, g, pos, state.cache)
+        return DFlashState(cache=commit_kv(state.cache, pos, kv.k, kv.v, after=g))
+
+    def accept(
+        self, state: DFlashState, n_accepted: Array, is_other: Array, active: Array
+    ) -> DFlashState:
+        del n_accepted, is_other, active  # upstream: no-op
+        return state
+
+    def rollback(self, state: DFlashState, keep: Array) -> DFlashState:
+        return DFlashState(cache=keep_prefix(state.cache, keep))
+
+    def block_inputs(self, inp: DraftInput, k_max: int) -> tuple[Array, Array, Array, Array]:
+        """(tokens [B, W], positions, mask positions, n_draft [B]) of the drafting rows'
+        blocks; rows not drafting and cells past n_block are padding (position -1)."""
+        B = inp.last_token.shape[0]
+        W = self.block_width
+        n_max = inp.draft_n_max if inp.draft_n_max is not None else jnp.asarray(k_max)
+        n_draft = jnp.clip(n_max, 0, min(self.max_draft_len, k_max)).astype(jnp.int32)
+        n_block = n_draft + (0 if self.anchor else 1)
+        n_block = jnp.where(inp.drafting, n_block, 0)
+        j = jnp.arange(W, dtype=jnp.int32)[None, :]
+        tokens = jnp.where(j == 0, inp.last_token[:, None], self.config.mask_token_id)
+        n_past = inp.history.length.astype(jnp.int32)[:, None]
+        live = j < n_block[:, None]
+        positions = jnp.where(live, n_past + j, -1)
+        mask_pos = jnp.where(live, n_past + n_block[:, None] - 1, -1)
+        return tokens.astype(jnp.int32), positions, mask_pos, jnp.broadcast_to(n_draft, (B,))
+
+    def draft(
+        self, params: Any, state: DFlashState, inp: DraftInput, k_max: int
+    ) -> tuple[DFlashState, DraftOutput]:
+        cfg = self.config
+        B = inp.last_token.shape[0]
+        drafting = inp.drafting
+
+        def run(state: DFlashState) -> tuple[DFlashState, DraftOutput]:
+            tokens, positions, mask_pos, n_draft = self.block_inputs(inp, k_max)
+            big = jnp.full((B,), state.cache.capacity + (1 << 20), jnp.int32)
+            cache = keep_prefix(state.cache, jnp.where(drafting, inp.history.length, big))
+            out = df.block_forward(
+                cfg, params["head"], params["shared"], tokens, positions, mask_pos, cache
+            )
+            beg = 0 if self.anchor else 1
+            logits = out.logits[:, beg:]  # [B, n, V]: draft index i = block row beg + i
+            n = logits.shape[1]
+            top_vals, top_ids = jax.lax.top_k(logits, self.top_k)
+            probs = jax.nn.softmax(top_vals, axis=-1)[..., 0]
+            ids = top_ids[..., 0].astype(jnp.int32)
+            i = jnp.arange(n)[None, :]
+            ok = i < n_draft[:, None]
+            if self.dspark:
+                if out.conf is not None:
+                    conf = out.conf[:, beg:]
+                    ok = ok & ((inp.p_min <= 0) | (conf >= inp.p_min))
+            else:
+                ok = ok & (probs >= inp.p_min)
+            valid = jnp.cumprod(ok.astype(jnp.int32), axis=1).astype(bool) & drafting[:, None]
+            length = jnp.sum(valid, axis=1)
+            min_len = jnp.minimum(inp.n_min, cfg.max_draft(self.dspark))
+            valid = valid & (length >= min_len)[:, None]
+            pad = k_max - n
+            tok_K = jnp.pad(jnp.where(valid, ids, 0), ((0, 0), (0, pad)))
+            valid_K = jnp.pad(valid, ((0, 0), (0, pad)))
+            return state, DraftOutput(tokens=tok_K, valid=valid_K)
+
+        def skip(state: DFlashState) -> tuple[DFlashState, DraftOutput]:
+            return state, empty_draft(B, k_max)
+
+        return jax.lax.cond(jnp.any(drafting), run, skip, state)
+
+    def get_state(self, state: DFlashState, row: int) -> bytes | None:
+        del state, row  # upstream keeps no boundary for this drafter
+        return None
+
+    def set_state(self, state: DFlashState, row: int, blob: bytes) -> DFlashState:
+        del row, blob
+        return state
+
+
+@dataclasses.dataclass(frozen=True)
+class DSparkDrafter(DFlashDrafter):
+    name: ClassVar[str] = "draft-dspark"
+    dspark: bool = True
+
+
+def make_drafter(
+    config: df.DFlashConfig, dspark: bool, n_max: int, n_min: int, k_max: int | None
+) -> tuple[DFlashDrafter, str | None]:
+    """The drafter for a head, with upstream's clamp of n_max / n_min (and its warning)."""
+    _, _, warning = clamp_draft_sizes(config, dspark, n_max, n_min)
+    limit = config.max_draft(dspark)
+    width = limit if k_max is None else max(1, min(k_max, limit))
+    cls = DSparkDrafter if dspark else DFlashDrafter
+    drafter = cls(
+        config=config, hidden_layers=tuple(sorted(set(config.target_layers))), max_draft_len=width
+    )
+    # n_max / n_min themselves are traced per call (DraftInput), clamped again in `draft`
+    return drafter, warning

@@ -1,0 +1,352 @@
+"""GGUF files of llama.cpp's `dflash` architecture (DFlash and DSpark heads) <->
+(DFlashConfig, params, Tokenizer).
+
+Layout, as llama.cpp's loader (src/models/dflash.cpp) and converter (conversion/qwen.py,
+`DFlashModel` / `DSparkModel`):
+
+    metadata  dflash.{context_length, embedding_length, block_count, feed_forward_length,
+              attention.head_count, attention.head_count_kv, attention.key_length,
+              attention.value_length, rope.dimension_count, rope.freq_base,
+              attention.layer_norm_rms_epsilon}
+              dflash.target_layers        int32[n >= 1]  (ids of the target layers whose
+                                          INPUT is captured; specjax's hidden ids)
+              dflash.block_size           uint32 (absent: 16)
+              dflash.sample_from_anchor   bool   (DSpark; absent: true)
+              dflash.has_confidence_head  bool   (DSpark; absent: true)
+              tokenizer.ggml.*            the target's tokenizer, plus
+              tokenizer.ggml.mask_token_id  the block's MASK token (llama_vocab_mask)
+    tensors   fc.weight [n Dt -> D], fc.scale [1] (optional), enc.output_norm.weight,
+              output_norm.weight, output.weight (optional: else the target's; with only
+              token_embd.weight present llama.cpp ties the head to it), token_embd.weight
+              (optional: else the target's), d2t (I64 absolute target ids, optional),
+              blk.i.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm,
+              attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight,
+              DSpark: markov_w1.weight [V, R], markov_w2.weight [Vd, R], markov_w2.scale
+              (optional), conf_proj.weight [1, D + R] and conf_proj.bias [1] (optional)
+
+Invariants: RoPE type NEOX (the dflash architecture), so Q/K rows are stored as specjax
+computes them (rotate-half), no permutation; 2-D weights are written as F32/F16/BF16/Q8_0
+like `save_gguf`, 1-D as F32; every tensor in a file is consumed or the load fails; a save
+replaces the file atomically.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+import gguf
+import jax.numpy as jnp
+import numpy as np
+from gguf import GGMLQuantizationType as QT
+
+from specjax.errors import ModelFileError
+from specjax.io.gguf_io import (
+    _FILE_TYPE,
+    SAVE_DTYPES,
+    _config_dtype,
+    _encode_tensor,
+    _f32,
+    _field_values,
+    _open_reader,
+    _tensor_to_numpy,
+)
+from specjax.models.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, check_params
+from specjax.tokenizer import Tokenizer
+from specjax.types import Params
+
+ARCH = "dflash"
+
+
+def save_dflash_gguf(
+    path: str | os.PathLike[str],
+    config: DFlashConfig,
+    params: Params,
+    tokenizer: Tokenizer,
+    dtype: str = "f16",
+) -> None:
+    """Write a DFlash / DSpark head llama.cpp loads (`-md` with `--spec-type draft-dflash` or
+    `draft-dspark`)."""
+    path = os.fspath(path)
+    if dtype not in SAVE_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
+    check_params(config, params)
+    if tokenizer.vocab_size > config.V:
+        raise ValueError(
+            f"tokenizer has {tokenizer.vocab_size} tokens but the head's vocabulary is {config.V}"
+        )
+    if config.own_embed and not config.own_lm_head:
+        raise ValueError(
+            "a DFlash head with its own token embeddings but the target's LM head has no GGUF "
+            "form: llama.cpp ties output to token_embd when output.weight is absent"
+        )
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        w = gguf.GGUFWriter(tmp, ARCH)
+        w.add_name("specjax-dspark" if config.is_dspark else "specjax-dflash")
+        w.add_file_type(_FILE_TYPE[dtype])
+        w.add_context_length(config.max_position)
+        w.add_embedding_length(config.D)
+        w.add_block_count(config.L)
+        w.add_feed_forward_length(config.F)
+        w.add_head_count(config.H)
+        w.add_head_count_kv(config.G)
+        w.add_key_length(config.E)
+        w.add_value_length(config.E)
+        w.add_rope_dimension_count(config.E)
+        w.add_rope_freq_base(config.rope_theta)
+        w.add_layer_norm_rms_eps(config.norm_eps)
+        w.add_uint32(f"{ARCH}.block_size", config.block_size)
+        w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
+        if config.is_dspark:
+            w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
+            w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
+        tokenizer.write_gguf_metadata(w, config.V)
+        w.add_mask_token_id(config.mask_token_id)
+
+        def add(name: str, arr: Any) -> None:
+            data, raw = _encode_tensor(np.asarray(arr, np.float32), dtype)
+            w.add_tensor(name, data, raw_dtype=raw)
+
+        def add_f32(name: str, arr: Any) -> None:
+            w.add_tensor(name, np.asarray(arr, np.float32))
+
+        H, G, E, F = config.H, config.G, config.E, config.F
+        if config.own_embed:
+            add("token_embd.weight", params["embed"])
+        add("fc.weight", params["fc"])
+        if config.fc_scale:
+            add_f32("fc.scale", params["fc_scale"])
+        add("enc.output_norm.weight", params["enc_norm"])
+        add("output_norm.weight", params["final_norm"])
+        if config.own_lm_head:
+            add("output.weight", params["lm_head"])
+        for i, layer in enumerate(params["layers"]):
+            p = f"blk.{i}."
+            wqkv = np.asarray(layer["wqkv"], np.float32)
+            gate_up = np.asarray(layer["w_gate_up"], np.float32)
+            add(p + "attn_norm.weight", layer["attn_norm"])
+            add(p + "attn_q.weight", wqkv[: H * E])
+            add(p + "attn_k.weight", wqkv[H * E : (H + G) * E])
+            add(p + "attn_v.weight", wqkv[(H + G) * E :])
+            add(p + "attn_output.weight", layer["wo"])
+            add(p + "attn_q_norm.weight", layer["q_norm"])
+            add(p + "attn_k_norm.weight", layer["k_norm"])
+            add(p + "ffn_norm.weight", layer["ffn_norm"])
+            add(p + "ffn_gate.weight", gate_up[:F])
+            add(p + "ffn_up.weight", gate_up[F:])
+            add(p + "ffn_down.weight", layer["w_down"])
+        if config.is_dspark:
+            add("markov_w1.weight", params["markov_w1"])
+            add("markov_w2.weight", params["markov_w2"])
+            if config.markov_w2_scale:
+                add_f32("markov_w2.scale", params["markov_w2_scale"])
+            if config.has_confidence:
+                add("conf_proj.weight", params["conf_proj"])
+                add_f32("conf_proj.bias", params["conf_proj_b"])
+        if config.has_d2t:
+            w.add_tensor("d2t", np.asarray(params["d2t"], np.int64), raw_dtype=QT.I64)
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def _as_bool(value: Any) -> bool:
+    """A GGUF bool, or upstream's string test (`== "true"`) for a string value."""
+    if isinstance(value, str):
+        return value == "true"
+    return bool(value)
+
+
+def load_dflash_gguf(
+    path: str | os.PathLike[str], *, dtype: str | None = None
+) -> tuple[DFlashConfig, Params, Tokenizer]:
+    """Read a `dflash` GGUF into (config, params, tokenizer); d2t becomes int32."""
+    path = os.fspath(path)
+    reader = _open_reader(path)
+    fields = _field_values(reader)
+    arch = fields.get("general.architecture")
+    if arch != ARCH:
+        raise ModelFileError(f"{path}: architecture {arch!r} is not {ARCH!r}")
+    tensors = {t.name: t for t in reader.tensors}
+
+    def key(name: str, default: Any = ..., cast: Any = int) -> Any:
+        full = f"{ARCH}.{name}"
+        if full not in fields:
+            if default is ...:
+                raise ModelFileError(f"{path}: missing metadata key {full}")
+            return default
+        return cast(fields[full])
+
+    layers = fields.get(f"{ARCH}.target_layers")
+    if not isinstance(layers, list) or not layers:
+        raise ModelFileError(f"{path}: DFlash model requires 'target_layers' in GGUF metadata")
+    unsupported = [
+        k
+        for k in (
+            "embedding_scale",
+            "attention.scale",
+            "attention.value_scale",
+            "attention.sliding_window",
+            "hyper_connection_count",
+            "selector_rank",
+            "conv_kernel_size",
+            "logit_scale",
+            "final_logit_softcapping",
+        )
+        if f"{ARCH}.{k}" in fields
+    ]
+    if unsupported:
+        raise ModelFileError(f"{path}: DFlash features not supported by specjax: {unsupported}")
+    if _as_bool(fields.get(f"{ARCH}.attention.causal", False)):
+        raise ModelFileError(f"{path}: causal DFlash drafts are not supported by specjax")
+    if "tokenizer.ggml.mask_token_id" not in fields:
+        raise ModelFileError(f"{path}: DFlash needs a mask token (tokenizer.ggml.mask_token_id)")
+    D = key("embedding_length")
+    H = key("attention.head_count")
+    G = key("attention.head_count_kv", H)
+    E = key("attention.key_length", D // H if H else 0)
+    if key("attention.value_length", E) != E:
+        raise ModelFileError(f"{path}: key_length != value_length is not supported")
+    if "tokenizer.ggml.tokens" in fields:
+        V = len(fields["tokenizer.ggml.tokens"])
+    else:
+        V = key("vocab_size")
+    Vd = int(tensors["d2t"].shape[0]) if "d2t" in tensors else V
+    R = 0
+    if "markov_w1.weight" in tensors:
+        R = int(tensors["markov_w1.weight"].shape[0])  # ggml ne[0]
+    own_embed = "token_embd.weight" in tensors
+    tied = own_embed and "output.weight" not in tensors
+    n_layers = key("block_count")
+    Dt_total = int(tensors["fc.weight"].shape[0]) if "fc.weight" in tensors else 0
+    if Dt_total % len(layers):
+        raise ModelFileError(
+            f"{path}: fc input width {Dt_total} is not a multiple of {len(layers)} target layers"
+        )
+    try:
+        config = DFlashConfig(
+            vocab_size=V,
+            draft_vocab=0 if Vd == V else Vd,
+            dim=D,
+            n_layers=n_layers,
+            n_heads=H,
+            n_kv_heads=G,
+            ffn_dim=key("feed_forward_length"),
+            head_dim=0 if (D % H == 0 and E == D // H) else E,
+            rope_theta=key("rope.freq_base", 10000.0, _f32),
+            norm_eps=key("attention.layer_norm_rms_epsilon", cast=_f32),
+            target_hidden=Dt_total // len(layers),
+            target_layers=tuple(int(i) for i in layers),
+            block_size=key("block_size", DEFAULT_BLOCK_SIZE),
+            mask_token_id=int(fields["tokenizer.ggml.mask_token_id"]),
+            markov_rank=R,
+            has_confidence=R == 0 or "conf_proj.weight" in tensors,
+            sample_from_anchor=_as_bool(key("sample_from_anchor", True, lambda x: x)),
+            fc_scale="fc.scale" in tensors,
+            markov_w2_scale="markov_w2.scale" in tensors,
+            own_embed=own_embed,
+            own_lm_head=own_embed or "output.weight" in tensors,
+            max_position=key("context_length", 4096),
+            dtype=dtype or _config_dtype(tensors),
+        )
+    except ValueError as e:
+        if isinstance(e, ModelFileError):
+            raise
+        raise ModelFileError(f"{path}: invalid DFlash hyper-parameters: {e}") from e
+
+    used: set[str] = set()
+
+    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
+        if name not in tensors:
+            raise ModelFileError(f"{path}: missing tensor {name}")
+        used.add(name)
+        arr = _tensor_to_numpy(path, tensors[name])
+        if arr.size == int(np.prod(shape)) and len(shape) == 1:
+            arr = arr.reshape(shape)
+        if arr.shape != shape:
+            raise ModelFileError(
+                f"{path}: tensor {name} has shape {arr.shape} (numpy order), expected {shape}"
+            )
+        return arr
+
+    shapes = config.param_shapes()
+    E, F = config.E, config.F
+    raw: dict[str, Any] = {
+        "fc": get("fc.weight", shapes["fc"]),
+        "enc_norm": get("enc.output_norm.weight", (D,)),
+        "final_norm": get("output_norm.weight", (D,)),
+    }
+    if config.fc_scale:
+        raw["fc_scale"] = get("fc.scale", (1,))
+    if own_embed:
+        raw["embed"] = get("token_embd.weight", (V, D))
+    if tied:
+        if Vd != V:
+            raise ModelFileError(f"{path}: a reduced-vocabulary head needs its own output.weight")
+        raw["lm_head"] = raw["embed"]
+    elif config.own_lm_head:
+        raw["lm_head"] = get("output.weight", shapes["lm_head"])
+    if config.is_dspark:
+        raw["markov_w1"] = get("markov_w1.weight", shapes["markov_w1"])
+        raw["markov_w2"] = get("markov_w2.weight", shapes["markov_w2"])
+        if config.markov_w2_scale:
+            raw["markov_w2_scale"] = get("markov_w2.scale", (1,))
+        if config.has_confidence:
+            raw["conf_proj"] = get("conf_proj.weight", shapes["conf_proj"])
+            if "conf_proj.bias" in tensors:
+                raw["conf_proj_b"] = get("conf_proj.bias", (1,))
+            else:
+                raw["conf_proj_b"] = np.zeros((1,), np.float32)
+    layer_list = []
+    for i in range(n_layers):
+        p = f"blk.{i}."
+        q = get(p + "attn_q.weight", (H * E, D))
+        k = get(p + "attn_k.weight", (G * E, D))
+        v = get(p + "attn_v.weight", (G * E, D))
+        layer_list.append(
+            {
+                "attn_norm": get(p + "attn_norm.weight", (D,)),
+                "wqkv": np.concatenate([q, k, v], axis=0),
+                "q_norm": get(p + "attn_q_norm.weight", (E,)),
+                "k_norm": get(p + "attn_k_norm.weight", (E,)),
+                "wo": get(p + "attn_output.weight", (D, H * E)),
+                "ffn_norm": get(p + "ffn_norm.weight", (D,)),
+                "w_gate_up": np.concatenate(
+                    [get(p + "ffn_gate.weight", (F, D)), get(p + "ffn_up.weight", (F, D))]
+                ),
+                "w_down": get(p + "ffn_down.weight", (D, F)),
+            }
+        )
+        if p + "rope_freqs.weight" in tensors:
+            factors = get(p + "rope_freqs.weight", (E // 2,))
+            if not np.allclose(factors, 1.0):
+                raise ModelFileError(f"{path}: DFlash rope scaling factors are not supported")
+    np_dtype = jnp.dtype(config.dtype)
+    params: Params = {n: jnp.asarray(a, np_dtype) for n, a in raw.items()}
+    params["layers"] = tuple(
+        {n: jnp.asarray(a, np_dtype) for n, a in lay.items()} for lay in layer_list
+    )
+    if "d2t" in tensors:
+        used.add("d2t")
+        d2t = np.asarray(tensors["d2t"].data).reshape(-1).astype(np.int64)
+        if d2t.shape != (Vd,) or np.any((d2t < 0) | (d2t >= V)):
+            raise ModelFileError(f"{path}: d2t target ids out of range for vocabulary {V}")
+        params["d2t"] = jnp.asarray(d2t.astype(np.int32))
+    unused = sorted(set(tensors) - used)
+    if unused:
+        raise ModelFileError(f"{path}: tensors the dflash head has no slot for: {unused[:8]}")
+    try:
+        tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
+    except ValueError as e:
+        raise ModelFileError(f"{path}: invalid tokenizer metadata: {e}") from e
+    return config, params, tokenizer

@@ -1,0 +1,485 @@
+"""DFlash / DSpark block drafter (llama.cpp's `dflash` architecture, src/models/dflash.cpp).
+
+A Qwen3-style stack of `n_layers` decoder layers (pre-norm, Q/K RMSNorm, NeoX RoPE, SwiGLU)
+with its own KV cache, driven in two modes:
+
+* KV injection (`inject_kv`, upstream's embedding batch): `g = RMSNorm_enc(fc(f) * fc_scale)`
+  where `f` is the concatenation of the target's features at `target_layers` (any count >= 1,
+  interleaved per row as upstream's `features_buf`); per layer `K = RoPE(k_norm(wk g))`,
+  `V = wv g` at the rows' real positions. No attention, no output.
+* block denoising (`block_forward`, upstream's token batch): the block `[id_last, MASK ...]`
+  is embedded with the (target's) token embedding and run through the layers; attention
+  reads the injected context plus the whole block WITHOUT a causal mask inside the block
+  (every block row sees every block row); final norm -> LM head (the target's unless the
+  head has its own) -> scattered through `d2t` into a full-vocabulary row of -inf.
+* DSpark Markov head (`markov_head`, in-graph per block): `prev` = the anchor token; for
+  block position i from `i_draft_beg` (0 with `sample_from_anchor`, else 1):
+  `bias = markov_w2 . markov_w1[prev]` (scattered through d2t), `logits_i += bias`,
+  `conf_i = sigmoid(conf_proj . [h_i ; markov_w1[prev]] + b)` with `h_i` the final-normed
+  hidden, then `prev = argmax(logits_i)` (a greedy chain, whatever the sampling).
+
+Parameter dict (weights [out, in], as specjax.models.config)::
+
+    fc          [D, n_target_layers * Dt]   fc_scale [1] (optional)
+    enc_norm    [D]                         final_norm [D]
+    layers      tuple of {attn_norm [D], wqkv [(H + 2G) E, D], q_norm [E], k_norm [E],
+                          wo [D, H E], ffn_norm [D], w_gate_up [2F, D], w_down [D, F]}
+    embed       [V, D]        only with own_embed (else the target's, in `shared`)
+    lm_head     [Vd, D]       only with own_lm_head (else the target's, in `shared`)
+    d2t         [Vd] int32    only when draft_vocab < vocab_size
+    markov_w1   [V, R]        DSpark (markov_rank R > 0)
+    markov_w2   [Vd, R]       DSpark; markov_w2_scale [1] optional
+    conf_proj   [1, D + R]    DSpark with a confidence head; conf_proj_b [1]
+
+Invariants: `block_forward` and `inject_kv` read the cache and never write it (the caller
+commits with `specjax.models.llama.commit_kv`); the attention and RoPE are the target's code
+(`specjax.models.llama._attend`, `apply_rope`), non-causality comes from giving every block
+query the mask position of the block's last row while RoPE uses the real positions.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from specjax.cache import KVCache, used_cells
+from specjax.models.config import ModelConfig, rope_frequencies
+from specjax.models.llama import CACHE_CHUNK, _attend, apply_rope, rms_norm, rope_angles
+from specjax.types import Array, Params
+
+#: `dflash.block_size` when the metadata key is absent (upstream's default).
+DEFAULT_BLOCK_SIZE = 16
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashConfig:
+    """Static configuration of a DFlash / DSpark head. Hashable (a jit static argument)."""
+
+    vocab_size: int  # the target's vocabulary (the full logits row)
+    draft_vocab: int = 0  # reduced vocabulary; 0 = vocab_size (no d2t)
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    head_dim: int = 0  # 0 -> dim // n_heads
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-6
+    target_hidden: int
+    target_layers: tuple[int, ...]
+    block_size: int = DEFAULT_BLOCK_SIZE
+    mask_token_id: int
+    #: DSpark: rank of the Markov head (0 = plain DFlash)
+    markov_rank: int = 0
+    has_confidence: bool = True  # DSpark only
+    sample_from_anchor: bool = True  # DSpark only (`dflash.sample_from_anchor`)
+    fc_scale: bool = False
+    markov_w2_scale: bool = False
+    own_embed: bool = False
+    own_lm_head: bool = False
+    max_position: int = 4096
+    dtype: str = "float32"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+        if not self.target_layers:
+            raise ValueError("DFlash needs at least one target layer (target_layers)")
+        if any(i < 0 for i in self.target_layers):
+            raise ValueError(f"target layer ids must be >= 0, got {list(self.target_layers)}")
+        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.target_hidden <= 0:
+            raise ValueError(f"target_hidden must be positive, got {self.target_hidden}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id must be in 0..{self.vocab_size - 1}, got {self.mask_token_id}"
+            )
+        if not 0 <= self.draft_vocab <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab must be in 0..vocab_size ({self.vocab_size}), got {self.draft_vocab}"
+            )
+        if self.markov_rank < 0:
+            raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim == 0 and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
+
+    # dimension keys (specjax.types)
+    @property
+    def V(self) -> int:
+        return self.vocab_size
+
+    @property
+    def Vd(self) -> int:
+        return self.draft_vocab or self.vocab_size
+
+    @property
+    def has_d2t(self) -> bool:
+        return self.Vd != self.vocab_size
+
+    @property
+    def D(self) -> int:
+        return self.dim
+
+    @property
+    def H(self) -> int:
+        return self.n_heads
+
+    @property
+    def G(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def E(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def F(self) -> int:
+        return self.ffn_dim
+
+    @property
+    def L(self) -> int:
+        return self.n_layers
+
+    @property
+    def R(self) -> int:
+        return self.markov_rank
+
+    @property
+    def is_dspark(self) -> bool:
+        return self.markov_rank > 0
+
+    @property
+    def n_embd_enc(self) -> int:
+        return len(self.target_layers) * self.target_hidden
+
+    @property
+    def layer_config(self) -> ModelConfig:
+        """The stack as a llama config (cache layout and RoPE frequencies)."""
+        return ModelConfig(
+            arch="qwen3",
+            vocab_size=self.vocab_size,
+            dim=self.dim,
+            n_layers=self.n_layers,
+            n_heads=self.n_heads,
+            n_kv_heads=self.n_kv_heads,
+            ffn_dim=self.ffn_dim,
+            head_dim=self.head_dim,
+            rope_theta=self.rope_theta,
+            norm_eps=self.norm_eps,
+            max_position=self.max_position,
+            qk_norm=True,
+            dtype=self.dtype,
+        )
+
+    def max_draft(self, dspark: bool) -> int:
+        """Upstream's clamp: block_size - 1 tokens for DFlash (the block is `[id_last, MASK x
+        (block_size - 1)]`), block_size for DSpark reading from the anchor."""
+        return self.block_size if dspark and self.sample_from_anchor else self.block_size - 1
+
+    def layer_shapes(self) -> dict[str, tuple[int, ...]]:
+        D, E, H, G, F = self.D, self.E, self.H, self.G, self.F
+        return {
+            "attn_norm": (D,),
+            "wqkv": ((H + 2 * G) * E, D),
+            "q_norm": (E,),
+            "k_norm": (E,),
+            "wo": (D, H * E),
+            "ffn_norm": (D,),
+            "w_gate_up": (2 * F, D),
+            "w_down": (D, F),
+        }
+
+    def param_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Top-level parameters (the per-layer ones: `layer_shapes`)."""
+        D = self.D
+        out: dict[str, tuple[int, ...]] = {
+            "fc": (D, self.n_embd_enc),
+            "enc_norm": (D,),
+            "final_norm": (D,),
+        }
+        if self.fc_scale:
+            out["fc_scale"] = (1,)
+        if self.own_embed:
+            out["embed"] = (self.V, D)
+        if self.own_lm_head:
+            out["lm_head"] = (self.Vd, D)
+        if self.has_d2t:
+            out["d2t"] = (self.Vd,)
+        if self.is_dspark:
+            out["markov_w1"] = (self.V, self.R)
+            out["markov_w2"] = (self.Vd, self.R)
+            if self.markov_w2_scale:
+                out["markov_w2_scale"] = (1,)
+            if self.has_confidence:
+                out["conf_proj"] = (1, D + self.R)
+                out["conf_proj_b"] = (1,)
+        return out
+
+    def num_params(self) -> int:
+        """Trainable parameters (d2t is an index table, not counted)."""
+        top = sum(math.prod(s) for k, s in self.param_shapes().items() if k != "d2t")
+        return top + self.L * sum(math.prod(s) for s in self.layer_shapes().values())
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown DFlash config keys: {', '.join(unknown)}")
+        if "target_layers" in data:
+            data["target_layers"] = tuple(data["target_layers"])
+        return cls(**data)
+
+
+def init_params(config: DFlashConfig, key: Array) -> Params:
+    """N(0, 0.02) matrices (residual projections / sqrt(2L)), unit norms, identity d2t."""
+    dtype = jnp.dtype(config.dtype)
+    out_std = 0.02 / math.sqrt(2.0 * config.L)
+    k_top, *k_layers = jax.random.split(key, 1 + config.L)
+
+    def fill(shapes: dict[str, tuple[int, ...]], key: Array) -> Params:
+        keys = iter(jax.random.split(key, len(shapes)))
+        res: Params = {}
+        for name, shape in shapes.items():
+            k = next(keys)
+            if name == "d2t":
+                res[name] = jnp.arange(shape[0], dtype=jnp.int32)
+            elif name in ("fc_scale", "markov_w2_scale"):
+                res[name] = jnp.ones(shape, dtype)
+            elif name == "conf_proj_b":
+                res[name] = jnp.zeros(shape, dtype)
+            elif len(shape) == 1:
+                res[name] = jnp.ones(shape, dtype)
+            else:
+                std = out_std if name in ("wo", "w_down") else 0.02
+                res[name] = (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
+        return res
+
+    params = fill(config.param_shapes(), k_top)
+    params["layers"] = tuple(fill(config.layer_shapes(), k) for k in k_layers)
+    return params
+
+
+def check_params(config: DFlashConfig, params: Params) -> None:
+    """ValueError naming the first parameter that is missing, extra or mis-shaped."""
+
+    def check(want: dict[str, tuple[int, ...]], got: Params, where: str) -> None:
+        for name, shape in want.items():
+            if name not in got:
+                raise ValueError(f"DFlash parameter {where}{name} is missing")
+            if tuple(got[name].shape) != shape:
+                raise ValueError(
+                    f"DFlash parameter {where}{name} has shape {tuple(got[name].shape)}, "
+                    f"expected {shape}"
+                )
+        extra = sorted(set(got) - set(want) - ({"layers"} if not where else set()))
+        if extra:
+            raise ValueError(f"DFlash parameters not used by the config: {', '.join(extra)}")
+
+    check(config.param_shapes(), params, "")
+    layers = params.get("layers", ())
+    if len(layers) != config.L:
+        raise ValueError(f"DFlash head has {len(layers)} layers, the config says {config.L}")
+    for i, layer in enumerate(layers):
+        check(config.layer_shapes(), layer, f"layers[{i}].")
+
+
+def shared_weights(config: DFlashConfig, target_params: Params, target_tied: bool) -> Params:
+    """The target's embedding / LM head for a head without its own (llama.cpp's ctx_other)."""
+    out: Params = {}
+    if not config.own_embed:
+        out["embed"] = target_params["embed"]
+    if not config.own_lm_head:
+        out["lm_head"] = target_params["embed"] if target_tied else target_params["lm_head"]
+    return out
+
+
+# ------------------------------------------------------------------------------- encoder
+def gather_features(config: DFlashConfig, hidden: dict[int, Array]) -> Array:
+    """[B, T, n * Dt]: the target's features at `target_layers`, layer k's row at columns
+    k * Dt .. (k + 1) * Dt (upstream's `features_buf`)."""
+    return jnp.concatenate([hidden[i] for i in config.target_layers], axis=-1)
+
+
+def encode(config: DFlashConfig, params: Params, feats_BTF: Array) -> Array:
+    """The encoder: `RMSNorm_enc(fc(f) [* fc_scale])` -> g rows [B, T, D]."""
+    x = jnp.einsum("btf,df->btd", feats_BTF.astype(jnp.dtype(config.dtype)), params["fc"])
+    if config.fc_scale:
+        x = x * params["fc_scale"][0]
+    return rms_norm(x, params["enc_norm"], config.norm_eps)
+
+
+def _rope(config: DFlashConfig, positions_BT: Array) -> tuple[Array, Array]:
+    inv_freq = jnp.asarray(rope_frequencies(config.layer_config), jnp.float32)
+    return rope_angles(positions_BT, inv_freq)
+
+
+class LayerKV(NamedTuple):
+    k: tuple[Array, ...]  # per layer [B, T, G, E], rotated, in the cache's dtype
+    v: tuple[Array, ...]
+
+
+def inject_kv(
+    config: DFlashConfig,
+    params: Params,
+    g_BTD: Array,
+    positions_BT: Array,
+    cache: KVCache | None = None,
+) -> LayerKV:
+    """K/V of every layer computed from `g` (k_norm + RoPE on K; V as is): the KV injection."""
+    E, G = config.E, config.G
+    B, T, _ = g_BTD.shape
+    cos, sin = _rope(config, positions_BT)
+    ks, vs = [], []
+    for i, layer in enumerate(params["layers"]):
+        w = layer["wqkv"][config.H * E :]
+        kv = jnp.einsum("btd,od->bto", g_BTD, w)
+        k = rms_norm(kv[..., : G * E].reshape(B, T, G, E), layer["k_norm"], config.norm_eps)
+        v = kv[..., G * E :].reshape(B, T, G, E)
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = k.astype(cache.k[i].dtype), v.astype(cache.v[i].dtype)
+        ks.append(k)
+        vs.append(v)
+    return LayerKV(tuple(ks), tuple(vs))
+
+
+class BlockOutput(NamedTuple):
+    logits: Array  # [B, W, V] float32 (Markov bias added for DSpark)
+    hidden: Array  # [B, W, D] final-normed hidden (the confidence head's input)
+    conf: Array | None  # [B, W] float32 DSpark confidence (None without a confidence head)
+
+
+def head_logits(config: DFlashConfig, params: Params, shared: Params, h_norm: Array) -> Array:
+    """LM head over the draft vocabulary -> full-vocabulary row (-inf off d2t)."""
+    head = params["lm_head"] if config.own_lm_head else shared["lm_head"]
+    logits = jnp.einsum("...d,vd->...v", h_norm, head, preferred_element_type=jnp.float32)
+    if not config.has_d2t:
+        return logits
+    full = jnp.full(logits.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)
+    return full.at[..., params["d2t"]].set(logits)
+
+
+def block_hidden(
+    config: DFlashConfig,
+    params: Params,
+    shared: Params,
+    tokens_BW: Array,
+    positions_BW: Array,
+    mask_pos_BW: Array,
+    cache: KVCache | None,
+    ctx: tuple[LayerKV, Array] | None = None,
+) -> Array:
+    """The layers over a block: RoPE at `positions` (-1 = padding, never attended), attention
+    visibility from `mask_pos` (a query sees every key at position <= its mask position: the
+    block's last position for every block row gives non-causal attention). Context: the
+    cache and/or an explicit `(kv, pos [B, C])` (training). Final-normed hidden [B, W, D]."""
+    E, H, G = config.E, config.H, config.G
+    embed = params["embed"] if config.own_embed else shared["embed"]
+    x = embed[tokens_BW].astype(jnp.dtype(config.dtype))
+    B, W, _ = x.shape
+    cos, sin = _rope(config, positions_BW)
+    n_chunks = None
+    if cache is not None:
+        chunk = min(CACHE_CHUNK, cache.capacity)
+        n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
+    for i, layer in enumerate(params["layers"]):
+        h = rms_norm(x, layer["attn_norm"], config.norm_eps)
+        qkv = jnp.einsum("btd,od->bto", h, layer["wqkv"])
+        q = rms_norm(qkv[..., : H * E].reshape(B, W, H, E), layer["q_norm"], config.norm_eps)
+        k = rms_norm(
+            qkv[..., H * E : (H + G) * E].reshape(B, W, G, E), layer["k_norm"], config.norm_eps
+        )
+        v = qkv[..., (H + G) * E :].reshape(B, W, G, E)
+        q = apply_rope(q, cos, sin)
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k = k.astype(cache.k[i].dtype)
+            v = v.astype(cache.v[i].dtype)
+        qg = q.reshape(B, W, G, H // G, E).transpose(0, 2, 3, 1, 4)
+        own = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions_BW)]
+        if ctx is not None:
+            kv, ctx_pos = ctx
+            own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
+        cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
+        attn = _attend(qg, own, mask_pos_BW, 0, cached, n_chunks)
+        attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
+        x = x + jnp.einsum("bti,oi->bto", attn, layer["wo"])
+        h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
+        gate_up = jnp.einsum("btd,od->bto", h, layer["w_gate_up"])
+        gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
+        x = x + jnp.einsum("btf,of->bto", jax.nn.silu(gate) * up, layer["w_down"])
+    return rms_norm(x, params["final_norm"], config.norm_eps)
+
+
+def markov_head(
+    config: DFlashConfig,
+    params: Params,
+    base_BWV: Array,
+    hidden_BWD: Array,
+    anchor_B: Array,
+    prev_BW: Array | None = None,
+) -> tuple[Array, Array | None]:
+    """DSpark's in-graph Markov chain over the block (upstream `build_dspark_markov_head`):
+    biased logits [B, W, V] and sigmoid confidences [B, W] (None without a confidence head;
+    slot 0 without `sample_from_anchor` is padding, never read). `prev_BW` (training:
+    teacher forcing) gives each row's previous token instead of the greedy chain."""
+    W = base_BWV.shape[1]
+    beg = 0 if config.sample_from_anchor else 1
+    w1, w2 = params["markov_w1"], params["markov_w2"]
+    prev = anchor_B.astype(jnp.int32)
+    cols = [base_BWV[:, 0]] if beg else []
+    confs = [jax.nn.sigmoid(base_BWV[:, 0, 0])] if beg else []
+    for i in range(beg, W):
+        if prev_BW is not None:
+            prev = prev_BW[:, i].astype(jnp.int32)
+        w1_prev = w1[prev].astype(jnp.float32)  # [B, R]
+        bias = jnp.einsum("vr,br->bv", w2.astype(jnp.float32), w1_prev)
+        if config.markov_w2_scale:
+            bias = bias * params["markov_w2_scale"][0]
+        if config.has_d2t:
+            bias = jnp.zeros((bias.shape[0], config.V), jnp.float32).at[:, params["d2t"]].set(bias)
+        col = base_BWV[:, i] + bias
+        cols.append(col)
+        if config.has_confidence:
+            feat = jnp.concatenate([hidden_BWD[:, i].astype(jnp.float32), w1_prev], axis=-1)
+            c = feat @ params["conf_proj"][0].astype(jnp.float32) + params["conf_proj_b"][0]
+            confs.append(jax.nn.sigmoid(c))
+        prev = jnp.argmax(col, axis=-1).astype(jnp.int32)
+    logits = jnp.stack(cols, axis=1)
+    conf = jnp.stack(confs, axis=1) if config.has_confidence else None
+    return logits, conf
+
+
+def block_forward(
+    config: DFlashConfig,
+    params: Params,
+    shared: Params,
+    tokens_BW: Array,
+    positions_BW: Array,
+    mask_pos_BW: Array,
+    cache: KVCache | None,
+    ctx: tuple[LayerKV, Array] | None = None,
+) -> BlockOutput:
+    """Block denoising: logits (+ DSpark bias) and confidences of every block row."""
+    h = block_hidden(config, params, shared, tokens_BW, positions_BW, mask_pos_BW, cache, ctx)
+    logits = head_logits(config, params, shared, h)
+    conf = None
+    if config.is_dspark:
+        logits, conf = markov_head(config, params, logits, h, tokens_BW[:, 0])
+    return BlockOutput(logits, h, conf)

@@ -1,0 +1,380 @@
+"""draft-dflash / draft-dspark: lossless engine runs, upstream's clamp and its warning, and a
+process/draft sequence replayed against a plain-Python transcription of spec 5.4."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from oracles.dflash_reference import DFlashRef
+
+from specjax.api import Model, generate
+from specjax.config import SpecConfig
+from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
+from specjax.drafters.dflash import make_drafter
+from specjax.models import dflash as df
+from specjax.testing import tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40]]
+MAX_NEW = [24, 24, 10, 24]
+
+
+def block_head(target: Model, dspark: bool, seed: int = 1, **overrides: object) -> Model:
+    """A random head whose LM head is the target's embedding (the anchor row proposes
+    roughly id_last, the mask rows a context average): drafts both accepted and rejected."""
+    tc = target.config
+    fields: dict[str, object] = dict(
+        vocab_size=tc.V,
+        dim=tc.D,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        target_hidden=tc.D,
+        target_layers=(0, 1, tc.L),
+        block_size=4,
+        mask_token_id=tc.V - 1,
+        markov_rank=8 if dspark else 0,
+        own_lm_head=True,
+    )
+    fields.update(overrides)
+    cfg = df.DFlashConfig(**fields)  # type: ignore[arg-type]
+    p = df.init_params(cfg, jax.random.key(seed))
+    p["lm_head"] = target.params["embed"]
+    return Model(config=cfg, params=p, tokenizer=target.tokenizer)
+
+
+@pytest.fixture(scope="module")
+def target() -> Model:
+    return tiny_model(0)
+
+
+@pytest.fixture(scope="module")
+def plain(target: Model):
+    return generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+
+
+# ------------------------------------------------------------------------------ engine
+@pytest.mark.parametrize("kind", ["draft-dflash", "draft-dspark"])
+def test_greedy_b4_is_lossless_with_drafts_made_and_rejected(target, plain, kind):
+    head = block_head(target, kind == "draft-dspark", sample_from_anchor=False)
+    for n_max in (1, 3):  # n_max is traced: one compiled program
+        spec = SpecConfig(types=(kind,), adaptive=False, draft_n_max=n_max)
+        out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
+        assert out.tokens == plain.tokens
+        st = out.stats.to_dict()
+        assert 0 < st["num_accepted_tokens"] < st["num_draft_tokens"], st
+
+
+@pytest.mark.slow
+def test_chained_with_ngram_drafter_is_lossless(target, plain):
+    head = block_head(target, False)
+    spec = SpecConfig(types=("ngram-simple", "draft-dflash"), adaptive=False, draft_n_max=3)
+    out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
+    assert out.tokens == plain.tokens
+
+
+def test_clamp_warns_and_limits_the_draft_width(target):
+    from specjax.drafters.registry import build_drafters
+
+    head = block_head(target, True)  # block 4: DFlash drafts <= 3, DSpark (anchor) <= 4
+    with pytest.warns(UserWarning, match=r"n_max=9, n_min=5.*clamping to 3"):
+        (d,), _ = build_drafters(
+            SpecConfig(types=("draft-dflash",), draft_n_max=9, draft_n_min=5), target, head
+        )
+    assert d.max_draft_len == 3 and d.block_width == 4
+    with pytest.warns(UserWarning, match="clamping to 4"):
+        (d,), _ = build_drafters(SpecConfig(types=("draft-dspark",), draft_n_max=9), target, head)
+    assert d.max_draft_len == 4 and d.block_width == 4
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        build_drafters(SpecConfig(types=("draft-dflash",), draft_n_max=3), target, head)
+    plain_head = block_head(target, False)
+    with pytest.raises(ValueError, match="DSpark head"):
+        build_drafters(SpecConfig(types=("draft-dspark",)), target, plain_head)
+
+
+def test_dspark_without_confidence_head_refuses_p_min(target):
+    from specjax.drafters.registry import build_drafters
+
+    head = block_head(target, True, has_confidence=False)
+    with pytest.raises(ValueError, match="no confidence head"):
+        build_drafters(SpecConfig(types=("draft-dspark",), draft_p_min=0.5), target, head)
+
+
+# ----------------------------------------------------------------- spec 5.4 sequence
+VARIANTS = {
+    "dflash": dict(markov_rank=0),
+    "dspark": dict(markov_rank=6),
+    "dspark-bonus-d2t": dict(markov_rank=6, sample_from_anchor=False, draft_vocab=40),
+}
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+def test_process_draft_sequence_matches_plain_python_transcription(variant):
+    """Prefill with padding, drafts at several p_min (cut drafts), rows not drafting, verify
+    batches re-injected with partial / full / no acceptance, rollbacks, n_max / n_min above
+    the block (clamped): every draft and every block logit / confidence equals the
+    transcription of upstream's code (float64)."""
+    dspark = variant != "dflash"
+    V, Dt = 53, 12
+    cfg = df.DFlashConfig(
+        vocab_size=V,
+        dim=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=24,
+        target_hidden=Dt,
+        target_layers=(2, 0),  # any count >= 1, in the file's order
+        block_size=5,
+        mask_token_id=V - 2,
+        **VARIANTS[variant],  # type: ignore[arg-type]
+    )
+    key = jax.random.key(7)
+    params = dict(df.init_params(cfg, key))
+    params["final_norm"] = params["final_norm"] * 1.5  # peaky logits: p_min cuts somewhere
+    # strong attention: the mask rows differ by position and context (non-causality shows)
+    params["layers"] = tuple(
+        {**lay, "wqkv": lay["wqkv"] * 12.0, "wo": lay["wo"] * 12.0} for lay in params["layers"]
+    )
+    if cfg.has_d2t:
+        rng0 = np.random.default_rng(3)
+        params["d2t"] = jnp.asarray(np.sort(rng0.choice(V, cfg.Vd, replace=False)), jnp.int32)
+    if dspark:
+        params["conf_proj"] = params["conf_proj"] * 40.0
+        params["markov_w1"] = params["markov_w1"] * 30.0
+        params["markov_w2"] = params["markov_w2"] * 20.0  # the bias moves the argmax
+    shared = {
+        "embed": jax.random.normal(jax.random.key(8), (V, cfg.D)) * 0.05,
+        "lm_head": jax.random.normal(jax.random.key(9), (cfg.Vd, cfg.D)) * 0.3,
+    }
+    n_max, n_min = 9, 2  # above the block: clamped to 4 (DFlash) / 5 (DSpark anchor) / 4
+    drafter, warning = make_drafter(cfg, dspark, n_max, n_min, None)
+    assert warning is not None
+    all_params = {"head": params, "shared": shared}
+    ref = DFlashRef(cfg, params, shared, 2, dspark, n_max, n_min)
+    assert ref.warned and ref.n_max == drafter.max_draft_len
+    B, T, S, K = 2, 6, 48, drafter.max_draft_len
+    rng = np.random.default_rng(0)
+    state = drafter.init(B, S)
+    process = jax.jit(lambda s, b: drafter.process(all_params, s, b))
+    rollback = jax.jit(drafter.rollback)
+    draft = jax.jit(lambda s, inp: drafter.draft(all_params, s, inp, K))
+
+    def block(s, inp):
+        tokens, pos, mask_pos, _ = drafter.block_inputs(inp, K)
+        cache = jax.tree.map(lambda x: x, s.cache)
+        out = df.block_forward(cfg, params, shared, tokens, pos, mask_pos, cache)
+        return out.logits, out.conf
+
+    block = jax.jit(block)
+
+    def run_process(tokens: np.ndarray, pos: np.ndarray) -> None:
+        nonlocal state
+        feats = {i: rng.standard_normal((B, T, Dt)).astype(np.float32) for i in (0, 2)}
+        batch = TargetBatch(
+            tokens=jnp.asarray(tokens, jnp.int32),
+            positions=jnp.asarray(pos, jnp.int32),
+            hidden={i: jnp.asarray(f) for i, f in feats.items()},
+        )
+        state = process(state, batch)
+        rows = []
+        for b in range(B):
+            for t in range(T):
+                if pos[b, t] >= 0:
+                    f = np.concatenate([feats[i][b, t] for i in cfg.target_layers])
+                    rows.append((int(tokens[b, t]), int(pos[b, t]), b, f))
+        ref.process(rows)
+
+    # prefill: row 0 six tokens, row 1 three (padding after)
+    n_past = [6, 3]
+    tok = rng.integers(0, V - 2, (B, T))
+    pos = np.array([[0, 1, 2, 3, 4, 5], [0, 1, 2, -1, -1, -1]])
+    run_process(tok, pos)
+    n_cut = n_full = 0
+    p_mins = [0.0, 0.5, 0.9, 0.3, 0.0, 0.7, 0.95, 0.2, 0.22, 0.18]
+    for r, p_min in enumerate(p_mins):
+        id_last = [int(x) for x in rng.integers(0, V - 2, B)]
+        drafting = [True, r % 3 != 1]
+        if r >= 7:  # a p_min between two of a row's read values: that draft is cut at >= 2
+            nb = ref.n_max + (0 if dspark and cfg.sample_from_anchor else 1)
+            first = 0 if dspark and cfg.sample_from_anchor else 1
+            reads = []
+            for b in range(B):
+                lg, cf = ref._block(b, [id_last[b]] + [cfg.mask_token_id] * (nb - 1), n_past[b])
+                reads.append([cf[i] if dspark else ref._top(lg[i])[1] for i in range(first, nb)])
+            for cand in sorted(v + 1e-6 for vals in reads for v in vals):
+                lens = [
+                    next((i for i, v in enumerate(vals) if v < cand), len(vals)) for vals in reads
+                ]
+                if any(2 <= n < len(vals) for n, vals in zip(lens, reads)):
+                    p_min = float(cand)
+                    break
+        inp = DraftInput(
+            history=TokenHistory(
+                tokens=jnp.zeros((B, S), jnp.int32), length=jnp.asarray(n_past, jnp.int32)
+            ),
+            last_token=jnp.asarray(id_last, jnp.int32),
+            n_max=jnp.full((B,), 100, jnp.int32),
+            drafting=jnp.asarray(drafting),
+            n_min=jnp.asarray(n_min, jnp.int32),
+            p_min=jnp.asarray(p_min, jnp.float32),
+            temperature=jnp.zeros((B,), jnp.float32),
+            draft_n_max=jnp.asarray(n_max, jnp.int32),
+        )
+        state, out = draft(state, inp)
+        logits, conf = block(state, inp)
+        toks, valid = np.asarray(out.tokens), np.asarray(out.valid)
+        drafts = []
+        for b in range(B):
+            got = [int(t) for t, v in zip(toks[b], valid[b]) if v]
+            if not drafting[b]:
+                assert got == []
+                drafts.append(got)
+                continue
+            want = ref.draft(b, id_last[b], n_past[b], p_min, cfg.mask_token_id)
+            assert got == want, (r, b, got, want)
+            nb = ref.last_logits[b].shape[0]
+            lg = np.asarray(logits[b, :nb], np.float64)
+            fin = np.isfinite(ref.last_logits[b])
+            np.testing.assert_array_equal(np.isfinite(lg), fin)
+            np.testing.assert_allclose(lg[fin], ref.last_logits[b][fin], rtol=2e-4, atol=2e-4)
+            if dspark:
+                beg = 0 if cfg.sample_from_anchor else 1
+                np.testing.assert_allclose(
+                    np.asarray(conf[b, beg:nb]), ref.last_conf[b][beg:], atol=1e-4
+                )
+            n_cut += 0 < len(want) < drafter.max_draft_len
+            n_full += len(want) == drafter.max_draft_len
+            drafts.append(got)
+        # verify batch [id_last, d1..dk] at n_past..; process; accept some; trim (seq_rm)
+        vt = np.zeros((B, T), np.int64)
+        vp = np.full((B, T), -1)
+        for b in range(B):
+            row = [id_last[b]] + drafts[b]
+            row = row[:T]
+            vt[b, : len(row)] = row
+            vp[b, : len(row)] = n_past[b] + np.arange(len(row))
+        run_process(vt, vp)
+        for b in range(B):
+            k = len(drafts[b])
+            n_acc = [0, k, int(rng.integers(0, k + 1))][r % 3] if k else 0
+            n_past[b] += n_acc + 1
+            ref.seq_rm(b, n_past[b])
+        state = rollback(state, jnp.asarray(n_past, jnp.int32))
+    assert n_cut > 0 and n_full > 0  # p_min cut drafts short, others ran to the clamp
+
+
+# ------------------------------------------------------------------------------- GGUF
+@pytest.mark.parametrize("variant", ["dflash", "dspark-d2t-bonus"])
+def test_gguf_round_trip(tmp_path, variant):
+    from specjax.io import load_model_files
+    from specjax.io.dflash_gguf import save_dflash_gguf
+    from specjax.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    V = tok.vocab_size  # type: ignore[attr-defined]
+    extra: dict[str, object] = (
+        dict(
+            markov_rank=5,
+            sample_from_anchor=False,
+            draft_vocab=V // 2,
+            own_lm_head=True,
+            markov_w2_scale=True,
+        )
+        if variant != "dflash"
+        else dict(own_embed=True, own_lm_head=True, fc_scale=True)
+    )
+    cfg = df.DFlashConfig(
+        vocab_size=V,
+        dim=16,
+        n_layers=2,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=24,
+        target_hidden=8,
+        target_layers=(3, 1, 2),
+        block_size=6,
+        mask_token_id=V - 1,
+        **extra,  # type: ignore[arg-type]
+    )
+    params = dict(df.init_params(cfg, jax.random.key(2)))
+    params = jax.tree.map(lambda x: x + 0.01 if x.dtype != jnp.int32 else x, params)
+    if cfg.has_d2t:
+        params["d2t"] = jnp.asarray(np.arange(cfg.Vd) * 2, jnp.int32)
+    path = tmp_path / "head.gguf"
+    save_dflash_gguf(path, cfg, params, tok, dtype="f32")
+    cfg2, params2, tok2 = load_model_files(path)
+    assert cfg2 == cfg
+    assert tok2.vocab_size == tok.vocab_size  # type: ignore[attr-defined]
+    flat1, tree1 = jax.tree.flatten(params)
+    flat2, tree2 = jax.tree.flatten(params2)
+    assert tree1 == tree2
+    for a, b in zip(flat1, flat2):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+# --------------------------------------------------------------------------- training
+@pytest.mark.parametrize("dspark", [False, True])
+def test_training_blocks_are_the_drafters_blocks(dspark):
+    """The trainer's block (context = the window's K/V at positions < n, attended besides
+    the block) equals the drafter's block over a cache filled by `process`; one optax step
+    lowers the loss."""
+    import optax
+
+    from specjax.drafters.dflash import make_drafter
+    from specjax.train_dflash import LoopConfig, block_loss
+
+    V, Dt, T, W = 41, 12, 10, 4
+    cfg = df.DFlashConfig(
+        vocab_size=V, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24,
+        target_hidden=Dt, target_layers=(0, 1), block_size=W, mask_token_id=V - 1,
+        markov_rank=4 if dspark else 0, own_embed=True, own_lm_head=True,
+    )  # fmt: skip
+    params = df.init_params(cfg, jax.random.key(0))
+    rng = np.random.default_rng(1)
+    inputs = jnp.asarray(rng.integers(0, V - 1, (1, T)), jnp.int32)
+    feats = {i: jnp.asarray(rng.standard_normal((1, T, Dt)), jnp.float32) for i in (0, 1)}
+    n = 6
+    # the drafter: process rows 0..n-1, then draft from id_last = inputs[n] at n_past = n
+    drafter, _ = make_drafter(cfg, dspark, W, 0, None)
+    state = drafter.init(1, 32)
+    pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), -1)[None].astype(jnp.int32)
+    state = drafter.process(
+        {"head": params, "shared": {}},
+        state,
+        TargetBatch(tokens=inputs, positions=pos, hidden=feats),
+    )
+    inp = DraftInput(
+        history=TokenHistory(tokens=inputs, length=jnp.asarray([n], jnp.int32)),
+        last_token=inputs[:, n],
+        n_max=jnp.asarray([W]),
+        drafting=jnp.asarray([True]),
+        n_min=jnp.asarray(0),
+        p_min=jnp.asarray(0.0),
+        temperature=jnp.zeros((1,)),
+        draft_n_max=jnp.asarray(W),
+    )
+    tokens, positions, mask_pos, _ = drafter.block_inputs(inp, W)
+    want = df.block_forward(cfg, params, {}, tokens, positions, mask_pos, state.cache)
+    # the trainer's graph for anchor n
+    loop = LoopConfig(anchors=1)
+    f = df.gather_features(cfg, feats)
+    t_logits = jnp.asarray(rng.standard_normal((1, T, V)), jnp.float32)
+    g = df.encode(cfg, params, f)
+    kv = df.inject_kv(cfg, params, g, jnp.arange(T)[None])
+    ctx_pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), -1)[None]
+    h = df.block_hidden(cfg, params, {}, tokens, positions, mask_pos, None, (kv, ctx_pos))
+    np.testing.assert_allclose(np.asarray(h), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
+    anchors = jnp.asarray([[n]])
+    loss_fn = lambda p: block_loss(cfg, loop, p, {}, inputs, f, t_logits, anchors)[0]  # noqa: E731
+    opt = optax.adam(1e-2)
+    l0, grads = jax.value_and_grad(loss_fn)(params)
+    with jax.numpy_dtype_promotion("standard"):
+        upd, _ = opt.update(grads, opt.init(params), params)
+        stepped = optax.apply_updates(params, upd)
+    assert float(loss_fn(stepped)) < float(l0)
