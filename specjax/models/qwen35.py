@@ -333,11 +333,11 @@ def delta_chunked(
     q_c, k_c, v_c, g_c, b_c = (prep(a) for a in (q, k, v, g, beta))
     G = jnp.cumsum(g_c, axis=-1)  # [B, H, N, C] inclusive log-decay
     diff = G[..., :, None] - G[..., None, :]  # [.., t, s] = G_t - G_s
-    strict = jnp.tril(jnp.ones((C, C), bool), -1)
-    incl = jnp.tril(jnp.ones((C, C), bool))
+    strict = jnp.tril(jnp.ones((C, C), bool), -1)[None, None, None]
+    incl = jnp.tril(jnp.ones((C, C), bool))[None, None, None]
     kk = jnp.einsum("bhnti,bhnsi->bhnts", k_c, k_c)
     A = jnp.where(strict, b_c[..., None] * jnp.exp(jnp.where(strict, diff, 0.0)) * kk, 0.0)
-    lhs = A + jnp.eye(C, dtype=A.dtype)
+    lhs = A + jnp.eye(C, dtype=A.dtype)[None, None, None]
     solve = jax.vmap(
         lambda m, r: jax.scipy.linalg.solve_triangular(m, r, lower=True, unit_diagonal=True),
     )
@@ -382,9 +382,8 @@ def _delta_layer(
     z = jnp.einsum("btd,od->bto", h_BTD, layer["w_z"]).astype(jnp.float32)
     beta = jax.nn.sigmoid(jnp.einsum("btd,od->bto", h_BTD, layer["w_beta"]).astype(jnp.float32))
     alpha = jnp.einsum("btd,od->bto", h_BTD, layer["w_alpha"]).astype(jnp.float32)
-    g = jax.nn.softplus(alpha + layer["dt_bias"].astype(jnp.float32)) * layer["a"].astype(
-        jnp.float32
-    )
+    dt_bias = layer["dt_bias"].astype(jnp.float32)[None, None, :]
+    g = jax.nn.softplus(alpha + dt_bias) * layer["a"].astype(jnp.float32)[None, None, :]
     beta = jnp.where(valid_BT[..., None], beta, 0.0)
     g = jnp.where(valid_BT[..., None], g, 0.0)
 
