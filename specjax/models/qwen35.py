@@ -71,7 +71,7 @@ class Qwen35Config:
     ffn_dim: int
     rope_theta: float = 10_000_000.0
     rope_dim: int = 0  # 0 -> head_dim
-    rope_sections: tuple[int, int, int, int] = (0, 0, 0, 0)  # all 0 -> default_rope_sections
+    rope_sections: tuple[int, ...] = (0, 0, 0, 0)  # all 0 -> default_rope_sections
     norm_eps: float = 1e-6
     tie_embeddings: bool = False
     full_attention_interval: int = 4
@@ -113,6 +113,8 @@ class Qwen35Config:
                 f"ssm_v_heads ({self.ssm_v_heads}) must be a multiple of ssm_k_heads "
                 f"({self.ssm_k_heads})"
             )
+        if not any(self.rope_sections):  # normalise: equal configs compare equal
+            object.__setattr__(self, "rope_sections", default_rope_sections(self.n_rot))
         if self.n_rot % 2 or self.n_rot > self.head_dim:
             raise ValueError(f"rope_dim must be even and <= head_dim, got {self.n_rot}")
         if len(self.sections) != 4 or sum(self.sections[:3]) <= 0:
@@ -154,9 +156,7 @@ class Qwen35Config:
 
     @property
     def sections(self) -> tuple[int, int, int, int]:
-        if any(self.rope_sections):
-            return tuple(self.rope_sections)  # type: ignore[return-value]
-        return default_rope_sections(self.n_rot)
+        return tuple(self.rope_sections)  # type: ignore[return-value]
 
     @property
     def S(self) -> int:
@@ -617,7 +617,7 @@ def check_params(config: Qwen35Config, params: Params) -> None:
         want["lm_head"] = (config.V, config.D)
     for i in range(config.L):
         want.update({f"layers.{i}.{n}": s for n, s in layer_shapes(config, i).items()})
-    optional = {"embed_tokens": (config.V, config.D)}
+    optional: dict[str, tuple[int, ...]] = {"embed_tokens": (config.V, config.D)}
     optional.update(shared_head_head=(config.V, config.D), shared_head_norm=(config.D,))
     for i in range(config.n_nextn):
         want.update({f"nextn.{i}.{n}": s for n, s in nextn_shapes(config).items()})
