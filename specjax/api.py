@@ -130,6 +130,9 @@ def load(path: str, dtype: str | None = None) -> Model:
     """
     from specjax.io import load_model_files
 
+    hybrid = _load_hybrid(path, dtype)
+    if hybrid is not None:
+        return hybrid
     if dtype is None:
         config, params, tokenizer = load_model_files(path)
         wanted = default_compute_dtype(config.dtype)
@@ -141,6 +144,29 @@ def load(path: str, dtype: str | None = None) -> Model:
     return Model(
         config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer, path=str(path)
     )
+
+
+def _load_hybrid(path: str, dtype: str | None) -> Model | None:
+    """A qwen35 (hybrid recurrent) GGUF as a Model, or None for any other file."""
+    import os
+
+    import gguf
+
+    if not (os.path.isfile(path) and str(path).lower().endswith(".gguf")):
+        return None
+    try:
+        arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    except Exception:  # unreadable: the regular loader reports it
+        return None
+    if arch != "qwen35":
+        return None
+    from specjax.io.gguf_qwen35 import load_qwen35_gguf
+
+    config, params, tokenizer = load_qwen35_gguf(path, dtype=dtype)
+    if dtype is None and default_compute_dtype(config.dtype) != config.dtype:
+        config = dataclasses.replace(config, dtype=default_compute_dtype(config.dtype))
+        params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=str(path))  # type: ignore[arg-type]
 
 
 def init_model(config: ModelConfig, seed: int = 0, tokenizer: Any = None) -> Model:
@@ -483,6 +509,20 @@ def generate(
     """
     from specjax.drafters.registry import build_drafters
 
+    if getattr(model.config, "arch", None) == "qwen35":  # hybrid recurrent target
+        from specjax.hybrid import generate_hybrid
+
+        return generate_hybrid(  # type: ignore[no-any-return]
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            repeat_penalty=repeat_penalty,
+            n_ctx=n_ctx,
+            spec=spec,
+            draft=draft,
+            stop=stop,
+        )
     prompt_ids = _tokenize_prompts(model, prompts)
     n_prompts = len(prompt_ids)
     B = n_prompts if _slots is None else _slots.batch

@@ -39,7 +39,7 @@ def _config(**kw: object) -> q.Qwen35Config:
         head_dim=16,
         ffn_dim=96,
         rope_dim=8,
-        rope_theta=10000.0,
+        rope_theta=100.0,  # every rotated pair turns by > 0.1 rad per position
         ssm_state_size=16,
         ssm_k_heads=2,
         ssm_v_heads=4,
@@ -166,6 +166,51 @@ def test_missing_tensor_and_bad_layer_pattern_are_named(tmp_path: Path) -> None:
         load_qwen35_gguf(tmp_path / "bad.gguf")
 
 
+def _greedy_by_steps(cfg: q.Qwen35Config, params: dict, ids: list[int], n: int) -> list[int]:
+    """Greedy continuation by explicit forward calls: prefill, then one token at a time."""
+    fwd = jax.jit(lambda t, p, s: q.forward(cfg, params, t, p, s))
+    out = fwd(jnp.asarray([ids]), jnp.arange(len(ids))[None], q.new_state(cfg, 1, 64))
+    gen = [int(jnp.argmax(out.logits[0, -1]))]
+    state = out.state
+    for i in range(n - 1):
+        out = fwd(jnp.asarray([[gen[-1]]]), jnp.asarray([[len(ids) + i]]), state)
+        state = out.state
+        gen.append(int(jnp.argmax(out.logits[0, -1])))
+    return gen
+
+
+def test_generate_refuses_speculation_on_recurrent_target(tmp_path: Path) -> None:
+    import specjax
+
+    path, _ = _save(tmp_path, _config(n_nextn=0))
+    model = specjax.load(str(path))
+    assert isinstance(model.config, q.Qwen35Config)
+    spec = specjax.SpecConfig(types=("ngram-mod",))
+    with pytest.raises(ValueError, match="speculative decoding on a recurrent target"):
+        specjax.generate(model, ["x = 1"], max_new_tokens=4, spec=spec)
+    with pytest.raises(ValueError, match=r"temperature 0\.7 > 0 on a qwen35 target"):
+        specjax.generate(model, ["x = 1"], max_new_tokens=4, temperature=0.7)
+
+
+@pytest.mark.slow
+def test_generate_equals_step_by_step_greedy(tmp_path: Path) -> None:
+    """specjax.load + generate (2 rows of different lengths, one on-device loop) == explicit
+    forward calls per row; max_new_tokens per row."""
+    import specjax
+
+    cfg = _config(n_nextn=0)
+    path, params = _save(tmp_path, cfg)
+    model = specjax.load(str(path))
+    prompts = ["def fib(n):\n", "import os"]
+    res = specjax.generate(model, prompts, max_new_tokens=[12, 7], n_ctx=64)
+    for b, (p, n) in enumerate(zip(prompts, (12, 7))):
+        want = _greedy_by_steps(cfg, params, model.encode(p), n)
+        eog = set(model.eog_ids)
+        cut = next((k for k, t in enumerate(want) if t in eog), None)
+        want = want if cut is None else want[:cut]
+        assert res.tokens[b] == want
+
+
 # ------------------------------------------------------------------------------- llama.cpp peers
 BIN = os.environ.get("SPECJAX_LLAMACPP_BIN")
 
@@ -182,15 +227,7 @@ def test_peer_llamacpp_same_greedy_tokens(tmp_path: Path) -> None:
     prompt = "def fib(n):\n"
     n_predict = 24
     tok = _tokenizer()
-    ids = tok.encode(prompt, add_bos=tok.add_bos)
-    fwd = jax.jit(lambda t, p, s: q.forward(cfg, params, t, p, s))
-    out = fwd(jnp.asarray([ids]), jnp.arange(len(ids))[None], q.new_state(cfg, 1, 64))
-    gen = [int(jnp.argmax(out.logits[0, -1]))]
-    state = out.state
-    for i in range(n_predict - 1):
-        out = fwd(jnp.asarray([[gen[-1]]]), jnp.asarray([[len(ids) + i]]), state)
-        state = out.state
-        gen.append(int(jnp.argmax(out.logits[0, -1])))
+    gen = _greedy_by_steps(cfg, params, tok.encode(prompt, add_bos=tok.add_bos), n_predict)
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(prompt + "\n")  # -f drops one trailing newline
     res = subprocess.run(
