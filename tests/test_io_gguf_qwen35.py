@@ -166,10 +166,12 @@ def test_missing_tensor_and_bad_layer_pattern_are_named(tmp_path: Path) -> None:
         load_qwen35_gguf(tmp_path / "bad.gguf")
 
 
-def _greedy_by_steps(cfg: q.Qwen35Config, params: dict, ids: list[int], n: int) -> list[int]:
+def _greedy_by_steps(
+    cfg: q.Qwen35Config, params: dict, ids: list[int], n: int, capacity: int = 64
+) -> list[int]:
     """Greedy continuation by explicit forward calls: prefill, then one token at a time."""
     fwd = jax.jit(lambda t, p, s: q.forward(cfg, params, t, p, s))
-    out = fwd(jnp.asarray([ids]), jnp.arange(len(ids))[None], q.new_state(cfg, 1, 64))
+    out = fwd(jnp.asarray([ids]), jnp.arange(len(ids))[None], q.new_state(cfg, 1, capacity))
     gen = [int(jnp.argmax(out.logits[0, -1]))]
     state = out.state
     for i in range(n - 1):
@@ -215,24 +217,30 @@ def test_generate_equals_step_by_step_greedy(tmp_path: Path) -> None:
 BIN = os.environ.get("SPECJAX_LLAMACPP_BIN")
 
 
+LONG = "".join(f"def f{i}(x):\n    return x * {i} + {i % 7}\n\n" for i in range(12))
+
+
 @pytest.mark.peers
-def test_peer_llamacpp_same_greedy_tokens(tmp_path: Path) -> None:
+@pytest.mark.parametrize(("prompt", "n_ctx"), [("def fib(n):\n", 64), (LONG, 512)])
+def test_peer_llamacpp_same_greedy_tokens(tmp_path: Path, prompt: str, n_ctx: int) -> None:
     """llama-completion loads the specjax-written file (MTP block included) and continues the
-    prompt greedily with the same text as specjax's forward (prefill chunked, decode 1 token)."""
+    prompt greedily with the same text as specjax's forward (prefill chunked, decode 1 token).
+    The long prompt (> 64 tokens) crosses both implementations' delta-net chunk size."""
     tool = shutil.which("llama-completion", path=BIN) if BIN else None
     if not tool:
         pytest.skip("llama-completion not found (set SPECJAX_LLAMACPP_BIN to llama.cpp's bin)")
     cfg = _config()
     path, params = _save(tmp_path, cfg)
-    prompt = "def fib(n):\n"
     n_predict = 24
     tok = _tokenizer()
-    gen = _greedy_by_steps(cfg, params, tok.encode(prompt, add_bos=tok.add_bos), n_predict)
+    ids = tok.encode(prompt, add_bos=tok.add_bos)
+    assert n_ctx == 64 or len(ids) > 2 * q.CHUNK
+    gen = _greedy_by_steps(cfg, params, ids, n_predict, n_ctx)
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(prompt + "\n")  # -f drops one trailing newline
     res = subprocess.run(
         [tool, "-m", str(path), "-f", str(prompt_file), "-n", str(n_predict), "--temp", "0"]
-        + ["-c", "64", "-no-cnv", "--no-display-prompt", "--seed", "0", "-t", "2"],
+        + ["-c", str(n_ctx), "-no-cnv", "--no-display-prompt", "--seed", "0", "-t", "2"],
         capture_output=True,
         check=True,
     )
