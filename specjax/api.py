@@ -46,6 +46,7 @@ class Model:
         cache_type_v: str | None = None,
     ) -> KVCache:
         """An empty KV cache; K/V types `f32`/`f16`/`bf16` (default: the model's dtype)."""
+        _refuse_hybrid(self, "Model.new_cache")
         k = cache_dtype(cache_type_k) if cache_type_k else None
         v = cache_dtype(cache_type_v) if cache_type_v else None
         return new_cache(self.config, batch, capacity, k, v)
@@ -146,6 +147,14 @@ def load(path: str, dtype: str | None = None) -> Model:
     )
 
 
+def _refuse_hybrid(model: Model, what: str) -> None:
+    if getattr(model.config, "arch", None) == "qwen35":
+        raise ValueError(
+            f"{what} is for attention-only models; a qwen35 (hybrid recurrent) model runs with "
+            "specjax.models.qwen35.new_state / forward, or specjax.generate"
+        )
+
+
 def _load_hybrid(path: str, dtype: str | None) -> Model | None:
     """A qwen35 (hybrid recurrent) GGUF as a Model, or None for any other file."""
     import os
@@ -181,6 +190,7 @@ _forward_jit = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
 
 def forward(model: Model, tokens: Any, positions: Any, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Logits [B, T, V] for `tokens` [B, T] at `positions` [B, T] (-1 = padding, not written)."""
+    _refuse_hybrid(model, "specjax.forward")
     tokens = np.asarray(tokens)
     positions = np.asarray(positions)
     if tokens.ndim != 2 or positions.shape != tokens.shape:

@@ -192,6 +192,8 @@ def test_generate_refuses_speculation_on_recurrent_target(tmp_path: Path) -> Non
         specjax.generate(model, ["x = 1"], max_new_tokens=4, spec=spec)
     with pytest.raises(ValueError, match=r"temperature 0\.7 > 0 on a qwen35 target"):
         specjax.generate(model, ["x = 1"], max_new_tokens=4, temperature=0.7)
+    with pytest.raises(ValueError, match=r"Model\.new_cache is for attention-only models"):
+        model.new_cache(1, 16)
 
 
 @pytest.mark.slow
