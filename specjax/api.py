@@ -46,6 +46,7 @@ class Model:
         cache_type_v: str | None = None,
     ) -> KVCache:
         """An empty KV cache; K/V types `f32`/`f16`/`bf16` (default: the model's dtype)."""
+        _refuse_hybrid(self, "Model.new_cache")
         k = cache_dtype(cache_type_k) if cache_type_k else None
         v = cache_dtype(cache_type_v) if cache_type_v else None
         return new_cache(self.config, batch, capacity, k, v)
@@ -130,6 +131,9 @@ def load(path: str, dtype: str | None = None) -> Model:
     """
     from specjax.io import load_model_files
 
+    hybrid = _load_hybrid(path, dtype)
+    if hybrid is not None:
+        return hybrid
     if dtype is None:
         config, params, tokenizer = load_model_files(path)
         wanted = default_compute_dtype(config.dtype)
@@ -148,6 +152,37 @@ def load(path: str, dtype: str | None = None) -> Model:
     )
 
 
+def _refuse_hybrid(model: Model, what: str) -> None:
+    if getattr(model.config, "arch", None) == "qwen35":
+        raise ValueError(
+            f"{what} is for attention-only models; a qwen35 (hybrid recurrent) model runs with "
+            "specjax.models.qwen35.new_state / forward, or specjax.generate"
+        )
+
+
+def _load_hybrid(path: str, dtype: str | None) -> Model | None:
+    """A qwen35 (hybrid recurrent) GGUF as a Model, or None for any other file."""
+    import os
+
+    import gguf
+
+    if not (os.path.isfile(path) and str(path).lower().endswith(".gguf")):
+        return None
+    try:
+        arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+    except Exception:  # unreadable: the regular loader reports it
+        return None
+    if arch != "qwen35":
+        return None
+    from specjax.io.gguf_qwen35 import load_qwen35_gguf
+
+    config, params, tokenizer = load_qwen35_gguf(path, dtype=dtype)
+    if dtype is None and default_compute_dtype(config.dtype) != config.dtype:
+        config = dataclasses.replace(config, dtype=default_compute_dtype(config.dtype))
+        params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
+    return Model(config=config, params=params, tokenizer=tokenizer, path=str(path))  # type: ignore[arg-type]
+
+
 def init_model(config: ModelConfig, seed: int = 0, tokenizer: Any = None) -> Model:
     """A randomly initialised model (tests, training from scratch)."""
     return Model(
@@ -160,6 +195,7 @@ _forward_jit = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
 
 def forward(model: Model, tokens: Any, positions: Any, cache: KVCache) -> tuple[jax.Array, KVCache]:
     """Logits [B, T, V] for `tokens` [B, T] at `positions` [B, T] (-1 = padding, not written)."""
+    _refuse_hybrid(model, "specjax.forward")
     tokens = np.asarray(tokens)
     positions = np.asarray(positions)
     if tokens.ndim != 2 or positions.shape != tokens.shape:
@@ -499,6 +535,20 @@ def generate(
 
     if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
         raise ValueError(f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}")
+    if getattr(model.config, "arch", None) == "qwen35":  # hybrid recurrent target
+        from specjax.hybrid import generate_hybrid
+
+        return generate_hybrid(  # type: ignore[no-any-return]
+            model,
+            prompts,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            repeat_penalty=repeat_penalty,
+            n_ctx=n_ctx,
+            spec=spec,
+            draft=draft,
+            stop=stop,
+        )
     prompt_ids = _tokenize_prompts(model, prompts)
     n_prompts = len(prompt_ids)
     B = n_prompts if _slots is None else _slots.batch

@@ -1,0 +1,172 @@
+"""Plain greedy decoding on a hybrid recurrent target (qwen35), on device.
+
+`specjax.generate` sends a qwen35 model here. What it does and refuses:
+
+* Greedy decoding only (temperature <= 0): a prefill of all rows (prompts right-padded; the
+  padding leaves the recurrent state untouched), then one `lax.while_loop` of one-token steps.
+  Rows stop at an end-of-generation token, at their max_new_tokens or a full context.
+* Speculative decoding is refused with a ValueError: a rejected draft token has already been
+  folded into the recurrent state, and undoing it needs rollback (n_rs_seq snapshot planes or
+  PARTIAL_ONLY checkpoints + replay) that specjax does not implement yet. Sampling at
+  temperature > 0, repeat penalties and custom KV cache types are refused the same way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.models import qwen35
+from specjax.types import Array
+
+RECURRENT_SPEC_ERROR = (
+    "speculative decoding on a recurrent target (architecture {arch!r}) is not supported yet: "
+    "rejected draft tokens would have to be removed from the recurrent state, which needs "
+    "rollback (n_rs_seq state planes or checkpoints with replay) that specjax does not "
+    "implement yet; run it without a spec / draft for plain decoding"
+)
+
+_STOP, _LENGTH, _CONTEXT = "stop", "length", "context"
+
+
+def _bucket(n: int) -> int:
+    return max(8, 1 << (max(n, 1) - 1).bit_length())
+
+
+@functools.partial(jax.jit, static_argnames=("config", "capacity", "n_out"))
+def _run(
+    config: qwen35.Qwen35Config,
+    params: Any,
+    tokens_BT: Array,
+    lengths_B: Array,
+    max_new_B: Array,
+    eog_ids: Array,
+    capacity: int,
+    n_out: int,
+) -> tuple[Array, Array, Array]:
+    """Prefill + greedy loop. Returns (out tokens [B, n_out], out_len [B], finish code [B])."""
+    B, T = tokens_BT.shape
+    positions_BT = jnp.where(jnp.arange(T)[None, :] < lengths_B[:, None], jnp.arange(T)[None], -1)
+    state = qwen35.new_state(config, B, capacity)
+    out = qwen35.forward(config, params, tokens_BT, positions_BT, state, cache_empty=True)
+    last_BV = jnp.take_along_axis(out.logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    first_B = jnp.argmax(last_BV, axis=-1).astype(jnp.int32)
+    out_BN = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first_B)
+
+    def finished(tok_B: Array, n_B: Array, pos_B: Array) -> Array:
+        """0 running, 1 EOG, 2 length, 3 context (pos_B: position the next token would take)."""
+        eog = jnp.any(tok_B[:, None] == eog_ids[None, :], axis=1)
+        return jnp.where(
+            eog, 1, jnp.where(n_B >= max_new_B, 2, jnp.where(pos_B >= capacity, 3, 0))
+        ).astype(jnp.int32)
+
+    n_B = jnp.ones((B,), jnp.int32)
+    fin_B = finished(first_B, n_B, lengths_B)
+
+    def cond(carry: tuple[Any, ...]) -> Array:
+        return jnp.any(carry[3] == 0)
+
+    def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+        st, out_BN, n_B, fin_B, tok_B = carry
+        running_B = fin_B == 0
+        pos_B = jnp.where(running_B, lengths_B + n_B - 1, -1)
+        o = qwen35.forward(config, params, tok_B[:, None], pos_B[:, None], st)
+        nxt_B = jnp.argmax(o.logits[:, 0], axis=-1).astype(jnp.int32)
+        idx_B = jnp.where(running_B, n_B, n_out)
+        out_BN = out_BN.at[jnp.arange(B), idx_B].set(nxt_B, mode="drop")
+        n_new_B = n_B + running_B.astype(jnp.int32)
+        fin_new_B = jnp.where(running_B, finished(nxt_B, n_new_B, lengths_B + n_B), fin_B)
+        tok_B = jnp.where(running_B, nxt_B, tok_B)
+        return o.state, out_BN, n_new_B, fin_new_B, tok_B
+
+    _, out_BN, n_B, fin_B, _ = jax.lax.while_loop(
+        cond, body, (out.state, out_BN, n_B, fin_B, first_B)
+    )
+    return out_BN, n_B, fin_B
+
+
+def generate_hybrid(
+    model: Any,
+    prompts: Any,
+    *,
+    max_new_tokens: int | Sequence[int],
+    temperature: float = 0.0,
+    repeat_penalty: float = 1.0,
+    n_ctx: int | None = None,
+    spec: Any = None,
+    draft: Any = None,
+    stop: Sequence[str] = (),
+    **_sampling: Any,
+) -> Any:
+    """`specjax.generate` for a qwen35 model (see the module docstring for what is refused)."""
+    from specjax import api
+
+    config = model.config
+    if (spec is not None and spec.enabled) or draft is not None:
+        raise ValueError(RECURRENT_SPEC_ERROR.format(arch=config.arch))
+    if temperature > 0:
+        raise ValueError(
+            f"temperature {temperature} > 0 on a {config.arch} target is not supported yet; "
+            "only greedy decoding (temperature 0)"
+        )
+    if repeat_penalty != 1.0:
+        raise ValueError(f"repeat_penalty {repeat_penalty} is not supported on {config.arch} yet")
+    prompt_ids = api._tokenize_prompts(model, prompts)
+    B = len(prompt_ids)
+    max_new = api._n_predict(max_new_tokens, B)
+    lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
+    n_ctx = int(n_ctx or config.max_position)
+    if int(lengths.max()) >= n_ctx:
+        raise ValueError(f"a prompt of {int(lengths.max())} tokens does not fit n_ctx={n_ctx}")
+    max_new = np.where(max_new < 0, n_ctx, np.minimum(max_new, n_ctx)).astype(np.int32)
+    T = _bucket(int(lengths.max()))
+    n_out = _bucket(int(max_new.max()))
+    tokens = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompt_ids):
+        tokens[b, : len(p)] = p
+    eog = np.asarray(model.eog_ids or (-1,), np.int32)
+    t0 = time.perf_counter()
+    out_BN, out_len, fin = jax.device_get(
+        _run(
+            config,
+            model.params,
+            jnp.asarray(tokens),
+            jnp.asarray(lengths),
+            jnp.asarray(max_new),
+            jnp.asarray(eog),
+            n_ctx,
+            n_out,
+        )
+    )
+    t1 = time.perf_counter()
+    results, texts, reasons = [], [], []
+    for b in range(B):
+        ids = [int(t) for t in out_BN[b, : out_len[b]]]
+        reason = {1: _STOP, 2: _LENGTH, 3: _CONTEXT}.get(int(fin[b]), "none")
+        if ids and reason == _STOP:
+            ids = ids[:-1]
+        text = model.decode(ids) if model.tokenizer is not None else ""
+        if stop and text:
+            ids, text, hit = api._apply_stop(model, ids, text, stop)
+            reason = _STOP if hit else reason
+        results.append(ids)
+        texts.append(text)
+        reasons.append(reason)
+    generated = int(np.sum(out_len))
+    timings = {
+        "prompt_tokens": int(lengths.sum()),
+        "generated_tokens": generated,
+        "total_seconds": t1 - t0,  # compile included; no prefill/decode split yet
+        "tokens_per_second": generated / max(t1 - t0, 1e-9),
+    }
+    return dataclasses.replace(
+        api.GenerationResult(tokens=results, text=texts, timings=timings, finish_reasons=reasons),
+        prompt_tokens=prompt_ids,
+    )
