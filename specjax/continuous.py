@@ -41,7 +41,7 @@ from specjax import adaptive, sampling
 from specjax import engine as eng
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import TargetBatch, TokenHistory
+from specjax.drafters.base import TargetBatch, TokenHistory, hidden_by_layer
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
@@ -176,7 +176,10 @@ def prefill_chunk(
 
     # drafters: rows sliced out (shared leaves whole), memory >= start dropped, chunk processed
     batch_1 = TargetBatch(
-        tokens=tokens_1C, positions=positions_1C, hidden=out.hidden, is_prompt=True
+        tokens=tokens_1C,
+        positions=positions_1C,
+        hidden=hidden_by_layer(engine.hidden_layers, out.hidden),
+        is_prompt=True,
     )
     hist_1 = TokenHistory(tokens=hist_1S, length=length_1)
     dstates = []
