@@ -12,7 +12,7 @@ import pytest
 from specjax import objectives as obj
 from specjax.drafters.base import DraftOutput
 from specjax.sampling import SamplingParams, make_key, target_probs
-from specjax.verify import verify_greedy, verify_rejection
+from specjax.verify import first_argmax, verify_greedy, verify_rejection
 
 V = 16
 
@@ -125,7 +125,8 @@ def test_greedy_length_is_the_greedy_verifiers_count() -> None:
         dl = tl[:K] + rng.normal(size=(K, V)).astype(np.float32) * (seed % 3)
         draft = jnp.argmax(jnp.asarray(dl), -1).astype(jnp.int32)
         out = verify_greedy(
-            jnp.asarray(tl)[None], DraftOutput(tokens=draft[None], valid=jnp.ones((1, K), bool))
+            first_argmax(jnp.asarray(tl))[None],
+            DraftOutput(tokens=draft[None], valid=jnp.ones((1, K), bool)),
         )
         length = float(obj.greedy_acceptance_length(jnp.asarray(tl[:K]), jnp.asarray(dl)))
         assert length == int(out.n_accepted[0]) + 1
