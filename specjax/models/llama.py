@@ -83,12 +83,15 @@ CACHE_CHUNK = 256
 def _scores(q_BGRTE: Array, k_BGSE: Array, q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
     """Scaled, masked attention scores [B, G, R, T, S] in float32."""
     scale = 1.0 / math.sqrt(q_BGRTE.shape[-1])
+    # Keys as the left operand ([S, E] @ [E, R*T]) and the small result transposed: XLA's CPU
+    # dot emitter takes the cache chunk in its stored layout instead of transposing every
+    # chunk of every layer each step (0.73 -> 0.45 ms per token at 768 cells, 8 layers).
     s = jnp.einsum(
-        "bgrte,bgse->bgrts",
-        q_BGRTE,
+        "bgse,bgrte->bgsrt",
         k_BGSE.astype(q_BGRTE.dtype),
+        q_BGRTE,
         preferred_element_type=jnp.float32,
-    )
+    ).transpose(0, 1, 3, 4, 2)
     mask = attention_mask(q_pos_BT, k_pos_BS, window)[:, None, None]
     return jnp.where(mask, s * scale, _MASKED)
 
