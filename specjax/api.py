@@ -147,9 +147,7 @@ def load(path: str, dtype: str | None = None) -> Model:
             )
     else:
         config, params, tokenizer = load_model_files(path, dtype=dtype)
-    return Model(
-        config=config, params=jax.tree.map(jnp.asarray, params), tokenizer=tokenizer, path=str(path)
-    )
+    return Model(config=config, params=jax.device_put(params), tokenizer=tokenizer, path=str(path))
 
 
 def _refuse_hybrid(model: Model, what: str) -> None:
@@ -164,12 +162,12 @@ def _load_hybrid(path: str, dtype: str | None) -> Model | None:
     """A qwen35 (hybrid recurrent) GGUF as a Model, or None for any other file."""
     import os
 
-    import gguf
+    from specjax.io.gguf_io import read_architecture
 
     if not (os.path.isfile(path) and str(path).lower().endswith(".gguf")):
         return None
     try:
-        arch = gguf.GGUFReader(path).fields["general.architecture"].contents()
+        arch = read_architecture(path)  # the header only: the file is parsed once, below
     except Exception:  # unreadable: the regular loader reports it
         return None
     if arch != "qwen35":

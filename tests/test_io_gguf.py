@@ -455,3 +455,34 @@ def test_llama_cpp_greedy_tokens_match(tok, tmp_path):
         if len(theirs) == n_new:
             break
     assert theirs == ours
+
+
+def _gguf_with_keys(path, keys: list[tuple[str, str]]) -> None:
+    """A tensor-free GGUF v3 whose string keys are written in the given order (gguf spec)."""
+
+    def s(x: str) -> bytes:
+        b = x.encode()
+        return len(b).to_bytes(8, "little") + b
+
+    body = b"".join(s(k) + (8).to_bytes(4, "little") + s(v) for k, v in keys)
+    head = b"GGUF" + (3).to_bytes(4, "little") + (0).to_bytes(8, "little")
+    path.write_bytes(head + len(keys).to_bytes(8, "little") + body)
+
+
+def test_read_architecture_from_the_header_agrees_with_a_full_parse(tmp_path):
+    first = tmp_path / "first.gguf"
+    _gguf_with_keys(first, [("general.architecture", "qwen35"), ("general.name", "x")])
+    later = tmp_path / "later.gguf"  # not first: the whole file is parsed
+    _gguf_with_keys(
+        later, [("general.name", "general.architecture"), ("general.architecture", "dflash")]
+    )
+    none = tmp_path / "none.gguf"
+    _gguf_with_keys(none, [("general.name", "x")])
+    for path, want in ((first, "qwen35"), (later, "dflash"), (none, None)):
+        assert gguf_io.read_architecture(path) == want
+        field = gguf.GGUFReader(path).fields.get("general.architecture")
+        assert (None if field is None else field.contents()) == want
+    garbage = tmp_path / "garbage.gguf"
+    garbage.write_bytes(b"NOPE" + bytes(40))
+    with pytest.raises(ModelFileError, match="not a GGUF"):
+        gguf_io.read_architecture(garbage)

@@ -41,9 +41,11 @@ from specjax.io.gguf_io import (
     _encode_tensor,
     _f32,
     _field_values,
+    _on_device,
     _open_reader,
     _tensor_to_numpy,
     permute_qk,
+    read_architecture,
     unpermute_qk,
 )
 from specjax.models.eagle3 import Eagle3Config, check_params
@@ -54,10 +56,8 @@ ARCH = "eagle3"
 
 
 def gguf_architecture(path: str | os.PathLike[str]) -> str | None:
-    """`general.architecture` of a GGUF file (None when absent)."""
-    reader = _open_reader(os.fspath(path))
-    field = reader.fields.get("general.architecture")
-    return None if field is None else str(field.contents())
+    """`general.architecture` of a GGUF file (None when absent), read from its header."""
+    return read_architecture(path)
 
 
 def save_eagle3_gguf(
@@ -250,7 +250,7 @@ def load_eagle3_gguf(
         if not np.allclose(factors, 1.0):
             raise ModelFileError(f"{path}: EAGLE-3 rope scaling factors are not supported")
     np_dtype = jnp.dtype(config.dtype)
-    params: Params = {n: jnp.asarray(a, np_dtype) for n, a in raw.items()}
+    params: Params = {n: _on_device(a, np_dtype) for n, a in raw.items()}
     if "d2t" in tensors:
         used.add("d2t")
         d2t = np.asarray(tensors["d2t"].data).reshape(-1).astype(np.int64)

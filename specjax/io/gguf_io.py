@@ -29,6 +29,7 @@ from collections.abc import Mapping
 from typing import Any
 
 import gguf
+import jax
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -36,7 +37,7 @@ from gguf import GGMLQuantizationType as QT
 from specjax.errors import ModelFileError
 from specjax.models.config import ARCHS, ModelConfig, RopeScaling, rope_frequencies
 from specjax.tokenizer import Tokenizer
-from specjax.types import Params
+from specjax.types import Array, Params
 
 SAVE_DTYPES = ("f32", "f16", "bf16", "q8_0")
 _FLOAT_TYPES = (QT.F32, QT.F16, QT.BF16)
@@ -212,6 +213,44 @@ def _field_values(reader: gguf.GGUFReader) -> dict[str, Any]:
             continue
         out[name] = field.contents()
     return out
+
+
+#: GGUF value type ids of a string and of the unsigned 32-bit header fields (gguf spec).
+_GGUF_STRING = 8
+
+
+def read_architecture(path: str | os.PathLike[str]) -> str | None:
+    """`general.architecture` from the GGUF header without parsing the file.
+
+    Writers put it first (llama.cpp's and gguf-py's); when the first key is something else
+    the whole file is parsed. None when the key is absent; ModelFileError for a non-GGUF.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            head = f.read(4 + 4 + 8 + 8 + 8 + 64)
+    except OSError as e:
+        raise ModelFileError(f"{path}: {e.strerror or e}") from e
+    if head[:4] == b"GGUF" and len(head) >= 32:
+        key_len = int.from_bytes(head[24:32], "little")
+        key_end = 32 + key_len
+        if head[32:key_end] == b"general.architecture" and len(head) >= key_end + 12:
+            value_type = int.from_bytes(head[key_end : key_end + 4], "little")
+            if value_type == _GGUF_STRING:
+                n = int.from_bytes(head[key_end + 4 : key_end + 12], "little")
+                with open(path, "rb") as f:
+                    f.seek(key_end + 12)
+                    raw = f.read(n)
+                if len(raw) == n:
+                    return raw.decode("utf-8", errors="replace")
+    field = _open_reader(path).fields.get("general.architecture")
+    return None if field is None else str(field.contents())
+
+
+def _on_device(a: Any, dtype: Any) -> Array:
+    """A host array converted on the host, then placed: `jnp.asarray(a, dtype)` would convert
+    eagerly on the device, compiling one conversion per tensor shape at every load."""
+    return jax.device_put(np.asarray(a, dtype))
 
 
 def _open_reader(path: str) -> gguf.GGUFReader:
@@ -435,15 +474,15 @@ def load_gguf(
         if qk_norm:
             layer["q_norm"] = get(p + "attn_q_norm.weight", (E,))
             layer["k_norm"] = get(p + "attn_k_norm.weight", (E,))
-        layers.append({n: jnp.asarray(a, np_dtype) for n, a in layer.items()})
+        layers.append({n: _on_device(a, np_dtype) for n, a in layer.items()})
 
     params: Params = {
-        "embed": jnp.asarray(get("token_embd.weight", (V, D)), np_dtype),
+        "embed": _on_device(get("token_embd.weight", (V, D)), np_dtype),
         "layers": tuple(layers),
-        "final_norm": jnp.asarray(get("output_norm.weight", (D,)), np_dtype),
+        "final_norm": _on_device(get("output_norm.weight", (D,)), np_dtype),
     }
     if not tie:
-        params["lm_head"] = jnp.asarray(get("output.weight", (V, D)), np_dtype)
+        params["lm_head"] = _on_device(get("output.weight", (V, D)), np_dtype)
     unused = sorted(set(tensors) - used)
     if unused:
         raise ModelFileError(
