@@ -375,6 +375,7 @@ class HybridSpecReport:
     n_accepted: int
     n_verif_steps: int
     names: tuple[str, ...]
+    n_rounds: int = 0  # target forwards of the loop (one per round, all rows at once)
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.n_verif_steps
@@ -389,6 +390,7 @@ class HybridSpecReport:
             "seq_rm_type": self.seq_rm_type,
             "n_rs_seq": self.n_rs_seq,
             "rollback": dict(self.paths),
+            "target_forwards": self.n_rounds,
             "drafters": list(self.names),
         }
 
@@ -484,6 +486,7 @@ def generate_speculative(
         n_accepted=int(st.n_accepted),
         n_verif_steps=int(st.n_verif_steps),
         names=tuple(d.name for d in drafters),
+        n_rounds=int(st.n_rounds),
     )
     if report.paths["seq_rm_failed"]:
         raise RuntimeError(f"a bounded rollback failed in {report.paths['seq_rm_failed']} rounds")
