@@ -124,3 +124,24 @@ def test_target_of_type_no_disables_speculation_with_a_warning(monkeypatch) -> N
         res = generate_hybrid(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE)
     assert any("seq_rm type NO" in str(w.message) for w in caught)
     assert res.stats is None and res.tokens == _plain()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("n_rs_seq", [4, 0])
+def test_draft_simple_equals_plain_greedy_on_both_paths(n_rs_seq: int) -> None:
+    """draft-simple with a random llama draft sharing the 8-token vocabulary (drafts of up to
+    6 tokens: RS rounds roll back by planes or, beyond 4, by checkpoint)."""
+    from specjax.models.config import ModelConfig
+
+    draft = api.init_model(
+        ModelConfig(vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=3
+    )
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=6, k_max=6)
+    res = generate_hybrid(
+        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, draft=draft,
+        n_rs_seq=n_rs_seq,
+    )  # fmt: skip
+    assert res.tokens == _plain()
+    paths = res.stats.to_dict()["rollback"]
+    assert paths["checkpoint"] > 0
+    assert (paths["rs_plane"] > 0) == (n_rs_seq > 0)
