@@ -5,7 +5,7 @@
 * Greedy decoding only (temperature <= 0): a prefill of all rows (prompts right-padded; the
   padding leaves the recurrent state untouched), then one `lax.while_loop` of one-token steps.
   Rows stop at an end-of-generation token, at their max_new_tokens or a full context.
-* Speculative decoding (greedy, n-gram drafters) runs in `specjax.hybrid_spec`: rejected
+* Speculative decoding (greedy; n-gram drafters, draft-simple) runs in `specjax.hybrid_spec`: rejected
   draft tokens leave the recurrent state by n_rs_seq snapshot planes (`n_rs_seq > 0`, the RS
   path) or by restoring the pre-round state and replaying the accepted tokens (FULL), as
   llama.cpp's server; `n_rs_seq=None` takes upstream's `need_n_rs_seq`. A target the probe
@@ -56,10 +56,11 @@ def _run(
     out_BN = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first_B)
 
     def finished(tok_B: Array, n_B: Array, pos_B: Array) -> Array:
-        """0 running, 1 EOG, 2 length, 3 context (pos_B: position the next token would take)."""
+        """0 running, 1 EOG, 2 length, 3 context (pos_B: position of the emitted token; as
+        llama.cpp and specjax.engine, the last token emitted sits at position capacity - 1)."""
         eog = jnp.any(tok_B[:, None] == eog_ids[None, :], axis=1)
         return jnp.where(
-            eog, 1, jnp.where(n_B >= max_new_B, 2, jnp.where(pos_B >= capacity, 3, 0))
+            eog, 1, jnp.where(n_B >= max_new_B, 2, jnp.where(pos_B >= capacity - 1, 3, 0))
         ).astype(jnp.int32)
 
     n_B = jnp.ones((B,), jnp.int32)

@@ -145,3 +145,16 @@ def test_draft_simple_equals_plain_greedy_on_both_paths(n_rs_seq: int) -> None:
     paths = res.stats.to_dict()["rollback"]
     assert paths["checkpoint"] > 0
     assert (paths["rs_plane"] > 0) == (n_rs_seq > 0)
+
+
+@pytest.mark.slow
+def test_context_end_is_the_same_for_plain_and_speculative() -> None:
+    """max_new_tokens = -1: rows stop at a full context of 32, the last token at position 31
+    (llama.cpp's rule, as specjax.engine), plain and speculative alike."""
+    plain = generate_hybrid(_model(), _prompts(), max_new_tokens=-1, n_ctx=32)
+    assert plain.finish_reasons == ["context"] * 4
+    assert [len(p) + len(t) for p, t in zip(_prompts(), plain.tokens)] == [32] * 4
+    res = generate_hybrid(
+        _model(), _prompts(), max_new_tokens=-1, n_ctx=32, spec=SIMPLE, n_rs_seq=4
+    )
+    assert res.tokens == plain.tokens and res.finish_reasons == plain.finish_reasons
