@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from oracles.qwen35_reference import Reference
 
-from specjax import api
+from specjax import api, memory
 from specjax.hybrid_memory import HybridMemory, RecurrentMemory, SeqRmType, can_seq_rm
 from specjax.hybrid_memory import forward_memory as _forward_memory
 from specjax.models import qwen35 as q
@@ -237,6 +237,7 @@ def test_hybrid_seq_rm_beyond_planes_fails_and_changes_nothing() -> None:
     recurrent part is tried first); within n_rs_seq: the KV cells from p0 on are dropped."""
     toks, pos = _padded([np.arange(6) % CFG.V, np.arange(3)], [0, 0], 8)
     mem = HybridMemory.init(CFG, 2, 16, n_rs_seq=3)
+    assert isinstance(mem, memory.Memory) and not memory.can_shift(mem)
     _, mem = forward_memory(CFG, _params(), toks, pos, mem)
     bad, ok = _seq_rm(mem, 0, 2, -1)  # rollback 4 > 3
     assert not bool(ok)
@@ -256,7 +257,7 @@ def test_hybrid_seq_rm_beyond_planes_fails_and_changes_nothing() -> None:
     assert not np.asarray(cleared.rec.ssm[0][:, 0]).any() and np.asarray(cleared.rec.ssm[0]).any()
 
 
-_seq_rm = jax.jit(lambda mem, seq, p0, p1: mem.seq_rm(seq, p0, p1))
+_seq_rm = jax.jit(lambda mem, seq, p0, p1: memory.seq_rm(mem, seq, p0, p1))  # llama.h dispatch
 
 
 def test_probe_returns_upstream_types_and_leaves_caller_state_alone() -> None:
