@@ -171,6 +171,10 @@ def generate_hybrid(
         "generated_tokens": generated,
         "total_seconds": seconds,  # compile included; no prefill/decode split yet
         "tokens_per_second": generated / max(seconds, 1e-9),
+        # the keys the CLI prints: prefill and decode are one jitted call here (all in decode)
+        "prefill_seconds": 0.0,
+        "decode_seconds": seconds,
+        "n_rounds": report.n_rounds if report is not None else max(int(np.max(out_len)) - 1, 0),
     }
     return dataclasses.replace(
         api.GenerationResult(

@@ -294,3 +294,8 @@ def test_whole_forward_equals_plain_qwen35_forward(n_rs_seq: int) -> None:
 
 
 _plain = jax.jit(functools.partial(q.forward, CFG))
+
+
+def test_num_params_counts_the_trunk() -> None:
+    """Qwen35Config.num_params (the CLI's banner) == the initialised trunk's parameter count."""
+    assert CFG.num_params() == sum(x.size for x in jax.tree.leaves(_params()))
