@@ -452,7 +452,7 @@ def generate_speculative(
     K = spec.resolved_k_max()
     B = len(prompt_ids)
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
-    T = max(8, 1 << (int(lengths.max()) - 1).bit_length())
+    T = min(max(8, 1 << (int(lengths.max()) - 1).bit_length()), n_ctx)  # history holds n_ctx
     n_out = max(8, 1 << (int(max_new.max()) + K).bit_length())
     tokens = np.zeros((B, T), np.int32)
     for b, p in enumerate(prompt_ids):
