@@ -5,10 +5,12 @@
 * Greedy decoding only (temperature <= 0): a prefill of all rows (prompts right-padded; the
   padding leaves the recurrent state untouched), then one `lax.while_loop` of one-token steps.
   Rows stop at an end-of-generation token, at their max_new_tokens or a full context.
-* Speculative decoding is refused with a ValueError: a rejected draft token has already been
-  folded into the recurrent state, and undoing it needs rollback (n_rs_seq snapshot planes or
-  PARTIAL_ONLY checkpoints + replay) that specjax does not implement yet. Sampling at
-  temperature > 0, repeat penalties and custom KV cache types are refused the same way.
+* Speculative decoding (greedy; n-gram drafters, draft-simple) runs in `specjax.hybrid_spec`: rejected
+  draft tokens leave the recurrent state by n_rs_seq snapshot planes (`n_rs_seq > 0`, the RS
+  path) or by restoring the pre-round state and replaying the accepted tokens (FULL), as
+  llama.cpp's server; `n_rs_seq=None` takes upstream's `need_n_rs_seq`. A target the probe
+  calls NO decodes without drafts, with a warning. Sampling at temperature > 0, repeat
+  penalties and custom KV cache types are refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -25,13 +27,6 @@ import numpy as np
 
 from specjax.models import qwen35
 from specjax.types import Array
-
-RECURRENT_SPEC_ERROR = (
-    "speculative decoding on a recurrent target (architecture {arch!r}) is not supported yet: "
-    "rejected draft tokens would have to be removed from the recurrent state, which needs "
-    "rollback (n_rs_seq state planes or checkpoints with replay) that specjax does not "
-    "implement yet; run it without a spec / draft for plain decoding"
-)
 
 _STOP, _LENGTH, _CONTEXT = "stop", "length", "context"
 
@@ -61,10 +56,11 @@ def _run(
     out_BN = jnp.zeros((B, n_out), jnp.int32).at[:, 0].set(first_B)
 
     def finished(tok_B: Array, n_B: Array, pos_B: Array) -> Array:
-        """0 running, 1 EOG, 2 length, 3 context (pos_B: position the next token would take)."""
+        """0 running, 1 EOG, 2 length, 3 context (pos_B: position of the emitted token; as
+        llama.cpp and specjax.engine, the last token emitted sits at position capacity - 1)."""
         eog = jnp.any(tok_B[:, None] == eog_ids[None, :], axis=1)
         return jnp.where(
-            eog, 1, jnp.where(n_B >= max_new_B, 2, jnp.where(pos_B >= capacity, 3, 0))
+            eog, 1, jnp.where(n_B >= max_new_B, 2, jnp.where(pos_B >= capacity - 1, 3, 0))
         ).astype(jnp.int32)
 
     n_B = jnp.ones((B,), jnp.int32)
@@ -103,14 +99,16 @@ def generate_hybrid(
     spec: Any = None,
     draft: Any = None,
     stop: Sequence[str] = (),
+    n_rs_seq: int | None = None,
     **_sampling: Any,
 ) -> Any:
     """`specjax.generate` for a qwen35 model (see the module docstring for what is refused)."""
     from specjax import api
 
     config = model.config
-    if (spec is not None and spec.enabled) or draft is not None:
-        raise ValueError(RECURRENT_SPEC_ERROR.format(arch=config.arch))
+    speculative = spec is not None and spec.enabled
+    if draft is not None and not speculative:
+        raise ValueError("a draft model was given without a speculative type (spec)")
     if temperature > 0:
         raise ValueError(
             f"temperature {temperature} > 0 on a {config.arch} target is not supported yet; "
@@ -132,20 +130,28 @@ def generate_hybrid(
     for b, p in enumerate(prompt_ids):
         tokens[b, : len(p)] = p
     eog = np.asarray(model.eog_ids or (-1,), np.int32)
-    t0 = time.perf_counter()
-    out_BN, out_len, fin = jax.device_get(
-        _run(
-            config,
-            model.params,
-            jnp.asarray(tokens),
-            jnp.asarray(lengths),
-            jnp.asarray(max_new),
-            jnp.asarray(eog),
-            n_ctx,
-            n_out,
+    report = None
+    if speculative:
+        from specjax.hybrid_spec import generate_speculative
+
+        out_BN, out_len, fin, report, seconds = generate_speculative(
+            model, prompt_ids, max_new, spec=spec, draft=draft, n_ctx=n_ctx, n_rs_seq=n_rs_seq
         )
-    )
-    t1 = time.perf_counter()
+    if report is None:
+        t0 = time.perf_counter()
+        out_BN, out_len, fin = jax.device_get(
+            _run(
+                config,
+                model.params,
+                jnp.asarray(tokens),
+                jnp.asarray(lengths),
+                jnp.asarray(max_new),
+                jnp.asarray(eog),
+                n_ctx,
+                n_out,
+            )
+        )
+        seconds = time.perf_counter() - t0
     results, texts, reasons = [], [], []
     for b in range(B):
         ids = [int(t) for t in out_BN[b, : out_len[b]]]
@@ -163,10 +169,16 @@ def generate_hybrid(
     timings = {
         "prompt_tokens": int(lengths.sum()),
         "generated_tokens": generated,
-        "total_seconds": t1 - t0,  # compile included; no prefill/decode split yet
-        "tokens_per_second": generated / max(t1 - t0, 1e-9),
+        "total_seconds": seconds,  # compile included; no prefill/decode split yet
+        "tokens_per_second": generated / max(seconds, 1e-9),
+        # the keys the CLI prints: prefill and decode are one jitted call here (all in decode)
+        "prefill_seconds": 0.0,
+        "decode_seconds": seconds,
+        "n_rounds": report.n_rounds if report is not None else max(int(np.max(out_len)) - 1, 0),
     }
     return dataclasses.replace(
-        api.GenerationResult(tokens=results, text=texts, timings=timings, finish_reasons=reasons),
+        api.GenerationResult(
+            tokens=results, text=texts, timings=timings, finish_reasons=reasons, stats=report
+        ),
         prompt_tokens=prompt_ids,
     )

@@ -181,15 +181,15 @@ def _greedy_by_steps(
     return gen
 
 
-def test_generate_refuses_speculation_on_recurrent_target(tmp_path: Path) -> None:
+def test_generate_refuses_what_the_recurrent_target_does_not_support(tmp_path: Path) -> None:
     import specjax
 
     path, _ = _save(tmp_path, _config(n_nextn=0))
     model = specjax.load(str(path))
     assert isinstance(model.config, q.Qwen35Config)
     spec = specjax.SpecConfig(types=("ngram-mod",))
-    with pytest.raises(ValueError, match="speculative decoding on a recurrent target"):
-        specjax.generate(model, ["x = 1"], max_new_tokens=4, spec=spec)
+    with pytest.raises(ValueError, match=r"temperature 0\.7 > 0 on a qwen35 target"):
+        specjax.generate(model, ["x = 1"], max_new_tokens=4, spec=spec, temperature=0.7)
     with pytest.raises(ValueError, match=r"temperature 0\.7 > 0 on a qwen35 target"):
         specjax.generate(model, ["x = 1"], max_new_tokens=4, temperature=0.7)
     with pytest.raises(ValueError, match=r"Model\.new_cache is for attention-only models"):

@@ -193,6 +193,13 @@ class Qwen35Config:
     def recurrent_layers(self) -> tuple[int, ...]:
         return tuple(i for i in range(self.L) if self.is_recurrent(i))
 
+    def num_params(self) -> int:
+        """Trunk parameters (embeddings, layers, final norm, LM head; no nextn blocks)."""
+        total = self.V * self.D * (1 if self.tie_embeddings else 2) + self.D
+        for i in range(self.L):
+            total += sum(math.prod(shape) for shape in layer_shapes(self, i).values())
+        return total
+
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
 
