@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/specjax generate --config configs/demo.yaml
 
 test: $(STAMP)
-	$(PYTEST) -q
+	$(PYTEST) -q --durations=20
 
 test-slow: $(STAMP)
 	$(PYTEST) -q -m slow
