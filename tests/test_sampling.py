@@ -22,6 +22,7 @@ from specjax.sampling import (
     penalty_windows,
     sample,
     sample_token,
+    small_top_k,
     target_probs,
 )
 
@@ -187,3 +188,16 @@ def test_create_broadcasts_and_sampling_traces_once():
     for temp in (0.0, 0.7, 1.5):
         p = SamplingParams.create(4, temperature=temp, top_k=int(temp * 2), seed=int(temp * 10))
         step(logits, p, make_keys(p.seed, jnp.arange(4), ROLE_SAMPLE))
+
+
+@pytest.mark.parametrize("k", [1, 10, 50])
+def test_small_top_k_is_a_stable_descending_sort_prefix(k):
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, 6, size=(3, 50)).astype(np.float32)  # many ties
+    x[1, rng.choice(50, 20, replace=False)] = -np.inf  # masked vocabulary entries
+    values, indices = jax.jit(small_top_k, static_argnums=1)(jnp.asarray(x), k)
+    want = np.argsort(-x, axis=-1, kind="stable")[:, :k]  # NumPy oracle: ties by lower index
+    np.testing.assert_array_equal(np.asarray(indices), want)
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, -1))
+    with pytest.raises(ValueError, match="k must be in"):
+        small_top_k(jnp.asarray(x), 51)

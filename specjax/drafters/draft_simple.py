@@ -165,7 +165,7 @@ class DraftSimple:
                 assert out.logits is not None
                 logits = out.logits[:, 0, :n_shared]
                 # upstream clamps its top-k sampler to the vocabulary (a draft may have < 10)
-                top_vals, top_ids = jax.lax.top_k(logits, min(self.top_k, n_shared))
+                top_vals, top_ids = sampling.small_top_k(logits, min(self.top_k, n_shared))
                 probs = jax.nn.softmax(top_vals, axis=-1)
                 token = top_ids[:, 0]
                 if self.probabilistic:

@@ -206,7 +206,7 @@ class Eagle3Drafter:
             )
 
             def sample(i: Array, logits: Array, alive: Array, n: Array, tokens, valid, q):
-                top_vals, top_ids = jax.lax.top_k(logits, self.top_k)
+                top_vals, top_ids = sampling.small_top_k(logits, self.top_k)
                 probs = jax.nn.softmax(top_vals, axis=-1)
                 token = top_ids[:, 0]
                 if self.probabilistic:
