@@ -56,7 +56,10 @@ def plain(target: Model):
 
 
 # ------------------------------------------------------------------------------ engine
-@pytest.mark.parametrize("kind", ["draft-dflash", "draft-dspark"])
+# draft-dflash's engine path is draft-dspark's without the Markov head: only one runs by default
+@pytest.mark.parametrize(
+    "kind", [pytest.param("draft-dflash", marks=pytest.mark.slow), "draft-dspark"]
+)
 def test_greedy_b4_is_lossless_with_drafts_made_and_rejected(target, plain, kind):
     head = block_head(target, kind == "draft-dspark", sample_from_anchor=False)
     for n_max in (1, 3):  # n_max is traced: one compiled program
@@ -319,7 +322,7 @@ def test_gguf_round_trip(tmp_path, variant):
 
 
 # --------------------------------------------------------------------------- training
-@pytest.mark.parametrize("dspark", [False, True])
+@pytest.mark.parametrize("dspark", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_training_blocks_are_the_drafters_blocks(dspark):
     """The trainer's block (context = the window's K/V at positions < n, attended besides
     the block) equals the drafter's block over a cache filled by `process`; one optax step
