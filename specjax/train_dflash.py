@@ -152,8 +152,9 @@ def anchor_blocks(
     mask_pos = jnp.broadcast_to(n[:, None] + W - 1, positions.shape)
     h = df.block_hidden(cfg, params, shared, tokens, positions, mask_pos, None, (ctx_kv, ctx_pos))
     base = df.head_logits(cfg, params, shared, h)
-    # row r predicts the token at n + r + shift; the target's distribution at n + r + shift - 1
-    shift = 0 if cfg.is_dspark else 1
+    # the token of DFlash row r goes to position n + r, DSpark's (from the anchor) to n + r + 1:
+    # scored against the target's distribution that predicts it, at n + r - 1 / n + r
+    shift = 1 if cfg.is_dspark else 0
     tgt_idx = n[:, None] + j + shift - 1
     valid = (tgt_idx <= T - 1) & (j >= (0 if cfg.is_dspark else 1))
     conf = None

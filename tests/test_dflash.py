@@ -374,6 +374,19 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     h = df.block_hidden(cfg, params, {}, tokens, positions, mask_pos, None, (kv, ctx_pos))
     np.testing.assert_allclose(np.asarray(h), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
     anchors = jnp.asarray([[n]])
+    # the trainer's blocks (anchor_blocks) propose the drafter's first token, and the row
+    # whose token the drafter writes at n + 1 + i (draft index i, block row beg + i) is
+    # scored against the target's logits that verify it, at n + i
+    from specjax.train_dflash import anchor_blocks
+
+    logits, _, tgt_idx, valid = anchor_blocks(cfg, params, {}, inputs, f, anchors)
+    beg = 0 if drafter.anchor else 1
+    np.testing.assert_allclose(
+        np.asarray(logits[:, beg]), np.asarray(want.logits[:, beg]), rtol=1e-4, atol=1e-4
+    )
+    k = W - beg
+    assert np.asarray(tgt_idx)[0, beg:].tolist() == [n + i for i in range(k)]
+    assert np.asarray(valid)[0].tolist() == [r >= beg and n + r - beg <= T - 1 for r in range(W)]
     loss_fn = lambda p: block_loss(cfg, loop, p, {}, inputs, f, t_logits, anchors)[0]  # noqa: E731
     opt = optax.adam(1e-2)
     l0, grads = jax.value_and_grad(loss_fn)(params)
