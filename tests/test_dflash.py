@@ -394,3 +394,21 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
         upd, _ = opt.update(grads, opt.init(params), params)
         stepped = optax.apply_updates(params, upd)
     assert float(loss_fn(stepped)) < float(l0)
+
+
+# ------------------------------------------------------------------------ shipped heads
+@pytest.mark.parametrize(
+    "name, dspark, n_params", [("code-dflash", False, 541_760), ("code-dspark", True, 546_129)]
+)
+def test_shipped_heads_load_as_their_cards_say(name, dspark, n_params):
+    from pathlib import Path
+
+    import specjax
+
+    root = Path(__file__).resolve().parent.parent / "models" / name
+    head = specjax.load(str(root / f"{name}-f16.gguf"))
+    cfg = head.config
+    assert isinstance(cfg, df.DFlashConfig)
+    assert cfg.num_params() == n_params and f"{n_params:,}" in (root / "MODEL_CARD.md").read_text()
+    assert (cfg.is_dspark, cfg.block_size, cfg.target_layers) == (dspark, 8, (1, 4, 7))
+    assert cfg.max_draft(dspark) == (8 if dspark else 7)
