@@ -322,7 +322,36 @@ def test_gguf_round_trip(tmp_path, variant):
 
 
 # --------------------------------------------------------------------------- training
-@pytest.mark.parametrize("dspark", [pytest.param(False, marks=pytest.mark.slow), True])
+@pytest.mark.parametrize("dspark", [True, False])
+def test_training_scores_each_row_against_the_logits_that_verify_it(dspark):
+    """The drafter writes draft index i (block row beg + i) at n + 1 + i, where the target's
+    logits at n + i verify it: the trainer scores that row against exactly those logits, and
+    no row past the window or before the first drafted row."""
+    from specjax.train_dflash import anchor_blocks
+
+    V, Dt, T, W = 41, 12, 10, 4
+    cfg = df.DFlashConfig(
+        vocab_size=V, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24,
+        target_hidden=Dt, target_layers=(0,), block_size=W, mask_token_id=V - 1,
+        markov_rank=4 if dspark else 0, own_embed=True, own_lm_head=True,
+    )  # fmt: skip
+    params = df.init_params(cfg, jax.random.key(0))
+    drafter, _ = make_drafter(cfg, dspark, W, 0, None)
+    beg = 0 if drafter.anchor else 1
+    inputs = jnp.arange(T, dtype=jnp.int32)[None]
+    f = jnp.ones((1, T, Dt), jnp.float32)
+    anchors = jnp.asarray([[2, 6, 8]], jnp.int32)
+    _, _, tgt_idx, valid = jax.jit(anchor_blocks, static_argnums=0)(
+        cfg, params, {}, inputs, f, anchors
+    )
+    for a, n in enumerate([2, 6, 8]):
+        assert np.asarray(tgt_idx)[a, beg:].tolist() == [n + i for i in range(W - beg)]
+        want = [r >= beg and n + r - beg <= T - 1 for r in range(W)]
+        assert np.asarray(valid)[a].tolist() == want
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dspark", [False, True])
 def test_training_blocks_are_the_drafters_blocks(dspark):
     """The trainer's block (context = the window's K/V at positions < n, attended besides
     the block) equals the drafter's block over a cache filled by `process`; one optax step
@@ -379,7 +408,8 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     # scored against the target's logits that verify it, at n + i
     from specjax.train_dflash import anchor_blocks
 
-    logits, _, tgt_idx, valid = anchor_blocks(cfg, params, {}, inputs, f, anchors)
+    blocks = jax.jit(anchor_blocks, static_argnums=0)  # one program, not op by op
+    logits, _, tgt_idx, valid = blocks(cfg, params, {}, inputs, f, anchors)
     beg = 0 if drafter.anchor else 1
     np.testing.assert_allclose(
         np.asarray(logits[:, beg]), np.asarray(want.logits[:, beg]), rtol=1e-4, atol=1e-4
@@ -389,7 +419,7 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     assert np.asarray(valid)[0].tolist() == [r >= beg and n + r - beg <= T - 1 for r in range(W)]
     loss_fn = lambda p: block_loss(cfg, loop, p, {}, inputs, f, t_logits, anchors)[0]  # noqa: E731
     opt = optax.adam(1e-2)
-    l0, grads = jax.value_and_grad(loss_fn)(params)
+    l0, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
     with jax.numpy_dtype_promotion("standard"):
         upd, _ = opt.update(grads, opt.init(params), params)
         stepped = optax.apply_updates(params, upd)
