@@ -79,6 +79,11 @@ SPEC_TYPES = (
 )
 #: The EAGLE-3 head for code-target (draft-eagle3 cases are skipped when it is missing).
 DEFAULT_EAGLE3 = ROOT / "models" / "code-eagle3" / "code-eagle3-f16.gguf"
+#: The DFlash / DSpark heads for code-target (run only when named in --spec-types).
+DEFAULT_DFLASH = ROOT / "models" / "code-dflash" / "code-dflash-f16.gguf"
+DEFAULT_DSPARK = ROOT / "models" / "code-dspark" / "code-dspark-f16.gguf"
+#: Spec types whose acceptance is compared with llama.cpp's head for head (governor off).
+FEATURE_DRAFTERS = ("draft-eagle3", "draft-dflash", "draft-dspark")
 #: Lookup n-gram length that cannot match within prompt + output (the longest both allow):
 #: the drafter runs every round and proposes nothing (min_hits would not do: llama.cpp's
 #: ngram-map-k ignores it in key-only mode, and the model's own output repeats itself).
@@ -226,9 +231,11 @@ class Llama:
         n_predict: int,
         omp_wait_policy: str = "passive",
         eagle3: str | None = None,
+        heads: dict[str, str] | None = None,
     ):
         self.bin_dir, self.target, self.draft = bin_dir, target, draft
         self.eagle3 = eagle3
+        self.heads = heads or {}  # spec type -> head GGUF (draft-dflash, draft-dspark)
         self.common = ["-t", str(threads), "--temp", "0", "-n", str(n_predict), "-lv", "4"]
         self.env = dict(os.environ)
         if omp_wait_policy:
@@ -254,6 +261,8 @@ class Llama:
             cmd += ["-md", self.draft]
         if spec_type == "draft-eagle3" and self.eagle3:
             cmd += ["-md", self.eagle3]
+        if spec_type in self.heads:
+            cmd += ["-md", self.heads[spec_type]]
         return cmd
 
     def run(self, cmd: list[str], prompt_text: str | None = None) -> dict[str, Any]:
@@ -283,10 +292,18 @@ class Llama:
 
 
 class Specjax:
-    def __init__(self, target: str, draft: str, n_predict: int, eagle3: str | None = None):
+    def __init__(
+        self,
+        target: str,
+        draft: str,
+        n_predict: int,
+        eagle3: str | None = None,
+        heads: dict[str, str] | None = None,
+    ):
         self.model = specjax.load(target)
         self.draft = specjax.load(draft)
         self.eagle3 = specjax.load(eagle3) if eagle3 else None
+        self.heads = {k: specjax.load(v) for k, v in (heads or {}).items()}
         self.n_predict = n_predict
         self.compile_seconds: dict[str, float] = {}
 
@@ -303,6 +320,9 @@ class Specjax:
             kwargs["draft"] = self.draft
         if spec is not None and "draft-eagle3" in spec.types:
             kwargs["draft"] = self.eagle3
+        for kind, head in self.heads.items():
+            if spec is not None and kind in spec.types:
+                kwargs["draft"] = head
         if key not in self.compile_seconds:  # warm-up: compiles (or loads from the cache)
             first = specjax.generate(self.model, [ids], **kwargs)
             self.compile_seconds[key] = float(first.timings.get("compile_seconds", 0.0))
@@ -379,6 +399,12 @@ def _summary(runs: list[dict[str, Any]], keys: tuple[str, ...]) -> dict[str, Any
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     bin_dir = find_llamacpp()
+    named = set(args.spec_types.split(",")) if args.spec_types else set()
+    heads = {
+        kind: path
+        for kind, path in (("draft-dflash", args.dflash), ("draft-dspark", args.dspark))
+        if kind in named and path
+    }
     llama = (
         Llama(
             bin_dir,
@@ -388,11 +414,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             args.n_predict,
             args.omp_wait_policy,
             eagle3=args.eagle3,
+            heads=heads,
         )
         if bin_dir
         else None
     )
-    sj = Specjax(args.model, args.draft, args.n_predict, args.eagle3)
+    sj = Specjax(args.model, args.draft, args.n_predict, args.eagle3, heads)
     texts = {name: path.read_text(encoding="utf-8") for name, path in PROMPT_FILES.items()}
     ids = {name: sj.ids(text) for name, text in texts.items()}
     spec_prompts = ["main", "repetitive"] if not args.quick else ["repetitive"]
@@ -401,6 +428,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         spec_types = tuple(args.spec_types.split(","))
     if not args.eagle3:
         spec_types = tuple(t for t in spec_types if t != "draft-eagle3")
+    spec_types = tuple(
+        t for t in spec_types if t not in ("draft-dflash", "draft-dspark") or t in heads
+    )
 
     # (name, llama command or None, specjax thunk, prompt name)
     cases: list[tuple[str, list[str] | None, Callable[[], dict[str, Any]], str]] = []
@@ -411,7 +441,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cases.append((name, cmd, lambda: sj.run(name, ids[prompt], n_ctx), prompt))
 
     def add_spec(name: str, prompt: str, spec_type: str, extra=(), **spec_kwargs: Any) -> None:
-        if spec_type == "draft-eagle3":  # acceptance compared with llama.cpp: no governor
+        if spec_type in FEATURE_DRAFTERS:  # acceptance compared with llama.cpp: no governor
             spec_kwargs.setdefault("adaptive", False)
         cfg = specjax.SpecConfig(types=(spec_type,), draft_n_max=4, **spec_kwargs)
         cmd = llama.speculative(PROMPT_FILES[prompt], 2048, spec_type, extra) if llama else None
@@ -588,6 +618,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for r in spec_rows
         if r["drafter"] == "draft-eagle3"
     ]
+    # draft-dflash / draft-dspark: the same head in both programs (issue 11's 10% criterion)
+    report["block_drafters"] = [
+        {
+            "case": r["case"],
+            "llama_mean_acc_len": r["llama_mean_acc_len"],
+            "specjax_mean_acc_len": r["specjax_mean_acc_len"],
+            "specjax_over_llama": _ratio(r["specjax_mean_acc_len"], r["llama_mean_acc_len"]),
+        }
+        for r in spec_rows
+        if r["drafter"] in ("draft-dflash", "draft-dspark")
+    ]
     report["no_draft"] = [r for r in spec_rows if r["kind"] == "nodraft"]
     report["cli"] = measure_cli(args, llama) if not args.no_cli else {}
     report["memory"] = {
@@ -743,6 +784,12 @@ def main() -> None:
         default=str(DEFAULT_EAGLE3) if DEFAULT_EAGLE3.exists() else "",
         help="EAGLE-3 head for draft-eagle3 ('' = skip those cases)",
     )
+    for flag, path in (("--dflash", DEFAULT_DFLASH), ("--dspark", DEFAULT_DSPARK)):
+        ap.add_argument(
+            flag,
+            default=str(path) if path.exists() else "",
+            help=f"head for draft-{flag[2:]} (runs when --spec-types names it)",
+        )
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--threads", type=int, default=2, help="llama.cpp -t")
     ap.add_argument(

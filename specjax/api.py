@@ -774,9 +774,14 @@ class Generator:
         batch: int = 1,
         cache_type_k: str = "f16",
         cache_type_v: str = "f16",
+        n_ubatch: int = 0,
     ) -> None:
         from specjax.drafters.registry import build_drafters
 
+        if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
+            raise ValueError(
+                f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}"
+            )
         if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
             raise ValueError(f"Generator batch must be an integer >= 1, got {batch!r}")
         n_ctx = int(model.config.max_position) if n_ctx is None else int(n_ctx)
@@ -785,6 +790,7 @@ class Generator:
         self.model, self.draft, self.batch, self.n_ctx = model, draft, int(batch), n_ctx
         self.spec = spec if spec is not None and spec.enabled else None
         self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v
+        self.n_ubatch = int(n_ubatch)  # llama.cpp's -ub: prefill chunk, as `specjax.generate`
         self.drafters, self.drafter_params = build_drafters(self.spec, model, draft)
         self.reset()
 
@@ -828,6 +834,7 @@ class Generator:
             stop=stop,
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
+            n_ubatch=self.n_ubatch,
             _slots=slots,
         )
         self.states = tuple(out.drafter_states[d.name] for d in self.drafters)

@@ -71,6 +71,7 @@ class LoopConfig:
     eval_every: int = 200
     eval_windows: int = 16
     save_every: int = 100
+    init_from: str = ""  # a run directory: start from its head (fresh optimiser state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -120,17 +121,19 @@ def anchor_positions(seed: int, step: Array, B: int, A: int, T: int) -> Array:
     return jax.random.randint(key, (B, A), 1, T - 1)
 
 
-def block_loss(
+def anchor_blocks(
     cfg: df.DFlashConfig,
-    loop: LoopConfig,
     params: Params,
     shared: Params,
     inputs_BT: Array,
     feats_BTF: Array,
-    t_logits_BTV: Array,
     anchors_BA: Array,
-) -> tuple[Array, dict[str, Array]]:
-    """The block loss of module docstring; metrics: per-row top-1 agreement."""
+) -> tuple[Array, Array | None, Array, Array]:
+    """Every anchor's block as the drafter runs it (DSpark: Markov bias teacher-forced with
+    the data tokens): logits [B*A, W, V], confidences [B*A, W] (or None), the index of the
+    position whose target distribution each row is scored against [B*A, W] (may exceed
+    T - 1: past the window) and the supervised-row mask [B*A, W] (DFlash: rows 1..;
+    DSpark: all rows from the anchor)."""
     B, T = inputs_BT.shape
     A = anchors_BA.shape[1]
     W = cfg.block_size
@@ -149,17 +152,39 @@ def block_loss(
     mask_pos = jnp.broadcast_to(n[:, None] + W - 1, positions.shape)
     h = df.block_hidden(cfg, params, shared, tokens, positions, mask_pos, None, (ctx_kv, ctx_pos))
     base = df.head_logits(cfg, params, shared, h)
-    # row r predicts the token at n + r + shift; the target's distribution at n + r + shift - 1
-    shift = 0 if cfg.is_dspark else 1
+    # the token of DFlash row r goes to position n + r, DSpark's (from the anchor) to n + r + 1:
+    # scored against the target's distribution that predicts it, at n + r - 1 / n + r
+    shift = 1 if cfg.is_dspark else 0
     tgt_idx = n[:, None] + j + shift - 1
     valid = (tgt_idx <= T - 1) & (j >= (0 if cfg.is_dspark else 1))
-    tgt_c = jnp.clip(tgt_idx, 0, T - 1)
-    t_logits = jnp.take_along_axis(rep(t_logits_BTV), tgt_c[..., None], axis=1)
-    t_prob = jax.nn.softmax(t_logits, axis=-1)
     conf = None
     if cfg.is_dspark:
         prev = jnp.take_along_axis(rep(inputs_BT), jnp.clip(n[:, None] + j, 0, T - 1), axis=1)
         base, conf = df.markov_head(cfg, params, base, h, tok_n, prev_BW=prev)
+    return base, conf, tgt_idx, valid
+
+
+def block_loss(
+    cfg: df.DFlashConfig,
+    loop: LoopConfig,
+    params: Params,
+    shared: Params,
+    inputs_BT: Array,
+    feats_BTF: Array,
+    t_logits_BTV: Array,
+    anchors_BA: Array,
+) -> tuple[Array, dict[str, Array]]:
+    """The block loss of module docstring; metrics: per-row top-1 agreement."""
+    T = inputs_BT.shape[1]
+    A = anchors_BA.shape[1]
+    W = cfg.block_size
+    base, conf, tgt_idx, valid = anchor_blocks(
+        cfg, params, shared, inputs_BT, feats_BTF, anchors_BA
+    )
+    j = jnp.arange(W, dtype=jnp.int32)[None, :]
+    tgt_c = jnp.clip(tgt_idx, 0, T - 1)
+    t_logits = jnp.take_along_axis(jnp.repeat(t_logits_BTV, A, axis=0), tgt_c[..., None], axis=1)
+    t_prob = jax.nn.softmax(t_logits, axis=-1)
     logq = jax.nn.log_softmax(base, axis=-1)
     ce = -jnp.sum(t_prob * jnp.where(t_prob > 0, logq, 0.0), axis=-1)  # [BA, W]
     expo = (j - (0 if cfg.is_dspark else 1)).astype(jnp.float32)
@@ -260,6 +285,10 @@ def train(config: DFlashTrainConfig) -> dict[str, Any]:
     sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
     optimizer = make_optimizer(config.optim)
     params = df.init_params(cfg, jax.random.key(loop.seed))
+    if loop.init_from:
+        init_cfg, params = load_head(loop.init_from)
+        if init_cfg != cfg:
+            raise ValueError(f"{loop.init_from}: head config differs from the recipe's")
     with jax.numpy_dtype_promotion("standard"):
         opt_state = optimizer.init(params)
     step_fn, eval_fn = make_step(cfg, target.config, loop, config.optim, optimizer)

@@ -56,7 +56,10 @@ def plain(target: Model):
 
 
 # ------------------------------------------------------------------------------ engine
-@pytest.mark.parametrize("kind", ["draft-dflash", "draft-dspark"])
+# draft-dflash's engine path is draft-dspark's without the Markov head: only one runs by default
+@pytest.mark.parametrize(
+    "kind", [pytest.param("draft-dflash", marks=pytest.mark.slow), "draft-dspark"]
+)
 def test_greedy_b4_is_lossless_with_drafts_made_and_rejected(target, plain, kind):
     head = block_head(target, kind == "draft-dspark", sample_from_anchor=False)
     for n_max in (1, 3):  # n_max is traced: one compiled program
@@ -319,6 +322,35 @@ def test_gguf_round_trip(tmp_path, variant):
 
 
 # --------------------------------------------------------------------------- training
+@pytest.mark.parametrize("dspark", [True, False])
+def test_training_scores_each_row_against_the_logits_that_verify_it(dspark):
+    """The drafter writes draft index i (block row beg + i) at n + 1 + i, where the target's
+    logits at n + i verify it: the trainer scores that row against exactly those logits, and
+    no row past the window or before the first drafted row."""
+    from specjax.train_dflash import anchor_blocks
+
+    V, Dt, T, W = 41, 12, 10, 4
+    cfg = df.DFlashConfig(
+        vocab_size=V, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24,
+        target_hidden=Dt, target_layers=(0,), block_size=W, mask_token_id=V - 1,
+        markov_rank=4 if dspark else 0, own_embed=True, own_lm_head=True,
+    )  # fmt: skip
+    params = df.init_params(cfg, jax.random.key(0))
+    drafter, _ = make_drafter(cfg, dspark, W, 0, None)
+    beg = 0 if drafter.anchor else 1
+    inputs = jnp.arange(T, dtype=jnp.int32)[None]
+    f = jnp.ones((1, T, Dt), jnp.float32)
+    anchors = jnp.asarray([[2, 6, 8]], jnp.int32)
+    _, _, tgt_idx, valid = jax.jit(anchor_blocks, static_argnums=0)(
+        cfg, params, {}, inputs, f, anchors
+    )
+    for a, n in enumerate([2, 6, 8]):
+        assert np.asarray(tgt_idx)[a, beg:].tolist() == [n + i for i in range(W - beg)]
+        want = [r >= beg and n + r - beg <= T - 1 for r in range(W)]
+        assert np.asarray(valid)[a].tolist() == want
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("dspark", [False, True])
 def test_training_blocks_are_the_drafters_blocks(dspark):
     """The trainer's block (context = the window's K/V at positions < n, attended besides
@@ -371,10 +403,42 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     h = df.block_hidden(cfg, params, {}, tokens, positions, mask_pos, None, (kv, ctx_pos))
     np.testing.assert_allclose(np.asarray(h), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
     anchors = jnp.asarray([[n]])
+    # the trainer's blocks (anchor_blocks) propose the drafter's first token, and the row
+    # whose token the drafter writes at n + 1 + i (draft index i, block row beg + i) is
+    # scored against the target's logits that verify it, at n + i
+    from specjax.train_dflash import anchor_blocks
+
+    blocks = jax.jit(anchor_blocks, static_argnums=0)  # one program, not op by op
+    logits, _, tgt_idx, valid = blocks(cfg, params, {}, inputs, f, anchors)
+    beg = 0 if drafter.anchor else 1
+    np.testing.assert_allclose(
+        np.asarray(logits[:, beg]), np.asarray(want.logits[:, beg]), rtol=1e-4, atol=1e-4
+    )
+    k = W - beg
+    assert np.asarray(tgt_idx)[0, beg:].tolist() == [n + i for i in range(k)]
+    assert np.asarray(valid)[0].tolist() == [r >= beg and n + r - beg <= T - 1 for r in range(W)]
     loss_fn = lambda p: block_loss(cfg, loop, p, {}, inputs, f, t_logits, anchors)[0]  # noqa: E731
     opt = optax.adam(1e-2)
-    l0, grads = jax.value_and_grad(loss_fn)(params)
+    l0, grads = jax.jit(jax.value_and_grad(loss_fn))(params)
     with jax.numpy_dtype_promotion("standard"):
         upd, _ = opt.update(grads, opt.init(params), params)
         stepped = optax.apply_updates(params, upd)
     assert float(loss_fn(stepped)) < float(l0)
+
+
+# ------------------------------------------------------------------------ shipped heads
+@pytest.mark.parametrize(
+    "name, dspark, n_params", [("code-dflash", False, 541_760), ("code-dspark", True, 546_129)]
+)
+def test_shipped_heads_load_as_their_cards_say(name, dspark, n_params):
+    from pathlib import Path
+
+    import specjax
+
+    root = Path(__file__).resolve().parent.parent / "models" / name
+    head = specjax.load(str(root / f"{name}-f16.gguf"))
+    cfg = head.config
+    assert isinstance(cfg, df.DFlashConfig)
+    assert cfg.num_params() == n_params and f"{n_params:,}" in (root / "MODEL_CARD.md").read_text()
+    assert (cfg.is_dspark, cfg.block_size, cfg.target_layers) == (dspark, 8, (1, 4, 7))
+    assert cfg.max_draft(dspark) == (8 if dspark else 7)

@@ -99,3 +99,23 @@ def test_generator_errors(target):
         specjax.Generator(target, batch=0)
     with pytest.raises(ValueError, match="does not fit a context of 64"):
         gen.generate([list(range(1, 70))], max_new_tokens=2)
+
+
+def test_generator_prefills_in_n_ubatch_chunks(target, prompts, monkeypatch):
+    """`Generator(n_ubatch=...)` reaches the engine as `generate`'s does (llama.cpp's -ub) and
+    the chunked prefill gives plain decoding's tokens; bad values fail at construction."""
+    with pytest.raises(ValueError, match=r"n_ubatch must be an integer >= 0.*got -1"):
+        specjax.Generator(target, n_ubatch=-1)
+    seen: list[int] = []
+    real = api.eng.Engine
+
+    def spy(*args, **kwargs):
+        seen.append(kwargs.get("n_ubatch", 0))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api.eng, "Engine", spy)
+    p, _ = prompts
+    want = specjax.generate(target, [p], max_new_tokens=6, n_ctx=64).tokens
+    gen = specjax.Generator(target, n_ctx=64, n_ubatch=5)
+    assert gen.generate([p], max_new_tokens=6).tokens == want
+    assert seen == [0, 5]
