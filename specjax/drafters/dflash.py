@@ -33,6 +33,7 @@ from typing import Any, ClassVar
 import jax
 import jax.numpy as jnp
 
+from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
 from specjax.drafters.draft_simple import DRAFT_TOP_K
@@ -148,7 +149,7 @@ class DFlashDrafter:
             beg = 0 if self.anchor else 1
             logits = out.logits[:, beg:]  # [B, n, V]: draft index i = block row beg + i
             n = logits.shape[1]
-            top_vals, top_ids = jax.lax.top_k(logits, self.top_k)
+            top_vals, top_ids = sampling.small_top_k(logits, self.top_k)
             probs = jax.nn.softmax(top_vals, axis=-1)[..., 0]
             ids = top_ids[..., 0].astype(jnp.int32)
             i = jnp.arange(n)[None, :]
