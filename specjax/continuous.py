@@ -32,6 +32,7 @@ Invariants:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -250,6 +251,43 @@ def prefill_chunk(
     return new_state, slot_stats
 
 
+def lean_step(
+    engine: eng.Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: eng.GenState,
+    run: eng.RunParams,
+) -> eng.GenState:
+    """`engine.spec_step`, with rounds in which no row may draft run at width K' = 1.
+
+    The budget (and the governor's choice) is planned first; when every row's budget is 0
+    the round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback
+    and statistics, a verify batch of width 2 instead of K + 1, so a round the governor
+    turned off costs about what a plain round costs instead of padding logits, K/V and the
+    commit to K + 1 columns. Same state out, bit for bit (tests/test_batch.py).
+    """
+    plan = eng.draft_budget(engine, state, run)
+    if not engine.drafters or engine.k_max <= 1:
+        return eng.spec_step(engine, target_params, drafter_params, state, run, plan)
+    narrow = dataclasses.replace(engine, k_max=1)
+
+    def wide(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
+
+    def lean(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(narrow, target_params, drafter_params, s, run, plan)
+
+    # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
+    # ngram-mod's pool every round instead of updating them in place.
+    def once(pred: Array, step: Any, s: eng.GenState) -> eng.GenState:
+        return jax.lax.while_loop(
+            lambda c: c[0], lambda c: (jnp.zeros((), bool), step(c[1])), (pred, s)
+        )[1]
+
+    drafting = jnp.any(plan[0] > 0)
+    return once(~drafting, lean, once(drafting, wide, state))
+
+
 def run_segment(
     engine: eng.Engine,
     target_params: Params,
@@ -274,7 +312,7 @@ def run_segment(
     def body(carry: tuple[eng.GenState, SlotStats, Array]) -> tuple[eng.GenState, SlotStats, Array]:
         s, st, i = carry
         active = ~s.done
-        new = eng.spec_step(engine, target_params, drafter_params, s, run)
+        new = lean_step(engine, target_params, drafter_params, s, run)
         acc = jnp.where(active, new.length - s.length - 1, 0)
         st = SlotStats(rounds=st.rounds + active.astype(jnp.int32), accepted=st.accepted + acc)
         return new, st, i + 1
