@@ -26,8 +26,9 @@ Invariants:
 * Drafter state leaves are per row when their leading axis follows the batch size
   (`init(2, S)` vs `init(3, S)`), else shared by all slots (ngram-mod's pool): shared leaves
   keep learning across requests, as llama.cpp's server keeps a slot's drafters.
-* `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards)
-  and accepted draft tokens (length grows by accepted + 1 per round).
+* `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards),
+  drafted tokens (the draft each round verified; `GenState.drafted` per row) and accepted
+  draft tokens (length grows by accepted + 1 per round).
 """
 
 from __future__ import annotations
@@ -52,6 +53,7 @@ from specjax.types import Array, Params
 class SlotStats:
     rounds: Array  # [B] int32 verify rounds of the row's current request
     accepted: Array  # [B] int32 accepted draft tokens of the row's current request
+    drafted: Array  # [B] int32 drafted (and verified) tokens of the row's current request
 
 
 def _row_flags(drafter: Any, capacity: int) -> list[bool]:
@@ -103,8 +105,9 @@ def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]
         stats=stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1)),
         governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
+        drafted=zeros,
     )
-    return state, SlotStats(rounds=zeros, accepted=zeros)
+    return state, SlotStats(rounds=zeros, accepted=zeros, drafted=zeros)
 
 
 def prefill_chunk(
@@ -247,6 +250,7 @@ def prefill_chunk(
     slot_stats = SlotStats(
         rounds=_set_row(slot_stats.rounds, slot, zero),
         accepted=_set_row(slot_stats.accepted, slot, zero),
+        drafted=_set_row(slot_stats.drafted, slot, zero),
     )
     return new_state, slot_stats
 
@@ -314,7 +318,12 @@ def run_segment(
         active = ~s.done
         new = lean_step(engine, target_params, drafter_params, s, run)
         acc = jnp.where(active, new.length - s.length - 1, 0)
-        st = SlotStats(rounds=st.rounds + active.astype(jnp.int32), accepted=st.accepted + acc)
+        assert new.drafted is not None and s.drafted is not None
+        st = SlotStats(
+            rounds=st.rounds + active.astype(jnp.int32),
+            accepted=st.accepted + acc,
+            drafted=st.drafted + new.drafted - s.drafted,
+        )
         return new, st, i + 1
 
     return jax.lax.while_loop(cond, body, (state, slot_stats, jnp.zeros((), jnp.int32)))

@@ -131,6 +131,9 @@ class GenState:
     stats: stats_mod.SpecStats
     governor: adaptive.Governor
     n_rounds: Array  # [] int32
+    #: [B] int32 drafted tokens verified per row since the row's counter was reset, or None
+    #: (not kept): continuous batching's per-request statistics (specjax.continuous)
+    drafted: Array | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -579,6 +582,7 @@ def spec_step(
         stats=stats,
         governor=governor,
         n_rounds=state.n_rounds + 1,
+        drafted=None if state.drafted is None else state.drafted + draft_len,
     )
 
 
