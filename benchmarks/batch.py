@@ -15,7 +15,8 @@ greedy. Configurations, measured interleaved (`--repeats` rounds, best of each):
               after a warm-up job that compiled the same programs)
   spec        the same with ngram-mod + draft-simple (the draft governor on)
 
-Prints JSON (tokens/s, ratios continuous/static and spec/continuous, acceptance) and writes it
+Prints JSON (tokens/s and CPU seconds of this process, ratios continuous/static and
+spec/continuous by tokens/s and by CPU seconds, acceptance) and writes it
 to `--out`, with the requests whose tokens differ from the continuous run's (speculation:
 none, checked; static batches prefill whole prompts at batch 16, whose float rounding can
 flip a near-tie greedy token).
