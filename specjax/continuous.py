@@ -13,6 +13,8 @@ points, all of fixed shapes, so a whole job compiles each once:
     run_segment     `engine.spec_step` rounds (speculation per row, every drafter) until a
                     busy slot finishes, every row is done, or `max_rounds` rounds ran; the
                     host then collects finished rows and prefills the next requests into them.
+                    A round in which the governor lets no row draft runs at width 2, not
+                    K + 1 (`lean_step`; the same state as `spec_step`).
 
 Invariants:
 * A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
