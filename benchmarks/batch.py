@@ -15,7 +15,8 @@ greedy. Configurations, measured interleaved (`--repeats` rounds, best of each):
               after a warm-up job that compiled the same programs)
   spec        the same with ngram-mod + draft-simple (the draft governor on)
 
-Prints JSON (tokens/s, ratios continuous/static and spec/continuous, acceptance) and writes it
+Prints JSON (tokens/s and CPU seconds of this process, ratios continuous/static and
+spec/continuous by tokens/s and by CPU seconds, acceptance) and writes it
 to `--out`, with the requests whose tokens differ from the continuous run's (speculation:
 none, checked; static batches prefill whole prompts at batch 16, whose float rounding can
 flip a near-tie greedy token).
@@ -139,6 +140,7 @@ def main() -> None:
     tokens: dict[str, dict[Any, list[int]]] = {}
     for _ in range(args.repeats):
         for name in configs:
+            cpu0 = time.process_time()
             if name == "static":
                 seconds, toks = run_static(model, reqs, args.parallel, args.n_ctx)
                 entry: dict[str, Any] = {"seconds": seconds}
@@ -159,6 +161,9 @@ def main() -> None:
                         num_draft_tokens=s["num_draft_tokens"],
                         governor=s.get("governor"),
                     )
+            # CPU seconds of this process (all threads): less sensitive than wall time to
+            # other processes on a shared machine
+            entry["cpu_seconds"] = time.process_time() - cpu0
             generated = sum(len(t) for t in toks.values())
             entry.update(generated_tokens=generated, tokens_per_second=generated / entry["seconds"])
             if name not in best or entry["seconds"] < best[name]["seconds"]:
@@ -192,6 +197,9 @@ def main() -> None:
     if "spec" in best and "continuous" in best:
         result["spec_over_continuous"] = (
             best["spec"]["tokens_per_second"] / best["continuous"]["tokens_per_second"]
+        )
+        result["spec_over_continuous_cpu"] = (
+            best["continuous"]["cpu_seconds"] / best["spec"]["cpu_seconds"]
         )
     text = json.dumps(result, indent=2)
     print(text)

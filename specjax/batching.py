@@ -6,8 +6,8 @@
 A request line is a JSON object with `prompt` (text) or `tokens` (ids), and optionally `id`
 (default: its 1-based line number), `n_predict`, `temperature`, `top_k`, `top_p`, `min_p`,
 `repeat_penalty`, `seed` (defaults: the job's options). A result line holds `id`, `tokens`,
-`text`, `finish_reason`, `timings` and `stats` (the request's verify rounds, accepted draft
-tokens and mean acceptance length).
+`text`, `finish_reason`, `timings` and `stats` (the request's verify rounds, drafted and
+accepted draft tokens, acceptance rate and mean acceptance length).
 
 Invariants:
 * Every line is checked before anything runs (invalid JSON, unknown keys, neither or both of
@@ -644,7 +644,7 @@ class _Runner:
                 jnp.asarray(busy),
                 jnp.asarray(self.segment_rounds, jnp.int32),
             )
-            done, out_len, finish, overflow, rounds, accepted = jax.device_get(
+            done, out_len, finish, overflow, rounds, accepted, drafted = jax.device_get(
                 (
                     state.done,
                     state.out_len,
@@ -652,6 +652,7 @@ class _Runner:
                     state.cache.overflow,
                     ss.rounds,
                     ss.accepted,
+                    ss.drafted,
                 )
             )
             if overflow.any():
@@ -675,7 +676,7 @@ class _Runner:
                 if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
                     ids = ids[:-1]
                 text = self.model.decode(ids) if self.model.tokenizer is not None else ""
-                n_rounds, n_acc = int(rounds[b]), int(accepted[b])
+                n_rounds, n_acc, n_drafted = int(rounds[b]), int(accepted[b]), int(drafted[b])
                 yield {
                     "id": req.id,
                     "tokens": ids,
@@ -688,7 +689,9 @@ class _Runner:
                     },
                     "stats": {
                         "rounds": n_rounds,
+                        "drafted_tokens": n_drafted,
                         "accepted_tokens": n_acc,
+                        "acceptance_rate": n_acc / n_drafted if n_drafted else 0.0,
                         "mean_acceptance_length": (n_rounds + n_acc) / n_rounds
                         if n_rounds
                         else 1.0,

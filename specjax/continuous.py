@@ -13,6 +13,8 @@ points, all of fixed shapes, so a whole job compiles each once:
     run_segment     `engine.spec_step` rounds (speculation per row, every drafter) until a
                     busy slot finishes, every row is done, or `max_rounds` rounds ran; the
                     host then collects finished rows and prefills the next requests into them.
+                    A round in which the governor lets no row draft runs at width 2, not
+                    K + 1 (`lean_step`; the same state as `spec_step`).
 
 Invariants:
 * A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
@@ -26,12 +28,14 @@ Invariants:
 * Drafter state leaves are per row when their leading axis follows the batch size
   (`init(2, S)` vs `init(3, S)`), else shared by all slots (ngram-mod's pool): shared leaves
   keep learning across requests, as llama.cpp's server keeps a slot's drafters.
-* `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards)
-  and accepted draft tokens (length grows by accepted + 1 per round).
+* `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards),
+  drafted tokens (the draft each round verified; `GenState.drafted` per row) and accepted
+  draft tokens (length grows by accepted + 1 per round).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import jax
@@ -51,6 +55,7 @@ from specjax.types import Array, Params
 class SlotStats:
     rounds: Array  # [B] int32 verify rounds of the row's current request
     accepted: Array  # [B] int32 accepted draft tokens of the row's current request
+    drafted: Array  # [B] int32 drafted (and verified) tokens of the row's current request
 
 
 def _row_flags(drafter: Any, capacity: int) -> list[bool]:
@@ -102,8 +107,9 @@ def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]
         stats=stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1)),
         governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
+        drafted=zeros,
     )
-    return state, SlotStats(rounds=zeros, accepted=zeros)
+    return state, SlotStats(rounds=zeros, accepted=zeros, drafted=zeros)
 
 
 def prefill_chunk(
@@ -246,8 +252,46 @@ def prefill_chunk(
     slot_stats = SlotStats(
         rounds=_set_row(slot_stats.rounds, slot, zero),
         accepted=_set_row(slot_stats.accepted, slot, zero),
+        drafted=_set_row(slot_stats.drafted, slot, zero),
     )
     return new_state, slot_stats
+
+
+def lean_step(
+    engine: eng.Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: eng.GenState,
+    run: eng.RunParams,
+) -> eng.GenState:
+    """`engine.spec_step`, with rounds in which no row may draft run at width K' = 1.
+
+    The budget (and the governor's choice) is planned first; when every row's budget is 0
+    the round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback
+    and statistics, a verify batch of width 2 instead of K + 1, so a round the governor
+    turned off costs about what a plain round costs instead of padding logits, K/V and the
+    commit to K + 1 columns. Same state out, bit for bit (tests/test_batch.py).
+    """
+    plan = eng.draft_budget(engine, state, run)
+    if not engine.drafters or engine.k_max <= 1:
+        return eng.spec_step(engine, target_params, drafter_params, state, run, plan)
+    narrow = dataclasses.replace(engine, k_max=1)
+
+    def wide(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
+
+    def lean(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(narrow, target_params, drafter_params, s, run, plan)
+
+    # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
+    # ngram-mod's pool every round instead of updating them in place.
+    def once(pred: Array, step: Any, s: eng.GenState) -> eng.GenState:
+        return jax.lax.while_loop(
+            lambda c: c[0], lambda c: (jnp.zeros((), bool), step(c[1])), (pred, s)
+        )[1]
+
+    drafting = jnp.any(plan[0] > 0)
+    return once(~drafting, lean, once(drafting, wide, state))
 
 
 def run_segment(
@@ -274,9 +318,14 @@ def run_segment(
     def body(carry: tuple[eng.GenState, SlotStats, Array]) -> tuple[eng.GenState, SlotStats, Array]:
         s, st, i = carry
         active = ~s.done
-        new = eng.spec_step(engine, target_params, drafter_params, s, run)
+        new = lean_step(engine, target_params, drafter_params, s, run)
         acc = jnp.where(active, new.length - s.length - 1, 0)
-        st = SlotStats(rounds=st.rounds + active.astype(jnp.int32), accepted=st.accepted + acc)
+        assert new.drafted is not None and s.drafted is not None
+        st = SlotStats(
+            rounds=st.rounds + active.astype(jnp.int32),
+            accepted=st.accepted + acc,
+            drafted=st.drafted + new.drafted - s.drafted,
+        )
         return new, st, i + 1
 
     return jax.lax.while_loop(cond, body, (state, slot_stats, jnp.zeros((), jnp.int32)))

@@ -131,6 +131,9 @@ class GenState:
     stats: stats_mod.SpecStats
     governor: adaptive.Governor
     n_rounds: Array  # [] int32
+    #: [B] int32 drafted tokens verified per row since the row's counter was reset, or None
+    #: (not kept): continuous batching's per-request statistics (specjax.continuous)
+    drafted: Array | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -422,16 +425,12 @@ def _verify_forward(
     return logits, greedy, commit_kv(cache, v_pos, tuple(k), tuple(v), after=logits), hidden
 
 
-def spec_step(
-    engine: Engine,
-    target_params: Params,
-    drafter_params: tuple[Any, ...],
-    state: GenState,
-    run: RunParams,
-) -> GenState:
-    """One draft -> verify -> accept -> commit round for every row."""
-    B, K, S = state.length.shape[0], engine.k_max, engine.capacity
-    out_cap = engine.out_capacity
+def draft_budget(
+    engine: Engine, state: GenState, run: RunParams
+) -> tuple[Array, adaptive.Governor]:
+    """Step 1 of a round: every row's draft budget [B] (0 = no drafting) and the governor
+    with its counters updated (`spec_step`'s `plan`)."""
+    K, S = engine.k_max, engine.capacity
     active = ~state.done
     remaining_new = run.max_new - state.out_len
     budget = jnp.minimum(S - state.length - 2, remaining_new - 1)
@@ -444,6 +443,26 @@ def spec_step(
         reachable = jnp.minimum(budget, run.chain_n_max)
         governed, governor = adaptive.choose_budget(governor, run.cost, reachable, active, K)
         budget = jnp.where(governed < reachable, governed, budget)
+    return budget, governor
+
+
+def spec_step(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+    plan: tuple[Array, adaptive.Governor] | None = None,
+) -> GenState:
+    """One draft -> verify -> accept -> commit round for every row.
+
+    `plan`: `draft_budget(engine', state, run)` computed by the caller (possibly for an
+    engine of another width K'); None = computed here."""
+    B, K, S = state.length.shape[0], engine.k_max, engine.capacity
+    out_cap = engine.out_capacity
+    active = ~state.done
+    remaining_new = run.max_new - state.out_len
+    budget, governor = draft_budget(engine, state, run) if plan is None else plan
 
     if engine.drafters:
         d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(
@@ -563,6 +582,7 @@ def spec_step(
         stats=stats,
         governor=governor,
         n_rounds=state.n_rounds + 1,
+        drafted=None if state.drafted is None else state.drafted + draft_len,
     )
 
 

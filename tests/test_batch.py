@@ -8,6 +8,7 @@ prefill, its own loop): a job's records must hold, for every request, exactly th
 
 from __future__ import annotations
 
+import io
 import json
 
 import numpy as np
@@ -145,7 +146,12 @@ def test_records_independent_of_slots_and_speculation(model, spec, draft, tmp_pa
         ("spec4", dict(n_parallel=4, spec=spec, draft=draft)),
     ]:
         out = tmp_path / f"{name}.jsonl"
-        summary = run_job(model, reqs, out, **kw)
+        log = io.StringIO()
+        summary = run_job(model, reqs, out, progress=True, log=log, **kw)
+        # the progress bar: requests done, tokens/s, and acceptance with speculation
+        bar = log.getvalue()
+        assert "14/14" in bar and "tok/s=" in bar
+        assert ("acc=" in bar) == ("spec" in kw)
         got = records(out)
         assert sorted(got) == sorted(ref), name
         for rid, rec in got.items():
@@ -155,9 +161,21 @@ def test_records_independent_of_slots_and_speculation(model, spec, draft, tmp_pa
                 assert len(rec["tokens"]) == r["n_predict"]
             assert rec["timings"]["prompt_tokens"] == len(r["tokens"])
             assert rec["text"] == model.decode(rec["tokens"])
+        # per-request statistics add up to the job's counters (llama.cpp's, kept apart)
+        drafted = [r["stats"]["drafted_tokens"] for r in got.values()]
+        accepted = [r["stats"]["accepted_tokens"] for r in got.values()]
+        assert all(0 <= a <= d for a, d in zip(accepted, drafted))
         if "spec" in kw:
-            assert summary.stats.to_dict()["num_accepted_tokens"] > 0
-            assert sum(r["stats"]["accepted_tokens"] for r in got.values()) > 0
+            job = summary.stats.to_dict()
+            assert 0 < job["num_accepted_tokens"] < job["num_draft_tokens"]
+            assert sum(drafted) == job["num_draft_tokens"]
+            assert sum(accepted) == job["num_accepted_tokens"]
+            for rec in got.values():
+                st = rec["stats"]
+                if st["drafted_tokens"]:
+                    assert st["acceptance_rate"] == st["accepted_tokens"] / st["drafted_tokens"]
+        else:
+            assert sum(drafted) == 0
 
 
 def test_resume_skips_finished_ids_and_repairs_a_torn_line(model, tmp_path):
@@ -169,8 +187,10 @@ def test_resume_skips_finished_ids_and_repairs_a_torn_line(model, tmp_path):
     part = tmp_path / "part.jsonl"
     # three whole lines and half of the fourth: a crash mid-write
     part.write_text("".join(lines[:3]) + lines[3][: len(lines[3]) // 2])
-    summary = run_job(model, reqs, part, n_parallel=1)
+    log = io.StringIO()
+    summary = run_job(model, reqs, part, n_parallel=1, log=log)
     assert summary.n_skipped == 3 and summary.n_done == 6
+    assert "9 request(s) in requests; skipped 3 already in" in log.getvalue()
     got = records(part)
     assert {k: v["tokens"] for k, v in got.items()} == {k: v["tokens"] for k, v in want.items()}
     again = run_job(model, reqs, part, n_parallel=1)

@@ -1,7 +1,8 @@
 """`specjax batch` killed with SIGKILL at random moments, restarted until done, gives exactly
 the records of an uninterrupted run: same ids, same tokens and texts, no duplicates, and no
 partial line at any moment. Requests mix temperature 0 and 0.8 (with seeds); speculation
-(ngram-mod + draft-simple) on in the default run, off too in the slow one.
+(ngram-mod + draft-simple, drafting every round) on in the default run; off, and on under the
+draft governor (whose off rounds run lean), too in the slow one.
 
 All runs are `python -m specjax.cli batch` subprocesses sharing a persistent compilation
 cache, so restarts do not compile again. (That these records equal `specjax.generate` per
@@ -38,7 +39,7 @@ def files(tmp_path_factory):
     save_gguf(str(d / "d.gguf"), draft.config, draft.params, draft.tokenizer, dtype="f32")
     rng = np.random.default_rng(7)
     lines = []
-    for i in range(24):
+    for i in range(48):
         L = int(rng.integers(1, 41))
         unit = [int(x) for x in rng.integers(3, model.config.V, 4)]
         toks = (unit * 11)[:L] if i % 3 == 0 else [int(x) for x in rng.integers(3, 90, L)]
@@ -46,7 +47,10 @@ def files(tmp_path_factory):
         if i % 2:
             req["temperature"] = 0.8
         lines.append(json.dumps(req))
-    (d / "req.jsonl").write_text("\n".join(lines) + "\n")
+    # the default test's 24 requests; the slow one's 48 leave work for 5 kills however
+    # many records a run writes before it is killed
+    (d / "req.jsonl").write_text("\n".join(lines[:24]) + "\n")
+    (d / "req48.jsonl").write_text("\n".join(lines) + "\n")
     return d
 
 
@@ -77,7 +81,9 @@ def check_whole_lines(path: Path) -> int:
     return len(ids)
 
 
-def killed_until_done(files: Path, speculative: bool, kills: int, seed: int) -> tuple[Path, list]:
+def killed_until_done(
+    files: Path, speculative: bool | str, kills: int, seed: int, requests: str
+) -> tuple[Path, list]:
     out = files / f"killed-{speculative}-{seed}.jsonl"
     cmd = [
         sys.executable,
@@ -87,7 +93,7 @@ def killed_until_done(files: Path, speculative: bool, kills: int, seed: int) -> 
         "-m",
         str(files / "t.gguf"),
         "--in",
-        str(files / "req.jsonl"),
+        str(files / requests),
         "--out",
         str(out),
         "-np",
@@ -104,6 +110,8 @@ def killed_until_done(files: Path, speculative: bool, kills: int, seed: int) -> 
     ]
     if speculative:
         cmd += ["-md", str(files / "d.gguf"), *SPEC_FLAGS]
+    if speculative == "governed":  # the draft governor decides (lean rounds when it is off)
+        cmd[-1] = "on"
     env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
     env.pop("SPECJAX_COMPILE_CACHE", None)
     rng = np.random.default_rng(seed)
@@ -115,13 +123,16 @@ def killed_until_done(files: Path, speculative: bool, kills: int, seed: int) -> 
         with open(err, "w") as fh:
             proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=fh)
             if n_killed < kills:
-                # kill at a random moment once this run has written something new
+                # kill at a random moment once this run has written 1 or 2 new records
+                # (anywhere in the next prefill, segment or write), so that every run is
+                # killed while it still has work, however fast the machine
+                wanted = before + int(rng.integers(1, 3))
                 deadline = time.monotonic() + 300
                 while proc.poll() is None and time.monotonic() < deadline:
-                    if check_whole_lines(out) > before:
+                    if check_whole_lines(out) >= wanted:
                         break
-                    time.sleep(0.01)
-                time.sleep(float(rng.uniform(0.0, 0.4)))
+                    time.sleep(0.005)
+                time.sleep(float(rng.uniform(0.0, 0.05)))
                 if proc.poll() is None:
                     proc.send_signal(signal.SIGKILL)
                     proc.wait()
@@ -138,12 +149,16 @@ def killed_until_done(files: Path, speculative: bool, kills: int, seed: int) -> 
     return out, logs
 
 
-def run_and_compare(files: Path, speculative: bool, kills: int, seed: int) -> None:
-    ref, _ = killed_until_done(files, speculative, 0, seed)  # also fills the compile cache
+def run_and_compare(
+    files: Path, speculative: bool | str, kills: int, seed: int, n_requests: int
+) -> None:
+    requests = "req.jsonl" if n_requests == 24 else f"req{n_requests}.jsonl"
+    # the uninterrupted run (it also fills the compile cache)
+    ref, _ = killed_until_done(files, speculative, 0, seed, requests)
     want = {r["id"]: r for r in batching.read_results(ref, repair=False)}
-    out, logs = killed_until_done(files, speculative, kills, seed + 1)
+    out, logs = killed_until_done(files, speculative, kills, seed + 1, requests)
     got = {r["id"]: r for r in batching.read_results(out, repair=False)}
-    assert check_whole_lines(out) == len(want) == 24
+    assert check_whole_lines(out) == len(want) == n_requests
     assert sorted(got) == sorted(want)
     for rid in want:
         for key in ("tokens", "text", "finish_reason"):
@@ -154,10 +169,10 @@ def run_and_compare(files: Path, speculative: bool, kills: int, seed: int) -> No
 
 
 def test_sigkill_resume_speculative_mixed_temperatures(files):
-    run_and_compare(files, speculative=True, kills=2, seed=0)
+    run_and_compare(files, speculative=True, kills=2, seed=0, n_requests=24)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("speculative", [False, True])
+@pytest.mark.parametrize("speculative", [False, True, "governed"])
 def test_sigkill_resume_many_kills(files, speculative):
-    run_and_compare(files, speculative=speculative, kills=5, seed=11)
+    run_and_compare(files, speculative=speculative, kills=5, seed=11, n_requests=48)

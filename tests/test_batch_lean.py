@@ -1,0 +1,160 @@
+"""`continuous.lean_step`: rounds in which the governor lets no row draft run at width 2
+instead of K + 1, and must leave exactly the state `engine.spec_step` leaves.
+
+The independent source is `engine.spec_step` itself (the wide round every path of a job
+used before): after the same rounds from the same state, every leaf of the two states
+(KV cache, history, outputs, drafter states, statistics, governor) must be bit-identical.
+Chains: ngram-mod + draft-simple (the benchmark's), and draft-eagle3, whose `process` reads
+every verify batch's hidden states, so a lean round that skipped or mangled the drafter
+feedback would show in its state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import adaptive, sampling
+from specjax import continuous as cont
+from specjax import engine as eng
+from specjax.api import Model
+from specjax.config import SpecConfig
+from specjax.drafters.eagle3 import Eagle3State
+from specjax.drafters.registry import build_drafters
+from specjax.models import eagle3 as e3
+from specjax.pytree import replace
+from specjax.testing import noisy_copy, tiny_model
+
+B, S, OUT, ROUNDS = 3, 96, 48, 5
+PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [20, 21, 22], [30, 31, 32, 33, 34, 35]]
+
+
+@pytest.fixture(scope="module")
+def target() -> Model:
+    return tiny_model(0)
+
+
+def eagle3_head(target: Model) -> Model:
+    tc = target.config
+    cfg = e3.Eagle3Config(
+        vocab_size=tc.V,
+        dim=tc.D,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        target_hidden=tc.D,
+        target_layers=(0, 1, tc.L),
+        own_lm_head=True,
+    )
+    return Model(config=cfg, params=e3.init_params(cfg, jax.random.key(3)), tokenizer=None)
+
+
+def run_params(cost: adaptive.CostModel, temperature: float) -> eng.RunParams:
+    return eng.RunParams(
+        sampling=sampling.SamplingParams.create(
+            batch=B, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=7
+        ),
+        max_new=jnp.asarray([40, 3, 40], jnp.int32),  # row 1 finishes within the rounds
+        n_max=jnp.asarray(4, jnp.int32),
+        n_min=jnp.asarray(0, jnp.int32),
+        p_min=jnp.asarray(0.0, jnp.float32),
+        synth_rates=jnp.zeros((4,), jnp.float32),
+        cost=cost,
+    )
+
+
+def never_pays() -> adaptive.CostModel:
+    """A governor that turns every round off (a huge fixed cost per drafting round)."""
+    return adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(0.1, jnp.float32),
+        draft_step=jnp.asarray(0.1, jnp.float32),
+        call=jnp.asarray(1e6, jnp.float32),
+    )
+
+
+@jax.jit
+def _copy(tree):
+    return jax.tree.map(jnp.copy, tree)
+
+
+STEPS = {eng.spec_step: eng.step_jit, cont.lean_step: jax.jit(cont.lean_step, static_argnums=0)}
+
+
+def rounds(step, engine, params, dparams, state, run):
+    fn = STEPS[step]
+    for _ in range(ROUNDS):
+        state = fn(engine, params, dparams, state, run)
+    return state
+
+
+def meaningful(state: eng.GenState) -> eng.GenState:
+    """The state with documented garbage zeroed: EAGLE-3's `verify_g` rows at or beyond
+    `verify_rows` (a verify batch of width T writes T rows, of which only the valid ones
+    are ever read)."""
+    ds = []
+    for d in state.drafter_states:
+        if isinstance(d, Eagle3State):
+            S = d.verify_g.shape[1]
+            keep = jnp.arange(S)[None, :, None] < d.verify_rows[:, None, None]
+            d = replace(d, verify_g=jnp.where(keep, d.verify_g, 0.0))
+        ds.append(d)
+    return replace(state, drafter_states=tuple(ds))
+
+
+def assert_same_state(got: eng.GenState, want: eng.GenState) -> None:
+    got, want = meaningful(got), meaningful(want)
+    flat_w, tree_w = jax.tree_util.tree_flatten_with_path(want)
+    flat_g, tree_g = jax.tree_util.tree_flatten_with_path(got)
+    assert tree_w == tree_g
+    for (path, w), (_, g) in zip(flat_w, flat_g):
+        assert np.array_equal(np.asarray(g), np.asarray(w)), jax.tree_util.keystr(path)
+
+
+@pytest.mark.parametrize(
+    "chain, temperature",
+    [
+        (("ngram-mod", "draft-simple"), 0.0),
+        pytest.param(("draft-eagle3",), 0.8, marks=pytest.mark.slow),
+    ],
+)
+def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, temperature):
+    spec = SpecConfig(
+        types=chain,
+        ngram_mod_n_match=2,
+        ngram_mod_n_min=1,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 10,
+        draft_n_max=4,
+    )
+    draft = eagle3_head(target) if "draft-eagle3" in chain else noisy_copy(target, 0.3)
+    drafters, dparams = build_drafters(spec, target, draft)
+    engine = eng.Engine(
+        target=target.config,
+        drafters=drafters,
+        k_max=4,
+        capacity=S,
+        out_capacity=OUT,
+    )
+    tokens = np.zeros((B, 11), np.int32)
+    for b, p in enumerate(PROMPTS):
+        tokens[b, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    run = run_params(never_pays(), temperature)
+    state = eng.prefill_jit(engine, target.params, dparams, jnp.asarray(tokens), lengths, run)
+
+    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
+    got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), run)
+    # the governor turned every round off, and the rounds did run
+    assert int(want.governor.n_off) == int(want.governor.n_rounds) > 0
+    assert int(jnp.sum(want.out_len)) > int(jnp.sum(state.out_len))
+    assert_same_state(got, want)
+
+    # a chain that drafts every round goes the wide way: the same state as spec_step too
+    on = run_params(adaptive.CostModel.off(), temperature)
+    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), on)
+    got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), on)
+    assert int(jnp.sum(want.stats.n_draft_tokens)) > 0
+    assert_same_state(got, want)
