@@ -179,3 +179,63 @@ def rope_frequencies(config: ModelConfig) -> list[float]:
             )
             out.append((1 - smooth) * f / s.factor + smooth * f)
     return out
+
+
+class HeadDims:
+    """Dimension keys (specjax.types) and shape checks shared by the feature-drafter heads
+    (EAGLE-3, DFlash / DSpark): a frozen dataclass with `vocab_size`, `draft_vocab` (0 = the
+    full vocabulary), `dim`, `n_heads`, `n_kv_heads`, `head_dim` (0 = dim / n_heads) and
+    `ffn_dim` fields inherits them."""
+
+    vocab_size: int
+    draft_vocab: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+
+    def check_head_dims(self) -> None:
+        """ValueError naming the numbers for a draft vocabulary or head split that cannot be."""
+        if not 0 <= self.draft_vocab <= self.vocab_size:
+            raise ValueError(
+                f"draft_vocab must be in 0..vocab_size ({self.vocab_size}), got {self.draft_vocab}"
+            )
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
+            )
+        if self.head_dim == 0 and self.dim % self.n_heads:
+            raise ValueError(f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
+
+    @property
+    def V(self) -> int:
+        return self.vocab_size
+
+    @property
+    def Vd(self) -> int:
+        return self.draft_vocab or self.vocab_size
+
+    @property
+    def has_d2t(self) -> bool:
+        return self.Vd != self.vocab_size
+
+    @property
+    def D(self) -> int:
+        return self.dim
+
+    @property
+    def H(self) -> int:
+        return self.n_heads
+
+    @property
+    def G(self) -> int:
+        return self.n_kv_heads
+
+    @property
+    def E(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+    @property
+    def F(self) -> int:
+        return self.ffn_dim

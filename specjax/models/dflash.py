@@ -47,7 +47,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, used_cells
-from specjax.models.config import ModelConfig, rope_frequencies
+from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import CACHE_CHUNK, _attend, apply_rope, rms_norm, rope_angles
 from specjax.types import Array, Params
 
@@ -56,7 +56,7 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DFlashConfig:
+class DFlashConfig(HeadDims):
     """Static configuration of a DFlash / DSpark head. Hashable (a jit static argument)."""
 
     vocab_size: int  # the target's vocabulary (the full logits row)
@@ -101,51 +101,9 @@ class DFlashConfig:
             raise ValueError(
                 f"mask_token_id must be in 0..{self.vocab_size - 1}, got {self.mask_token_id}"
             )
-        if not 0 <= self.draft_vocab <= self.vocab_size:
-            raise ValueError(
-                f"draft_vocab must be in 0..vocab_size ({self.vocab_size}), got {self.draft_vocab}"
-            )
+        self.check_head_dims()
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
-        if self.head_dim == 0 and self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
-
-    # dimension keys (specjax.types)
-    @property
-    def V(self) -> int:
-        return self.vocab_size
-
-    @property
-    def Vd(self) -> int:
-        return self.draft_vocab or self.vocab_size
-
-    @property
-    def has_d2t(self) -> bool:
-        return self.Vd != self.vocab_size
-
-    @property
-    def D(self) -> int:
-        return self.dim
-
-    @property
-    def H(self) -> int:
-        return self.n_heads
-
-    @property
-    def G(self) -> int:
-        return self.n_kv_heads
-
-    @property
-    def E(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def F(self) -> int:
-        return self.ffn_dim
 
     @property
     def L(self) -> int:

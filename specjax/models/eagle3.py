@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, used_cells
-from specjax.models.config import ModelConfig, rope_frequencies
+from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
     ExtraKV,
@@ -58,7 +58,7 @@ N_TARGET_LAYERS = 3
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Eagle3Config:
+class Eagle3Config(HeadDims):
     """Static configuration of an EAGLE-3 head. Hashable: usable as a jit static argument."""
 
     vocab_size: int  # the target's vocabulary (the full logits row)
@@ -91,48 +91,7 @@ class Eagle3Config:
         for name in ("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_dim", "target_hidden"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if not 0 <= self.draft_vocab <= self.vocab_size:
-            raise ValueError(
-                f"draft_vocab must be in 0..vocab_size ({self.vocab_size}), got {self.draft_vocab}"
-            )
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(
-                f"n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads})"
-            )
-        if self.head_dim == 0 and self.dim % self.n_heads:
-            raise ValueError(f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
-
-    @property
-    def V(self) -> int:
-        return self.vocab_size
-
-    @property
-    def Vd(self) -> int:
-        return self.draft_vocab or self.vocab_size
-
-    @property
-    def has_d2t(self) -> bool:
-        return self.Vd != self.vocab_size
-
-    @property
-    def D(self) -> int:
-        return self.dim
-
-    @property
-    def H(self) -> int:
-        return self.n_heads
-
-    @property
-    def G(self) -> int:
-        return self.n_kv_heads
-
-    @property
-    def E(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def F(self) -> int:
-        return self.ffn_dim
+        self.check_head_dims()
 
     @property
     def L(self) -> int:
