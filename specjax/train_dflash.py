@@ -26,7 +26,6 @@ functions of (seed, s); the head's graph is the drafter's own code.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
@@ -52,7 +51,7 @@ from specjax.train import (
     make_optimizer,
     resolve_data,
 )
-from specjax.train_eagle3 import target_outputs
+from specjax.train_eagle3 import finish_head_run, head_cli, target_outputs
 from specjax.types import Array, Params
 
 
@@ -329,14 +328,8 @@ def train(config: DFlashTrainConfig) -> dict[str, Any]:
         if loop.max_seconds > 0 and elapsed > loop.max_seconds:
             break
     save_head(run_dir, cfg, params, i + 1)
-    summary: dict[str, Any] = {"steps": i + 1, "seconds": round(time.time() - t0, 1)}
-    if val_batch is not None:
-        _, vm = eval_fn(params, shared, target.params, val_batch)
-        summary["val"] = {k: round(float(v), 4) for k, v in vm.items()}
-    log.append({"summary": summary})
-    (run_dir / "train_log.json").write_text(json.dumps(log, indent=0))
-    print(json.dumps(summary), file=sys.stderr)
-    return summary
+    val = None if val_batch is None else eval_fn(params, shared, target.params, val_batch)[1]
+    return finish_head_run(run_dir, log, i + 1, t0, val)
 
 
 def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") -> None:
@@ -350,22 +343,7 @@ def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.train_dflash")
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    t = sub.add_parser("train")
-    t.add_argument("--config", required=True)
-    t.add_argument("--set", action="append", default=[])
-    x = sub.add_parser("export")
-    x.add_argument("--run", required=True)
-    x.add_argument("--out", required=True)
-    x.add_argument("--target", default="models/code-target/code-target-f16.gguf")
-    x.add_argument("--dtype", default="f16")
-    args = ap.parse_args(argv)
-    if args.cmd == "train":
-        train(load_config(args.config, args.set))
-    else:
-        export_gguf(args.run, args.out, args.target, args.dtype)
-    return 0
+    return head_cli("python -m specjax.train_dflash", argv, train, load_config, export_gguf)
 
 
 if __name__ == "__main__":

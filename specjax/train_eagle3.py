@@ -348,14 +348,8 @@ def train(config: Eagle3TrainConfig) -> dict[str, Any]:
         if loop.max_seconds > 0 and elapsed > loop.max_seconds:
             break
     save_head(run_dir, cfg, params, i + 1)
-    summary: dict[str, Any] = {"steps": i + 1, "seconds": round(time.time() - t0, 1)}
-    if val_batch is not None:
-        _, vm = eval_fn(params, shared, target.params, val_batch)
-        summary["val"] = {k: round(float(v), 4) for k, v in vm.items()}
-    log.append({"summary": summary})
-    (run_dir / "train_log.json").write_text(json.dumps(log, indent=0))
-    print(json.dumps(summary), file=sys.stderr)
-    return summary
+    val = None if val_batch is None else eval_fn(params, shared, target.params, val_batch)[1]
+    return finish_head_run(run_dir, log, i + 1, t0, val)
 
 
 def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") -> None:
@@ -368,8 +362,26 @@ def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") ->
     save_eagle3_gguf(out, cfg, params, target.tokenizer, dtype=dtype)
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.train_eagle3")
+def finish_head_run(
+    run_dir: Path, log: list[Any], steps: int, t0: float, val: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The run's summary (steps, seconds, the final validation metrics `val` when given),
+    appended to the log, written to `train_log.json` and printed; returned."""
+    summary: dict[str, Any] = {"steps": steps, "seconds": round(time.time() - t0, 1)}
+    if val is not None:
+        summary["val"] = {k: round(float(v), 4) for k, v in val.items()}
+    log.append({"summary": summary})
+    (run_dir / "train_log.json").write_text(json.dumps(log, indent=0))
+    print(json.dumps(summary), file=sys.stderr)
+    return summary
+
+
+def head_cli(
+    prog: str, argv: Sequence[str] | None, train_fn: Any, load_config_fn: Any, export_fn: Any
+) -> int:
+    """`python -m PROG train --config C [--set k=v]` / `export --run R --out O`, shared by
+    the head trainers."""
+    ap = argparse.ArgumentParser(prog=prog)
     sub = ap.add_subparsers(dest="cmd", required=True)
     t = sub.add_parser("train")
     t.add_argument("--config", required=True)
@@ -381,10 +393,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     x.add_argument("--dtype", default="f16")
     args = ap.parse_args(argv)
     if args.cmd == "train":
-        train(load_config(args.config, args.set))
+        train_fn(load_config_fn(args.config, args.set))
     else:
-        export_gguf(args.run, args.out, args.target, args.dtype)
+        export_fn(args.run, args.out, args.target, args.dtype)
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return head_cli("python -m specjax.train_eagle3", argv, train, load_config, export_gguf)
 
 
 if __name__ == "__main__":
