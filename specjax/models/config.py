@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any
+from typing import Any, ClassVar, Self
 
 ARCHS = ("llama", "qwen2", "qwen3")
 DTYPES = ("float32", "float16", "bfloat16")
@@ -194,6 +194,23 @@ class HeadDims:
     n_kv_heads: int
     head_dim: int
     ffn_dim: int
+    #: the head's name in error messages
+    KIND: ClassVar[str] = "head"
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)  # type: ignore[call-overload]
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> Self:
+        """The config from `to_dict`'s output; unknown keys are an error, lists become tuples."""
+        data = dict(data)
+        known = {f.name for f in dataclasses.fields(cls)}  # type: ignore[arg-type]
+        unknown = sorted(set(data) - known)
+        if unknown:
+            raise ValueError(f"unknown {cls.KIND} config keys: {', '.join(unknown)}")
+        if "target_layers" in data:
+            data["target_layers"] = tuple(data["target_layers"])
+        return cls(**data)
 
     def check_head_dims(self) -> None:
         """ValueError naming the numbers for a draft vocabulary or head split that cannot be."""

@@ -41,7 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -58,6 +58,8 @@ DEFAULT_BLOCK_SIZE = 16
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class DFlashConfig(HeadDims):
     """Static configuration of a DFlash / DSpark head. Hashable (a jit static argument)."""
+
+    KIND: ClassVar[str] = "DFlash"
 
     vocab_size: int  # the target's vocabulary (the full logits row)
     draft_vocab: int = 0  # reduced vocabulary; 0 = vocab_size (no d2t)
@@ -188,20 +190,6 @@ class DFlashConfig(HeadDims):
         """Trainable parameters (d2t is an index table, not counted)."""
         top = sum(math.prod(s) for k, s in self.param_shapes().items() if k != "d2t")
         return top + self.L * sum(math.prod(s) for s in self.layer_shapes().values())
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
-        data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown DFlash config keys: {', '.join(unknown)}")
-        if "target_layers" in data:
-            data["target_layers"] = tuple(data["target_layers"])
-        return cls(**data)
 
 
 def init_params(config: DFlashConfig, key: Array) -> Params:

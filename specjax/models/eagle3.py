@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -60,6 +60,8 @@ N_TARGET_LAYERS = 3
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class Eagle3Config(HeadDims):
     """Static configuration of an EAGLE-3 head. Hashable: usable as a jit static argument."""
+
+    KIND: ClassVar[str] = "EAGLE-3"
 
     vocab_size: int  # the target's vocabulary (the full logits row)
     draft_vocab: int = 0  # the head's reduced vocabulary; 0 = vocab_size (no d2t)
@@ -145,20 +147,6 @@ class Eagle3Config(HeadDims):
     def num_params(self) -> int:
         """Trainable parameters of the head (d2t is an index table, not counted)."""
         return sum(math.prod(s) for k, s in self.param_shapes().items() if k != "d2t")
-
-    def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> Eagle3Config:
-        data = dict(data)
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown EAGLE-3 config keys: {', '.join(unknown)}")
-        if "target_layers" in data:
-            data["target_layers"] = tuple(data["target_layers"])
-        return cls(**data)
 
 
 def init_params(config: Eagle3Config, key: Array) -> Params:
