@@ -33,10 +33,8 @@ replaces the file atomically.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -51,6 +49,7 @@ from specjax.io.gguf_io import (
     _field_values,
     _open_reader,
     _tensor_to_numpy,
+    atomic_gguf_writer,
 )
 from specjax.models.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, check_params
 from specjax.tokenizer import Tokenizer
@@ -81,11 +80,7 @@ def save_dflash_gguf(
             "a DFlash head with its own token embeddings but the target's LM head has no GGUF "
             "form: llama.cpp ties output to token_embd when output.weight is absent"
         )
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, ARCH)
+    with atomic_gguf_writer(path, ARCH) as w:
         w.add_name("specjax-dspark" if config.is_dspark else "specjax-dflash")
         w.add_file_type(_FILE_TYPE[dtype])
         w.add_context_length(config.max_position)
@@ -149,15 +144,6 @@ def save_dflash_gguf(
                 add_f32("conf_proj.bias", params["conf_proj_b"])
         if config.has_d2t:
             w.add_tensor("d2t", np.asarray(params["d2t"], np.int64), raw_dtype=QT.I64)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def _as_bool(value: Any) -> bool:

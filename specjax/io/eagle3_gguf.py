@@ -25,10 +25,8 @@ load fails; a save replaces the file atomically.
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
@@ -44,6 +42,7 @@ from specjax.io.gguf_io import (
     _on_device,
     _open_reader,
     _tensor_to_numpy,
+    atomic_gguf_writer,
     permute_qk,
     read_architecture,
     unpermute_qk,
@@ -76,11 +75,7 @@ def save_eagle3_gguf(
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the head's vocabulary is {config.V}"
         )
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, ARCH)
+    with atomic_gguf_writer(path, ARCH) as w:
         w.add_name("specjax-eagle3")
         w.add_file_type(_FILE_TYPE[dtype])
         w.add_context_length(config.max_position)
@@ -130,16 +125,6 @@ def save_eagle3_gguf(
         add(p + "ffn_down.weight", params["w_down"])
         if config.has_d2t:
             w.add_tensor("d2t", np.asarray(params["d2t"], np.int64), raw_dtype=QT.I64)
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-        os.chmod(path, 0o644)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def load_eagle3_gguf(

@@ -22,10 +22,11 @@ Invariants:
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import tempfile
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import gguf
@@ -217,6 +218,29 @@ def _field_values(reader: gguf.GGUFReader) -> dict[str, Any]:
 
 #: GGUF value type ids of a string and of the unsigned 32-bit header fields (gguf spec).
 _GGUF_STRING = 8
+
+
+@contextlib.contextmanager
+def atomic_gguf_writer(path: str, arch: str) -> Iterator[gguf.GGUFWriter]:
+    """A GGUFWriter on a temp file beside `path`: after the `with` body adds metadata and
+    tensors, the file is written, closed and `os.replace`d onto `path` (mode 0644); on any
+    error the temp file is removed and an existing `path` is left untouched."""
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        yield writer
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+        os.chmod(path, 0o644)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
 
 
 def read_architecture(path: str | os.PathLike[str]) -> str | None:
@@ -550,11 +574,7 @@ def save_gguf(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model vocabulary is {config.V}"
         )
 
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, config.arch)
+    with atomic_gguf_writer(path, config.arch) as writer:
         writer.add_name("specjax")
         writer.add_file_type(_FILE_TYPE[dtype])
         writer.add_context_length(config.max_position)
@@ -620,12 +640,3 @@ def save_gguf(
             add(p + "ffn_gate.weight", parts["gate"])
             add(p + "ffn_up.weight", parts["up"])
             add(p + "ffn_down.weight", layer["w_down"])
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise

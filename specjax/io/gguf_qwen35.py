@@ -25,7 +25,6 @@ and `load_arch_tensors` read (gguf-py's MODEL_ARCH.QWEN35 names):
 from __future__ import annotations
 
 import os
-import tempfile
 from typing import Any
 
 import gguf
@@ -41,6 +40,7 @@ from specjax.io.gguf_io import (
     _field_values,
     _open_reader,
     _tensor_to_numpy,
+    atomic_gguf_writer,
 )
 from specjax.models.qwen35 import Qwen35Config, check_params
 from specjax.tokenizer import Tokenizer
@@ -108,11 +108,7 @@ def save_qwen35_gguf(
         raise ValueError(
             f"tokenizer has {tokenizer.vocab_size} tokens but the model vocabulary is {config.V}"
         )
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        w = gguf.GGUFWriter(tmp, ARCH)
+    with atomic_gguf_writer(path, ARCH) as w:
         w.add_name("specjax")
         w.add_file_type(_FILE_TYPE[dtype])
         w.add_context_length(config.max_position)
@@ -154,15 +150,6 @@ def save_qwen35_gguf(
             for ours, theirs in names.items():
                 if ours in block:
                     add(f"blk.{config.L + n}.{theirs}", block[ours])
-        w.write_header_to_file()
-        w.write_kv_data_to_file()
-        w.write_tensors_to_file()
-        w.close()
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
 
 
 def load_qwen35_gguf(
