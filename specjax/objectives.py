@@ -52,7 +52,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.pytree import pytree_dataclass
-from specjax.sampling import SamplingParams
+from specjax.sampling import SamplingParams, truncation_mask
 from specjax.types import Array
 
 #: draft-simple's top-k (`specjax.drafters.draft_simple.DRAFT_TOP_K`).
@@ -83,23 +83,8 @@ def draft_params(temperature: float | Array, top_k: int = DRAFT_TOP_K) -> Sampli
 
 
 def _keep_mask(logits_V: Array, params: SamplingParams) -> Array:
-    """The verifier's kept set (bool [V]), as `sampling.target_probs` computes it."""
-    logits_V = jax.lax.stop_gradient(logits_V.astype(jnp.float32))
-    vocab = logits_V.shape[-1]
-    ids_V = jnp.arange(vocab, dtype=jnp.int32)
-    order_V = jnp.argsort(-logits_V, stable=True)
-    rank_V = jnp.zeros((vocab,), jnp.int32).at[order_V].set(ids_V)
-    top_k = jnp.asarray(params.top_k).astype(jnp.int32)
-    keep_V = rank_V < jnp.where(top_k <= 0, vocab, jnp.minimum(top_k, vocab))
-    top_p = jnp.asarray(params.top_p).astype(jnp.float32)
-    p1_V = jax.nn.softmax(jnp.where(keep_V, logits_V, -jnp.inf))
-    sorted_p = p1_V[order_V]
-    excl_cum = jnp.cumsum(sorted_p) - sorted_p
-    keep_sorted = (excl_cum < top_p) | (ids_V == 0) | (top_p >= 1.0)
-    keep_V = keep_V & keep_sorted[rank_V]
-    min_p = jnp.asarray(params.min_p).astype(jnp.float32)
-    safe_min_p = jnp.where(min_p > 0, min_p, 1.0)
-    return keep_V & ((min_p <= 0) | (logits_V >= jnp.max(logits_V) + jnp.log(safe_min_p)))
+    """The verifier's kept set (bool [V]): `sampling.truncation_mask`, outside the gradient."""
+    return truncation_mask(jax.lax.stop_gradient(logits_V.astype(jnp.float32)), params)
 
 
 def _row_log_probs(logits_V: Array, params: SamplingParams) -> Array:

@@ -7,6 +7,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from specjax.sampling import (
     ROLE_ACCEPT,
@@ -24,6 +26,7 @@ from specjax.sampling import (
     sample_token,
     small_top_k,
     target_probs,
+    truncation_mask,
 )
 
 LOGITS = np.array([1.0, 3.0, 2.0, -1.0, 0.5], np.float32)
@@ -201,3 +204,33 @@ def test_small_top_k_is_a_stable_descending_sort_prefix(k):
     np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, -1))
     with pytest.raises(ValueError, match="k must be in"):
         small_top_k(jnp.asarray(x), 51)
+
+
+# Integer-valued logits make ties common (the stable order decides them); -0.0 ties 0.0 and
+# -inf is a grammar-masked token. top_p from a few values away from exact cumulative masses.
+_TIED_LOGITS = st.lists(
+    st.sampled_from([-3.0, -1.0, -0.0, 0.0, 1.0, 2.0, 2.5, -np.inf]), min_size=2, max_size=40
+).filter(lambda xs: any(np.isfinite(xs)))
+
+
+@settings(max_examples=120, deadline=None)
+@given(
+    logits=_TIED_LOGITS,
+    top_k=st.sampled_from([0, 1, 2, 3, 7, 40, 100]),
+    top_p=st.sampled_from([0.0, 0.33, 0.61, 0.9, 1.0]),
+    min_p=st.sampled_from([0.0, 0.05, 0.3]),
+)
+def test_sort_free_truncation_equals_the_stable_sort_chain(logits, top_k, top_p, min_p):
+    """`truncation_mask` finds its cuts by bisection, not by sorting: its kept set must be the
+    reference chain's (a stable sort in float64), ties and all."""
+    x = np.asarray(logits, np.float32)
+    params = SamplingParams.create(temperature=1.0, top_k=top_k, top_p=top_p, min_p=min_p)
+    padded = np.full(40, -np.inf, np.float32)  # one compiled shape; -inf ranks last, p = 0
+    padded[: len(x)] = x
+    got = np.asarray(_JIT_MASK(jnp.asarray(padded), params))[: len(x)]
+    got = got & np.isfinite(x)  # a kept -inf token has probability 0 anyway
+    want = _reference_probs(x, 1.0, top_k, top_p, min_p) > 0
+    np.testing.assert_array_equal(got, want)
+
+
+_JIT_MASK = jax.jit(truncation_mask)
