@@ -100,6 +100,10 @@ def generate_hybrid(
     draft: Any = None,
     stop: Sequence[str] = (),
     n_rs_seq: int | None = None,
+    slot_save_path: str | None = None,
+    slot_save: Any = None,
+    slot_restore: Any = None,
+    slot_overwrite: bool = False,
     **_sampling: Any,
 ) -> Any:
     """`specjax.generate` for a qwen35 model (see the module docstring for what is refused)."""
@@ -131,13 +135,24 @@ def generate_hybrid(
         tokens[b, : len(p)] = p
     eog = np.asarray(model.eog_ids or (-1,), np.int32)
     report = None
-    if speculative:
+    slot_states, slot_report = None, None
+    if slot_save_path is not None or slot_save is not None or slot_restore is not None:
+        from specjax import slots
+
+        slot_states, slot_report = slots.prepare(
+            model, prompt_ids, directory=slot_save_path, save=slot_save, restore=slot_restore,
+            overwrite=slot_overwrite, cache_type_k=None, cache_type_v=None,
+        )  # fmt: skip
+    from_slots = slot_states is not None and any(s is not None for s in slot_states)
+    out_BN = None
+    if speculative or from_slots:
         from specjax.hybrid_spec import generate_speculative
 
         out_BN, out_len, fin, report, seconds = generate_speculative(
-            model, prompt_ids, max_new, spec=spec, draft=draft, n_ctx=n_ctx, n_rs_seq=n_rs_seq
-        )
-    if report is None:
+            model, prompt_ids, max_new, spec=spec if speculative else None, draft=draft,
+            n_ctx=n_ctx, n_rs_seq=n_rs_seq, slots=slot_states,
+        )  # fmt: skip
+    if out_BN is None:
         t0 = time.perf_counter()
         out_BN, out_len, fin = jax.device_get(
             _run(
@@ -166,7 +181,7 @@ def generate_hybrid(
         texts.append(text)
         reasons.append(reason)
     generated = int(np.sum(out_len))
-    timings = {
+    timings: dict[str, Any] = {
         "prompt_tokens": int(lengths.sum()),
         "generated_tokens": generated,
         "total_seconds": seconds,  # compile included; no prefill/decode split yet
@@ -176,6 +191,8 @@ def generate_hybrid(
         "decode_seconds": seconds,
         "n_rounds": report.n_rounds if report is not None else max(int(np.max(out_len)) - 1, 0),
     }
+    if slot_report:
+        timings["slots"] = slot_report
     return dataclasses.replace(
         api.GenerationResult(
             tokens=results, text=texts, timings=timings, finish_reasons=reasons, stats=report

@@ -112,15 +112,26 @@ def prefill(
     tokens_BT: Array,
     lengths_B: Array,
     max_new_B: Array,
+    start: tuple[HybridMemory, Array] | None = None,
 ) -> HybridGenState:
+    """`start`: (memory, n_cached [B]) of restored slots (`specjax.slots`): only the prompt
+    after each row's cached prefix is evaluated."""
     B, T = tokens_BT.shape
     S, K = engine.capacity, engine.k_max
     positions_BT = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], jnp.arange(T)[None], -1)
-    mem = HybridMemory.init(engine.target, B, S, engine.n_rs_seq)
-    logits, mem = forward_memory(
-        engine.target, params, tokens_BT, positions_BT, mem, cache_empty=True
-    )
-    last = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
+    if start is None:
+        mem = HybridMemory.init(engine.target, B, S, engine.n_rs_seq)
+        logits, mem = forward_memory(
+            engine.target, params, tokens_BT, positions_BT, mem, cache_empty=True
+        )
+        last_idx = lengths_B - 1
+    else:
+        from specjax.slots import suffix
+
+        mem, n_cached = start
+        s_tokens, s_pos, last_idx = suffix(tokens_BT, lengths_B, n_cached)
+        logits, mem = forward_memory(engine.target, params, s_tokens, s_pos, mem)
+    last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     states = tuple(d.init(B, S) for d in engine.drafters)
     batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, is_prompt=True)
@@ -340,9 +351,11 @@ def run(
     tokens_BT: Array,
     lengths_B: Array,
     max_new_B: Array,
+    start: tuple[HybridMemory, Array] | None = None,
 ) -> HybridGenState:
-    """Prefill + the speculative loop until every row is done."""
-    st = prefill(engine, params, drafter_params, tokens_BT, lengths_B, max_new_B)
+    """Prefill (from restored slots with `start`) + the speculative loop until every row is
+    done."""
+    st = prefill(engine, params, drafter_params, tokens_BT, lengths_B, max_new_B, start)
 
     def cond(s: HybridGenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < 2 * engine.out_capacity)
@@ -417,11 +430,14 @@ def generate_speculative(
     draft: Any,
     n_ctx: int,
     n_rs_seq: int | None,
+    slots: Any = None,
 ) -> tuple[Any, Any, Any, HybridSpecReport | None, float]:
     """Host side of a speculative run on a qwen35 target (called by `generate_hybrid`).
 
     Returns (out tokens [B, O], out_len [B], finish [B], report or None, seconds); None when
-    the probe says NO (speculation disabled with a warning, plain decoding instead)."""
+    the probe says NO (speculation disabled with a warning, plain decoding instead).
+    `slots`: per-row `specjax.slots.SlotState` or None to start from; with `spec=None` (or a
+    NO target) the loop runs without drafters (plain greedy) and the report is None."""
     import time
     import warnings
 
@@ -431,25 +447,31 @@ def generate_speculative(
     from specjax.hybrid_memory import SeqRmType, can_seq_rm
 
     config = model.config
-    n_rs = need_n_rs_seq(spec) if n_rs_seq is None else int(n_rs_seq)
-    if n_rs < 0:
-        raise ValueError(f"n_rs_seq must be >= 0, got {n_rs}")
-    kind = can_seq_rm(model, n_rs)
+    from_slots = slots is not None and any(s is not None for s in slots)
+    if spec is None:
+        spec, kind, n_rs = None, SeqRmType.FULL, 0
+    else:
+        n_rs = need_n_rs_seq(spec) if n_rs_seq is None else int(n_rs_seq)
+        if n_rs < 0:
+            raise ValueError(f"n_rs_seq must be >= 0, got {n_rs}")
+        kind = can_seq_rm(model, n_rs)
     if kind == SeqRmType.NO:
         warnings.warn(
             f"the target ({config.arch}) failed the rollback probe (seq_rm type NO): "
             "speculative decoding is disabled, decoding without drafts",
             stacklevel=3,
         )
-        return None, None, None, None, 0.0
-    drafters, dparams = build_drafters(spec, model, draft)
+        if not from_slots:
+            return None, None, None, None, 0.0
+        spec, n_rs = None, 0
+    drafters, dparams = build_drafters(spec, model, draft) if spec is not None else ((), ())
     for d in drafters:
         if d.hidden_layers:
             raise ValueError(
                 f"{d.name} reads target hidden states, which the {config.arch} target does not "
                 "export yet; use n-gram drafters or draft-simple"
             )
-    K = spec.resolved_k_max()
+    K = spec.resolved_k_max() if spec is not None else 1
     B = len(prompt_ids)
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     T = min(max(8, 1 << (int(lengths.max()) - 1).bit_length()), n_ctx)  # history holds n_ctx
@@ -466,6 +488,11 @@ def generate_speculative(
         out_capacity=n_out,
         eog_ids=tuple(model.eog_ids),
     )
+    start = None
+    if from_slots:
+        from specjax.slots import hybrid_start
+
+        start = hybrid_start(model, list(slots), n_ctx, n_rs)
     t0 = time.perf_counter()
     st = jax.device_get(
         run(
@@ -475,9 +502,12 @@ def generate_speculative(
             jnp.asarray(tokens),
             jnp.asarray(lengths),
             jnp.asarray(max_new),
+            start,
         )
     )
     seconds = time.perf_counter() - t0
+    if spec is None:
+        return st.out_tokens, st.out_len, st.finish, None, seconds
     report = HybridSpecReport(
         seq_rm_type=kind.name,
         n_rs_seq=n_rs,
