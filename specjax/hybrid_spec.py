@@ -20,7 +20,11 @@ The server flow of llama.cpp (spec section 7) on a `HybridMemory`, for every row
                  nothing is emitted, the accepted list [d_1..d_nacc, c] becomes the row's
                  replay draft for the next round (counter `checkpoint`; the replay round
                  counts in `replay`, and in the statistics with one accepted token less,
-                 as upstream's PR #26320).
+                 as upstream's PR #26320). The drafters are restored with it: their
+                 own memory (the draft context, PART) is trimmed to the round's start
+                 by `rollback`, and their per-row checkpoint data (`data_spec`,
+                 `take_spec_state` / `load_spec_state`: EAGLE-3's boundary) is set back
+                 to its pre-round value; `accept` is not called (upstream 7.5).
     6 feedback drafter.process(verify batch), accept, rollback (as specjax.engine)
 
 Only greedy decoding (temperature 0): the output is plain greedy decoding token for token, up
@@ -37,7 +41,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
+from specjax.drafters.base import (
+    DraftInput,
+    TargetBatch,
+    TokenHistory,
+    load_spec_state,
+    take_spec_state,
+)
 from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory
 from specjax.models import qwen35
 from specjax.pytree import pytree_dataclass, replace
@@ -308,6 +318,8 @@ def spec_step(
             s = d.process(p, s, batch)
             s = d.accept(s, n_acc, winner != i, had_draft & ~ckpt)
             s = d.rollback(s, new_length)
+            # checkpointed rows: the drafter's data_spec back to its pre-round value
+            s = load_spec_state(d, s, take_spec_state(d, st.drafter_states[i]), ckpt)
             new_states.append(s)
         dstates = tuple(new_states)
 
