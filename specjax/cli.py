@@ -346,13 +346,14 @@ def generate_main(argv: list[str]) -> int:
         f"({t['tokens_per_second']:.1f} t/s, {t['n_rounds']} rounds)",
         file=log,
     )
-    for saved in t.get("slots", {}).get("saved", []):
+    slot_report: dict[str, Any] = result.timings.get("slots") or {}  # type: ignore[assignment]
+    for saved in slot_report.get("saved", []):
         print(
             f"slot: saved {saved['name']} ({saved['n_tokens']} tokens, {saved['bytes']} bytes) "
             f"to {saved['path']}",
             file=log,
         )
-    for restored in t.get("slots", {}).get("restored", []):
+    for restored in slot_report.get("restored", []):
         print(
             f"slot: prompt {restored['row']} restored {restored['name']} "
             f"({restored['n_tokens']} tokens) from {restored['path']}",
