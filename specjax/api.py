@@ -249,6 +249,10 @@ class SpecReport:
         from specjax.stats import format_impl_lines, format_server_lines
 
         lines = format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
+        if self.stats.n_rollback is not None:
+            from specjax.stats import format_rollback_line, rollback_dict
+
+            lines.append(format_rollback_line(rollback_dict(self.stats.n_rollback)))
         g = self.governor
         if g:
             state = "on" if g["enabled"] else "off"

@@ -579,6 +579,7 @@ def spec_step(
             new_states.append(s)
         dstates = tuple(new_states)
         stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
+        stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
         governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:

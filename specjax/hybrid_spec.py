@@ -51,10 +51,12 @@ from specjax.drafters.base import (
 from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory
 from specjax.models import qwen35
 from specjax.pytree import pytree_dataclass, replace
+from specjax.stats import ROLLBACK_PATHS, format_rollback_line
 from specjax.types import Array, Params
 
 FINISH_NONE, FINISH_EOG, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
-#: Names of the per-path round counters (`HybridGenState.paths`, summed over rows).
+#: Names of the per-path round counters (`HybridGenState.paths`, summed over rows), a subset of
+#: `specjax.stats.ROLLBACK_PATHS` (the report fills the others with 0).
 PATHS = ("full_accept", "rs_plane", "checkpoint", "replay", "seq_rm_failed")
 
 
@@ -414,7 +416,7 @@ class HybridSpecReport:
             else 0.0,
             "seq_rm_type": self.seq_rm_type,
             "n_rs_seq": self.n_rs_seq,
-            "rollback": dict(self.paths),
+            "rollback": {name: self.paths.get(name, 0) for name in ROLLBACK_PATHS},
             "target_forwards": self.n_rounds,
             "drafters": list(self.names),
         }
@@ -425,8 +427,7 @@ class HybridSpecReport:
             f"target memory: {self.seq_rm_type} (n_rs_seq = {self.n_rs_seq})",
             f"draft acceptance rate = {self.to_dict()['acceptance_rate']:.5f} "
             f"({self.n_accepted} accepted / {self.n_draft_tokens} generated)",
-            f"rollback: {p['rs_plane']} by RS plane, {p['checkpoint']} by checkpoint + replay "
-            f"({p['replay']} replay rounds), {p['full_accept']} fully accepted",
+            format_rollback_line(p),
         ]
 
     def __str__(self) -> str:
