@@ -60,6 +60,7 @@ def _plain() -> list[list[int]]:
     return res.tokens
 
 
+@pytest.mark.slow  # 30-50 s on 2 shared cores: 48 from-scratch forwards
 def test_plain_sampling_equals_a_host_loop_from_scratch() -> None:
     model = _model()
     T = 64
