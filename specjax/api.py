@@ -249,6 +249,10 @@ class SpecReport:
         from specjax.stats import format_impl_lines, format_server_lines
 
         lines = format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
+        if self.stats.n_rollback is not None:
+            from specjax.stats import format_rollback_line, rollback_dict
+
+            lines.append(format_rollback_line(rollback_dict(self.stats.n_rollback)))
         g = self.governor
         if g:
             state = "on" if g["enabled"] else "off"
@@ -507,6 +511,10 @@ def generate(
     _slots: _Slots | None = None,
     stream: Any = None,
     stream_rounds: int = 8,
+    slot_save_path: str | None = None,
+    slot_save: str | Sequence[str | None] | None = None,
+    slot_restore: str | Sequence[str | None] | None = None,
+    slot_overwrite: bool = False,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -525,6 +533,13 @@ def generate(
     reports it apart from prefill/decode time. Drafter state lives for one call; a
     `Generator` keeps it across calls.
 
+    Slots (`specjax.slots`, llama.cpp's `--slot-save-path`): `slot_save="NAME"` (or one name
+    or None per prompt) saves each prompt's processed state as `slot_save_path/NAME` before
+    decoding (never over an existing slot unless `slot_overwrite`); `slot_restore="NAME"`
+    starts every prompt (or per prompt) from a saved slot, so only the tokens after the
+    slot's prompt are prefilled; the prompt must start with the slot's prompt.
+    `timings["slots"]` reports what was saved / restored.
+
     `stream(row, text)`: called with each prompt's new text as it is produced (the host
     reads the state every `stream_rounds` rounds; the tokens are the same as without it;
     `stop` strings apply to the returned result only).
@@ -541,13 +556,28 @@ def generate(
             prompts,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
+            top_k=top_k,
+            top_p=top_p,
+            min_p=min_p,
+            seed=seed,
             repeat_penalty=repeat_penalty,
             n_ctx=n_ctx,
             spec=spec,
             draft=draft,
             stop=stop,
+            **_slot_kwargs(slot_save_path, slot_save, slot_restore, slot_overwrite),
         )
     prompt_ids = _tokenize_prompts(model, prompts)
+    slot_states, slot_report = None, None
+    if slot_save_path is not None or slot_save is not None or slot_restore is not None:
+        from specjax import slots as slots_mod
+
+        if n_ubatch:
+            raise ValueError("slot save / restore prefill the prompt in one batch: n_ubatch 0")
+        slot_states, slot_report = slots_mod.prepare(
+            model, prompt_ids, directory=slot_save_path, save=slot_save, restore=slot_restore,
+            overwrite=slot_overwrite, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+        )  # fmt: skip
     n_prompts = len(prompt_ids)
     B = n_prompts if _slots is None else _slots.batch
     if n_prompts > B:
@@ -629,10 +659,23 @@ def generate(
     )
     tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
     carried = None if _slots is None else _slots.states
+    start = None
+    if slot_states is not None and any(st is not None for st in slot_states):
+        from specjax import slots as slots_mod
+
+        for d in drafters:
+            if d.hidden_layers:
+                raise ValueError(f"{d.name} reads the target's hidden states of the prompt, "
+                                 "which a restored slot does not hold")  # fmt: skip
+        start = slots_mod.attention_start(
+            model, slot_states + [None] * n_idle, S, engine.cache_type_k or model.config.dtype,
+            engine.cache_type_v or engine.cache_type_k or model.config.dtype,
+        )  # fmt: skip
     tc = time.perf_counter()
     prefill_exe = _compiled(
-        eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run, carried
-    )
+        eng.prefill_jit, engine, model.params, drafter_params, tokens_j, lengths_j, run, carried,
+        start,
+    )  # fmt: skip
     state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
     if stream is None:
         loop_exe = _compiled(
@@ -643,7 +686,7 @@ def generate(
             model, engine, drafter_params, state_shape, run, stream, stream_rounds, n_prompts
         )
     t0 = time.perf_counter()
-    state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run, carried)
+    state = prefill_exe(model.params, drafter_params, tokens_j, lengths_j, run, carried, start)
     jax.block_until_ready(state.last_token)
     t1 = time.perf_counter()
     state = loop_exe(model.params, drafter_params, state, run)
@@ -682,6 +725,8 @@ def generate(
         "compile_seconds": t0 - tc,
         "kv_cache_bytes": state.cache.nbytes,
     }
+    if slot_report:
+        timings["slots"] = slot_report
     stats = None
     if spec is not None:
         gov = jax.device_get(state.governor)
@@ -704,6 +749,14 @@ def generate(
         prompt_tokens=prompt_ids[:n_prompts],
         drafter_states={d.name: st for d, st in zip(drafters, state.drafter_states)},
     )
+
+
+def _slot_kwargs(path: Any, save: Any, restore: Any, overwrite: bool) -> dict[str, Any]:
+    """The slot arguments `generate` hands a hybrid target (only those given)."""
+    if path is None and save is None and restore is None:
+        return {}
+    return dict(slot_save_path=path, slot_save=save, slot_restore=restore,
+                slot_overwrite=overwrite)  # fmt: skip
 
 
 def _streaming_loop(

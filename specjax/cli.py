@@ -57,6 +57,10 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "stream": False,
     # None: the default (SPECJAX_COMPILE_CACHE or the user cache dir); False: off; str: dir
     "compile_cache": None,
+    "slot_save_path": None,
+    "slot_save": None,
+    "slot_restore": None,
+    "slot_overwrite": False,
 }
 
 
@@ -140,6 +144,30 @@ def _generate_parser() -> argparse.ArgumentParser:
         "few rounds)",
     )
     p.add_argument("-v", "--verbose", action="store_true", default=None)
+    sl = p.add_argument_group("slots (llama.cpp's --slot-save-path; specjax.slots)")
+    sl.add_argument(
+        "--slot-save-path",
+        metavar="DIR",
+        help="directory of saved slots (a prompt's processed state), must exist",
+    )
+    sl.add_argument(
+        "--slot-save",
+        metavar="NAME",
+        help="save the prompt's processed state as DIR/NAME before generating (one prompt; "
+        "an existing slot is an error unless --slot-overwrite)",
+    )
+    sl.add_argument(
+        "--slot-restore",
+        metavar="NAME",
+        help="start from slot DIR/NAME: only the prompt after the slot's prompt is prefilled "
+        "(every prompt must start with the slot's prompt)",
+    )
+    sl.add_argument(
+        "--slot-overwrite",
+        action="store_true",
+        default=None,
+        help="let --slot-save replace an existing slot (atomically)",
+    )
     c = p.add_mutually_exclusive_group()
     c.add_argument(
         "--compile-cache",
@@ -262,6 +290,7 @@ def generate_main(argv: list[str]) -> int:
     spec = _spec_from_options(opts)
     prompts = _read_prompts(opts)
     log = sys.stderr
+    slot_kwargs = _slot_options(opts, len(prompts))
     model = load(opts["model"])
     draft = None
     if opts.get("spec_draft_model"):
@@ -300,6 +329,7 @@ def generate_main(argv: list[str]) -> int:
         spec=spec,
         draft=draft,
         n_ubatch=int(opts["ubatch_size"] or 0),
+        **slot_kwargs,
     )
     for prompt, text in zip(prompts, result.text):
         if stream is not None:
@@ -316,6 +346,19 @@ def generate_main(argv: list[str]) -> int:
         f"({t['tokens_per_second']:.1f} t/s, {t['n_rounds']} rounds)",
         file=log,
     )
+    slot_report: dict[str, Any] = result.timings.get("slots") or {}  # type: ignore[assignment]
+    for saved in slot_report.get("saved", []):
+        print(
+            f"slot: saved {saved['name']} ({saved['n_tokens']} tokens, {saved['bytes']} bytes) "
+            f"to {saved['path']}",
+            file=log,
+        )
+    for restored in slot_report.get("restored", []):
+        print(
+            f"slot: prompt {restored['row']} restored {restored['name']} "
+            f"({restored['n_tokens']} tokens) from {restored['path']}",
+            file=log,
+        )
     if result.stats is not None:
         for line in result.stats.lines():
             print(line, file=log)
@@ -346,6 +389,31 @@ def generate_main(argv: list[str]) -> int:
                     record["stats"] = result.stats.to_dict()
                 fh.write(json.dumps(record) + "\n")
     return 0
+
+
+def _slot_options(opts: dict[str, Any], n_prompts: int) -> dict[str, Any]:
+    """`generate`'s slot arguments from --slot-save-path / --slot-save / --slot-restore."""
+    path, save, restore = (
+        opts.get("slot_save_path"),
+        opts.get("slot_save"),
+        opts.get("slot_restore"),
+    )
+    if path is None:
+        if save or restore:
+            raise SystemExit("error: --slot-save / --slot-restore need --slot-save-path DIR")
+        return {}
+    if not Path(path).is_dir():
+        raise SystemExit(f"error: --slot-save-path: not a directory: {path}")
+    if save and n_prompts != 1:
+        raise SystemExit(f"error: --slot-save takes one prompt, got {n_prompts}")
+    if save and restore:
+        raise SystemExit("error: give --slot-save or --slot-restore, not both")
+    return {
+        "slot_save_path": str(path),
+        "slot_save": save or None,
+        "slot_restore": restore or None,
+        "slot_overwrite": bool(opts.get("slot_overwrite")),
+    }
 
 
 #: Subcommands and their one-line descriptions (`specjax --help`).

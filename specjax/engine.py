@@ -148,6 +148,7 @@ def prefill(
     lengths_B: Array,
     run: RunParams,
     states: tuple[Any, ...] | None = None,
+    start: tuple[KVCache, Array] | None = None,
 ) -> GenState:
     """Evaluate the prompts, sample the first token, prime the drafters.
 
@@ -156,6 +157,10 @@ def prefill(
     `init(B, S)`. Carried states first drop every memory cell (`rollback` to 0: a new
     request, as the server's `seq_rm` of the slot); then `process` and `begin` run as for
     fresh states, so a drafter's `begin` decides what else a new request resets.
+
+    `start`: (cache, n_cached [B]) from restored slots (`specjax.slots`): the cache already
+    holds each row's positions 0..n_cached-1, only the rest of the prompt is evaluated (not
+    chunked; drafters see the whole prompt, without hidden states).
     """
     B, T = tokens_BT.shape
     S, out_cap = engine.capacity, engine.out_capacity
@@ -169,8 +174,19 @@ def prefill(
     else:
         no_cells = jnp.zeros((B,), jnp.int32)
         states = tuple(d.rollback(s, no_cells) for d, s in zip(engine.drafters, states))
-    chunked = 0 < engine.n_ubatch < T
-    if chunked:
+    chunked = 0 < engine.n_ubatch < T and start is None
+    if start is not None:  # restored slots: evaluate the prompt after the cached prefix
+        from specjax.slots import suffix
+
+        cache, n_cached = start
+        s_tokens, s_pos, s_last = suffix(tokens_BT, lengths_B, n_cached)
+        out = forward_compute(
+            engine.target, target_params, s_tokens, s_pos, cache, logit_index=s_last
+        )
+        cache = commit_kv(cache, s_pos, out.k, out.v, after=out.logits)
+        assert out.logits is not None
+        logits_BV = out.logits[:, 0]
+    elif chunked:
         cache, logits_BV, states = _prefill_chunked(
             engine, target_params, drafter_params, tokens_BT, positions_BT, lengths_B, cache, states
         )
@@ -202,7 +218,7 @@ def prefill(
         batch = TargetBatch(
             tokens=tokens_BT,
             positions=positions_BT,
-            hidden=hidden_by_layer(engine.hidden_layers, out.hidden),
+            hidden=hidden_by_layer(engine.hidden_layers, out.hidden) if start is None else {},
             is_prompt=True,
         )
         states = tuple(
@@ -563,6 +579,7 @@ def spec_step(
             new_states.append(s)
         dstates = tuple(new_states)
         stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
+        stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
         governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:

@@ -2,15 +2,18 @@
 
 `specjax.generate` sends a qwen35 model here. What it does and refuses:
 
-* Greedy decoding only (temperature <= 0): a prefill of all rows (prompts right-padded; the
+* Greedy decoding (temperature <= 0): a prefill of all rows (prompts right-padded; the
   padding leaves the recurrent state untouched), then one `lax.while_loop` of one-token steps.
   Rows stop at an end-of-generation token, at their max_new_tokens or a full context.
 * Speculative decoding (greedy; n-gram drafters, draft-simple) runs in `specjax.hybrid_spec`: rejected
   draft tokens leave the recurrent state by n_rs_seq snapshot planes (`n_rs_seq > 0`, the RS
   path) or by restoring the pre-round state and replaying the accepted tokens (FULL), as
   llama.cpp's server; `n_rs_seq=None` takes upstream's `need_n_rs_seq`. A target the probe
-  calls NO decodes without drafts, with a warning. Sampling at temperature > 0, repeat
-  penalties and custom KV cache types are refused with a ValueError.
+  calls NO decodes without drafts, with a warning.
+* Sampling (temperature > 0, top-k / top-p / min-p, per-row seeds) runs in the same
+  `specjax.hybrid_spec` loop, with or without drafters: the token at position p is drawn
+  with the key (seed, p, ROLE_SAMPLE), so speculative sampling gives plain sampling's tokens.
+  Repeat penalties and custom KV cache types are refused with a ValueError.
 """
 
 from __future__ import annotations
@@ -100,6 +103,10 @@ def generate_hybrid(
     draft: Any = None,
     stop: Sequence[str] = (),
     n_rs_seq: int | None = None,
+    slot_save_path: str | None = None,
+    slot_save: Any = None,
+    slot_restore: Any = None,
+    slot_overwrite: bool = False,
     **_sampling: Any,
 ) -> Any:
     """`specjax.generate` for a qwen35 model (see the module docstring for what is refused)."""
@@ -109,11 +116,6 @@ def generate_hybrid(
     speculative = spec is not None and spec.enabled
     if draft is not None and not speculative:
         raise ValueError("a draft model was given without a speculative type (spec)")
-    if temperature > 0:
-        raise ValueError(
-            f"temperature {temperature} > 0 on a {config.arch} target is not supported yet; "
-            "only greedy decoding (temperature 0)"
-        )
     if repeat_penalty != 1.0:
         raise ValueError(f"repeat_penalty {repeat_penalty} is not supported on {config.arch} yet")
     prompt_ids = api._tokenize_prompts(model, prompts)
@@ -131,13 +133,40 @@ def generate_hybrid(
         tokens[b, : len(p)] = p
     eog = np.asarray(model.eog_ids or (-1,), np.int32)
     report = None
-    if speculative:
+    sampling_params = None
+    if np.any(
+        np.asarray(temperature, dtype=np.float64) > 0
+    ):  # sampled in specjax.hybrid_spec's loop (keys from seed and position)
+        from specjax import sampling
+
+        args = api._sampling_args(
+            B, temperature, _sampling.get("top_k", 0), _sampling.get("top_p", 1.0),
+            _sampling.get("min_p", 0.0), repeat_penalty,
+        )  # fmt: skip
+        seeds = api._per_row(_sampling.get("seed", 0), B, "seed")
+        sampling_params = sampling.SamplingParams.create(
+            batch=B,
+            **{name: jnp.asarray(value) for name, value in args.items()},
+            seed=jnp.asarray(seeds % (1 << 32), jnp.uint32),
+        )
+    slot_states, slot_report = None, None
+    if slot_save_path is not None or slot_save is not None or slot_restore is not None:
+        from specjax import slots
+
+        slot_states, slot_report = slots.prepare(
+            model, prompt_ids, directory=slot_save_path, save=slot_save, restore=slot_restore,
+            overwrite=slot_overwrite, cache_type_k=None, cache_type_v=None,
+        )  # fmt: skip
+    from_slots = slot_states is not None and any(s is not None for s in slot_states)
+    out_BN = None
+    if speculative or from_slots or sampling_params is not None:
         from specjax.hybrid_spec import generate_speculative
 
         out_BN, out_len, fin, report, seconds = generate_speculative(
-            model, prompt_ids, max_new, spec=spec, draft=draft, n_ctx=n_ctx, n_rs_seq=n_rs_seq
-        )
-    if report is None:
+            model, prompt_ids, max_new, spec=spec if speculative else None, draft=draft,
+            n_ctx=n_ctx, n_rs_seq=n_rs_seq, slots=slot_states, sampling_params=sampling_params,
+        )  # fmt: skip
+    if out_BN is None:
         t0 = time.perf_counter()
         out_BN, out_len, fin = jax.device_get(
             _run(
@@ -166,7 +195,7 @@ def generate_hybrid(
         texts.append(text)
         reasons.append(reason)
     generated = int(np.sum(out_len))
-    timings = {
+    timings: dict[str, Any] = {
         "prompt_tokens": int(lengths.sum()),
         "generated_tokens": generated,
         "total_seconds": seconds,  # compile included; no prefill/decode split yet
@@ -176,6 +205,8 @@ def generate_hybrid(
         "decode_seconds": seconds,
         "n_rounds": report.n_rounds if report is not None else max(int(np.max(out_len)) - 1, 0),
     }
+    if slot_report:
+        timings["slots"] = slot_report
     return dataclasses.replace(
         api.GenerationResult(
             tokens=results, text=texts, timings=timings, finish_reasons=reasons, stats=report

@@ -20,12 +20,21 @@ The server flow of llama.cpp (spec section 7) on a `HybridMemory`, for every row
                  nothing is emitted, the accepted list [d_1..d_nacc, c] becomes the row's
                  replay draft for the next round (counter `checkpoint`; the replay round
                  counts in `replay`, and in the statistics with one accepted token less,
-                 as upstream's PR #26320).
+                 as upstream's PR #26320). The drafters are restored with it: their
+                 own memory (the draft context, PART) is trimmed to the round's start
+                 by `rollback`, and their per-row checkpoint data (`data_spec`,
+                 `take_spec_state` / `load_spec_state`: EAGLE-3's boundary) is set back
+                 to its pre-round value; `accept` is not called (upstream 7.5).
     6 feedback drafter.process(verify batch), accept, rollback (as specjax.engine)
 
-Only greedy decoding (temperature 0): the output is plain greedy decoding token for token, up
-to the float32 difference between the verify batch and one-token steps. Everything runs in
-one jitted `lax.while_loop`; the host only reads the final state.
+Greedy decoding (the default): the output is plain greedy decoding token for token, up to the
+float32 difference between the verify batch and one-token steps. With `sampling_params`
+(temperature > 0, top-k/p, min-p; no repeat penalty) step 4 is `specjax.verify.verify_rows`:
+the token at position p is drawn with the key (seed, p, ROLE_SAMPLE), drafts are accepted
+while they match the target's own draws, replay rows are accepted untested and the
+continuation drawn with its position's key. The sampler has no other state, so restoring a
+checkpoint restores it: the output is plain sampling with the same seed token for token.
+Everything runs in one jitted `lax.while_loop`; the host only reads the final state.
 """
 
 from __future__ import annotations
@@ -37,14 +46,25 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
+from specjax import sampling, verify
+from specjax.drafters.base import (
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    load_spec_state,
+    take_spec_state,
+)
 from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory
 from specjax.models import qwen35
 from specjax.pytree import pytree_dataclass, replace
+from specjax.sampling import SamplingParams
+from specjax.stats import ROLLBACK_PATHS, format_rollback_line
 from specjax.types import Array, Params
 
 FINISH_NONE, FINISH_EOG, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
-#: Names of the per-path round counters (`HybridGenState.paths`, summed over rows).
+#: Names of the per-path round counters (`HybridGenState.paths`, summed over rows), a subset of
+#: `specjax.stats.ROLLBACK_PATHS` (the report fills the others with 0).
 PATHS = ("full_accept", "rs_plane", "checkpoint", "replay", "seq_rm_failed")
 
 
@@ -80,6 +100,8 @@ class HybridGenState:
     n_accepted: Array  # [] accepted draft tokens (replay rounds: one less, as upstream)
     n_verif_steps: Array  # [] verification steps with a draft (not the checkpointed ones)
     n_rounds: Array  # []
+    #: target sampling (temperature > 0 possible) or None: greedy (argmax, the fast path)
+    sampling: SamplingParams | None = None
 
 
 def _is_eog(engine: HybridEngine, tokens: Array) -> Array:
@@ -112,16 +134,33 @@ def prefill(
     tokens_BT: Array,
     lengths_B: Array,
     max_new_B: Array,
+    start: tuple[HybridMemory, Array] | None = None,
+    sampling_params: SamplingParams | None = None,
 ) -> HybridGenState:
+    """`start`: (memory, n_cached [B]) of restored slots (`specjax.slots`): only the prompt
+    after each row's cached prefix is evaluated. `sampling_params` ([B] fields): sample the
+    tokens (key from seed, the token's position and ROLE_SAMPLE); None = greedy."""
     B, T = tokens_BT.shape
     S, K = engine.capacity, engine.k_max
     positions_BT = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], jnp.arange(T)[None], -1)
-    mem = HybridMemory.init(engine.target, B, S, engine.n_rs_seq)
-    logits, mem = forward_memory(
-        engine.target, params, tokens_BT, positions_BT, mem, cache_empty=True
-    )
-    last = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
-    first = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    if start is None:
+        mem = HybridMemory.init(engine.target, B, S, engine.n_rs_seq)
+        logits, mem = forward_memory(
+            engine.target, params, tokens_BT, positions_BT, mem, cache_empty=True
+        )
+        last_idx = lengths_B - 1
+    else:
+        from specjax.slots import suffix
+
+        mem, n_cached = start
+        s_tokens, s_pos, last_idx = suffix(tokens_BT, lengths_B, n_cached)
+        logits, mem = forward_memory(engine.target, params, s_tokens, s_pos, mem)
+    last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
+    if sampling_params is None:
+        first = jnp.argmax(last, axis=-1).astype(jnp.int32)
+    else:
+        keys = sampling.make_keys(sampling_params.seed, lengths_B, sampling.ROLE_SAMPLE)
+        first = sampling.sample(last, sampling_params, keys).astype(jnp.int32)
     states = tuple(d.init(B, S) for d in engine.drafters)
     batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, is_prompt=True)
     states = tuple(
@@ -156,6 +195,7 @@ def prefill(
         n_accepted=zero,
         n_verif_steps=zero,
         n_rounds=zero,
+        sampling=sampling_params,
     )
 
 
@@ -178,7 +218,10 @@ def _relay(
             drafting=remaining,
             n_min=jnp.zeros((), jnp.int32),
             p_min=jnp.zeros((), jnp.float32),
-            temperature=jnp.zeros((B,), jnp.float32),
+            temperature=jnp.zeros((B,), jnp.float32)
+            if st.sampling is None
+            else st.sampling.temperature,
+            seed=None if st.sampling is None else st.sampling.seed,
         )
         s, out = d.draft(p, s, inp, K)
         won = remaining & out.valid[:, 0]
@@ -203,6 +246,24 @@ def _verify(
             logits, m = forward_memory(engine.target, params, tok[:, :width], pos[:, :width], m)
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
             return jnp.pad(greedy, ((0, 0), (0, K + 1 - width))), m
+
+        return run
+
+    wide = jnp.any(v_pos[:, 1:] >= 0).astype(jnp.int32)
+    return jax.lax.switch(wide, [branch(1), branch(K + 1)], (mem, v_tokens, v_pos))
+
+
+def _verify_logits(
+    engine: HybridEngine, params: Params, mem: HybridMemory, v_tokens: Array, v_pos: Array
+) -> tuple[Array, HybridMemory]:
+    """`_verify` returning the logits [B, K+1, V] (padded rows zero) for sampling."""
+    K = engine.k_max
+
+    def branch(width: int) -> Any:
+        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory]:
+            m, tok, pos = ops
+            logits, m = forward_memory(engine.target, params, tok[:, :width], pos[:, :width], m)
+            return jnp.pad(logits, ((0, 0), (0, K + 1 - width), (0, 0))), m
 
         return run
 
@@ -239,13 +300,19 @@ def spec_step(
     v_pos = jnp.where(v_valid, st.length[:, None] + ar_T, -1)
     # upstream decides on the draft length (7.3): FULL always, RS beyond n_rs_seq planes
     use_ckpt = ~replaying & (draft_len > engine.n_rs_seq)
-    greedy, mem = _verify(engine, params, st.mem, v_tokens, v_pos)
-
-    match_K = (greedy[:, :K] == draft_tokens) & valid_K
-    n_acc = jnp.sum(jnp.cumprod(match_K.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
-    n_acc = jnp.where(replaying, draft_len, n_acc)  # replayed tokens are accepted untested
-    n_acc = jnp.where(active, n_acc, 0)
-    next_token = jnp.take_along_axis(greedy, n_acc[:, None], axis=1)[:, 0]
+    if st.sampling is None:
+        greedy, mem = _verify(engine, params, st.mem, v_tokens, v_pos)
+        match_K = (greedy[:, :K] == draft_tokens) & valid_K
+        n_acc = jnp.sum(jnp.cumprod(match_K.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
+        n_acc = jnp.where(replaying, draft_len, n_acc)  # replayed tokens are accepted untested
+        n_acc = jnp.where(active, n_acc, 0)
+        next_token = jnp.take_along_axis(greedy, n_acc[:, None], axis=1)[:, 0]
+    else:  # specjax.verify: sample-and-match, replay rows accepted untested (keys by position)
+        logits, mem = _verify_logits(engine, params, st.mem, v_tokens, v_pos)
+        draft = DraftOutput(tokens=draft_tokens, valid=valid_K)
+        result = verify.verify_rows(logits, draft, st.sampling, st.length, replay_B=replaying)
+        n_acc = jnp.where(active, result.n_accepted, 0).astype(jnp.int32)
+        next_token = result.next_token.astype(jnp.int32)
     n_rollback = draft_len - n_acc
     ckpt = active & (n_rollback > 0) & use_ckpt
     rs = active & (n_rollback > 0) & ~use_ckpt
@@ -297,6 +364,8 @@ def spec_step(
             s = d.process(p, s, batch)
             s = d.accept(s, n_acc, winner != i, had_draft & ~ckpt)
             s = d.rollback(s, new_length)
+            # checkpointed rows: the drafter's data_spec back to its pre-round value
+            s = load_spec_state(d, s, take_spec_state(d, st.drafter_states[i]), ckpt)
             new_states.append(s)
         dstates = tuple(new_states)
 
@@ -329,6 +398,7 @@ def spec_step(
         n_accepted=st.n_accepted + jnp.sum(jnp.where(verified, counted, 0)),
         n_verif_steps=st.n_verif_steps + jnp.sum(verified),
         n_rounds=st.n_rounds + 1,
+        sampling=st.sampling,
     )
 
 
@@ -340,9 +410,14 @@ def run(
     tokens_BT: Array,
     lengths_B: Array,
     max_new_B: Array,
+    start: tuple[HybridMemory, Array] | None = None,
+    sampling_params: SamplingParams | None = None,
 ) -> HybridGenState:
-    """Prefill + the speculative loop until every row is done."""
-    st = prefill(engine, params, drafter_params, tokens_BT, lengths_B, max_new_B)
+    """Prefill (from restored slots with `start`) + the speculative loop until every row is
+    done (sampled with `sampling_params`, else greedy)."""
+    st = prefill(
+        engine, params, drafter_params, tokens_BT, lengths_B, max_new_B, start, sampling_params
+    )
 
     def cond(s: HybridGenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < 2 * engine.out_capacity)
@@ -389,7 +464,7 @@ class HybridSpecReport:
             else 0.0,
             "seq_rm_type": self.seq_rm_type,
             "n_rs_seq": self.n_rs_seq,
-            "rollback": dict(self.paths),
+            "rollback": {name: self.paths.get(name, 0) for name in ROLLBACK_PATHS},
             "target_forwards": self.n_rounds,
             "drafters": list(self.names),
         }
@@ -400,8 +475,7 @@ class HybridSpecReport:
             f"target memory: {self.seq_rm_type} (n_rs_seq = {self.n_rs_seq})",
             f"draft acceptance rate = {self.to_dict()['acceptance_rate']:.5f} "
             f"({self.n_accepted} accepted / {self.n_draft_tokens} generated)",
-            f"rollback: {p['rs_plane']} by RS plane, {p['checkpoint']} by checkpoint + replay "
-            f"({p['replay']} replay rounds), {p['full_accept']} fully accepted",
+            format_rollback_line(p),
         ]
 
     def __str__(self) -> str:
@@ -417,11 +491,16 @@ def generate_speculative(
     draft: Any,
     n_ctx: int,
     n_rs_seq: int | None,
+    slots: Any = None,
+    sampling_params: SamplingParams | None = None,
 ) -> tuple[Any, Any, Any, HybridSpecReport | None, float]:
     """Host side of a speculative run on a qwen35 target (called by `generate_hybrid`).
 
     Returns (out tokens [B, O], out_len [B], finish [B], report or None, seconds); None when
-    the probe says NO (speculation disabled with a warning, plain decoding instead)."""
+    the probe says NO (speculation disabled with a warning, plain decoding instead).
+    `slots`: per-row `specjax.slots.SlotState` or None to start from; with `spec=None` (or a
+    NO target) the loop runs without drafters (plain decoding) and the report is None.
+    `sampling_params` ([B] fields): sample at temperature > 0 (None: greedy)."""
     import time
     import warnings
 
@@ -431,25 +510,33 @@ def generate_speculative(
     from specjax.hybrid_memory import SeqRmType, can_seq_rm
 
     config = model.config
-    n_rs = need_n_rs_seq(spec) if n_rs_seq is None else int(n_rs_seq)
-    if n_rs < 0:
-        raise ValueError(f"n_rs_seq must be >= 0, got {n_rs}")
-    kind = can_seq_rm(model, n_rs)
+    from_slots = slots is not None and any(s is not None for s in slots)
+    if spec is None and not from_slots and sampling_params is None:
+        return None, None, None, None, 0.0
+    if spec is None:
+        spec, kind, n_rs = None, SeqRmType.FULL, 0
+    else:
+        n_rs = need_n_rs_seq(spec) if n_rs_seq is None else int(n_rs_seq)
+        if n_rs < 0:
+            raise ValueError(f"n_rs_seq must be >= 0, got {n_rs}")
+        kind = can_seq_rm(model, n_rs)
     if kind == SeqRmType.NO:
         warnings.warn(
             f"the target ({config.arch}) failed the rollback probe (seq_rm type NO): "
             "speculative decoding is disabled, decoding without drafts",
             stacklevel=3,
         )
-        return None, None, None, None, 0.0
-    drafters, dparams = build_drafters(spec, model, draft)
+        if not from_slots and sampling_params is None:
+            return None, None, None, None, 0.0
+        spec, n_rs = None, 0
+    drafters, dparams = build_drafters(spec, model, draft) if spec is not None else ((), ())
     for d in drafters:
         if d.hidden_layers:
             raise ValueError(
                 f"{d.name} reads target hidden states, which the {config.arch} target does not "
                 "export yet; use n-gram drafters or draft-simple"
             )
-    K = spec.resolved_k_max()
+    K = spec.resolved_k_max() if spec is not None else 1
     B = len(prompt_ids)
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     T = min(max(8, 1 << (int(lengths.max()) - 1).bit_length()), n_ctx)  # history holds n_ctx
@@ -466,6 +553,11 @@ def generate_speculative(
         out_capacity=n_out,
         eog_ids=tuple(model.eog_ids),
     )
+    start = None
+    if from_slots:
+        from specjax.slots import hybrid_start
+
+        start = hybrid_start(model, list(slots), n_ctx, n_rs)
     t0 = time.perf_counter()
     st = jax.device_get(
         run(
@@ -475,9 +567,13 @@ def generate_speculative(
             jnp.asarray(tokens),
             jnp.asarray(lengths),
             jnp.asarray(max_new),
+            start,
+            sampling_params,
         )
     )
     seconds = time.perf_counter() - t0
+    if spec is None:
+        return st.out_tokens, st.out_len, st.finish, None, seconds
     report = HybridSpecReport(
         seq_rm_type=kind.name,
         n_rs_seq=n_rs,

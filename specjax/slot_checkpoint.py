@@ -154,10 +154,16 @@ def _manager(directory: Path, read_only: bool = False) -> Any:
     return ocp.CheckpointManager(directory.absolute(), options=options)
 
 
-def save(directory: str | Path, ckpt: PromptCheckpoint, model_id: dict[str, Any]) -> Path:
+def save(
+    directory: str | Path,
+    ckpt: PromptCheckpoint,
+    model_id: dict[str, Any],
+    extra: dict[str, Any] | None = None,
+) -> Path:
     """Write `ckpt` under `directory` as a new complete step (atomic); returns the step dir.
 
-    `model_id`: JSON-able facts the checkpoint must match when loaded (arch, config)."""
+    `model_id`: JSON-able facts the checkpoint must match when loaded (arch, config);
+    `extra`: JSON-able facts stored beside them (`read_meta(...)["extra"]`)."""
     import orbax.checkpoint as ocp
 
     directory = Path(directory)
@@ -168,6 +174,7 @@ def save(directory: str | Path, ckpt: PromptCheckpoint, model_id: dict[str, Any]
     meta = {
         "format": FORMAT,
         "model": model_id,
+        "extra": {} if extra is None else extra,
         "items": {name: _leaf_table(tree) for name, tree in items.items()},
         "treedefs": {name: str(jax.tree.structure(tree)) for name, tree in items.items()},
     }
@@ -183,15 +190,10 @@ def save(directory: str | Path, ckpt: PromptCheckpoint, model_id: dict[str, Any]
     return directory / str(step)
 
 
-def load(
-    directory: str | Path, like: PromptCheckpoint, model_id: dict[str, Any]
-) -> PromptCheckpoint:
-    """The newest complete checkpoint under `directory`, read into the structure of `like`.
-
-    Raises CheckpointError naming the directory and the field on any mismatch or corruption."""
+def _open(directory: Path) -> tuple[Any, int, Path, dict[str, Any]]:
+    """(manager, newest complete step, its directory, its meta) or CheckpointError."""
     import orbax.checkpoint as ocp
 
-    directory = Path(directory)
     if not directory.is_dir():
         raise CheckpointError(f"{directory}: no checkpoint directory")
     mngr = _manager(directory, read_only=True)
@@ -205,6 +207,26 @@ def load(
         raise CheckpointError(f"{where}: field meta cannot be read ({err})") from err
     if not isinstance(meta, dict) or meta.get("format") != FORMAT:
         raise CheckpointError(f"{where}: field meta.format is not {FORMAT!r}")
+    return mngr, step, where, meta
+
+
+def read_meta(directory: str | Path) -> tuple[Path, dict[str, Any]]:
+    """(step directory, meta) of the newest complete checkpoint under `directory`: the model
+    identity, `extra` and every leaf's shape / dtype / CRC-32, before any array is read."""
+    mngr, _, where, meta = _open(Path(directory))
+    mngr.close()
+    return where, meta
+
+
+def load(
+    directory: str | Path, like: PromptCheckpoint, model_id: dict[str, Any]
+) -> PromptCheckpoint:
+    """The newest complete checkpoint under `directory`, read into the structure of `like`.
+
+    Raises CheckpointError naming the directory and the field on any mismatch or corruption."""
+    import orbax.checkpoint as ocp
+
+    mngr, step, where, meta = _open(Path(directory))
     for key, want in model_id.items():
         have = meta.get("model", {}).get(key)
         if have != want:

@@ -34,6 +34,21 @@ import numpy as np
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
+#: How verified rounds left the target's memory (one schema for every target; counts are
+#: row-rounds): `full_accept` (every drafted token accepted, nothing to remove), `seq_rm`
+#: (PART: the rejected KV cells dropped by `seq_rm`, attention-only targets), `rs_plane`
+#: (RS: a recurrent state rolled back by a snapshot plane), `checkpoint` (FULL, or RS beyond
+#: n_rs_seq: the pre-round checkpoint restored), `replay` (the rounds replaying a
+#: checkpointed round's accepted tokens), `seq_rm_failed` (a bounded rollback that failed;
+#: always 0 in a correct run).
+ROLLBACK_PATHS = ("full_accept", "seq_rm", "rs_plane", "checkpoint", "replay", "seq_rm_failed")
+
+
+def rollback_dict(counts: Any) -> dict[str, int]:
+    """`{path: count}` over ROLLBACK_PATHS from an array ordered as ROLLBACK_PATHS."""
+    return {name: int(x) for name, x in zip(ROLLBACK_PATHS, np.asarray(counts).tolist())}
+
+
 _IMPL_FIELDS = (
     "n_call_begin",
     "n_call_draft",
@@ -61,6 +76,8 @@ class SpecStats:
     n_draft_accepted: Array  # []
     n_verif_steps: Array  # []
     n_accepted_per_pos: Array  # [K]
+    #: [len(ROLLBACK_PATHS)] row-rounds per rollback path (`record_rollback`)
+    n_rollback: Array
 
     @classmethod
     def create(cls, n_impl: int, k: int) -> SpecStats:
@@ -76,6 +93,7 @@ class SpecStats:
             n_draft_accepted=zero,
             n_verif_steps=zero,
             n_accepted_per_pos=jnp.zeros((k,), jnp.int32),
+            n_rollback=jnp.zeros((len(ROLLBACK_PATHS),), jnp.int32),
         )
 
     @property
@@ -122,6 +140,7 @@ class SpecStats:
             "acceptance_rate": accepted / drafted if drafted else 0.0,
             "accepted_per_position": per_pos,
             "acceptance_rate_per_position": [x / steps for x in per_pos] if steps else [],
+            "rollback": rollback_dict(host.n_rollback),
             "drafters": drafters,
         }
 
@@ -222,6 +241,29 @@ def record_accept(
         n_verif_steps=stats.n_verif_steps + jnp.sum(active_B.astype(jnp.int32)),
         n_accepted_per_pos=stats.n_accepted_per_pos
         + jnp.sum(srv_below_BK.astype(jnp.int32), axis=0),
+    )
+
+
+def record_rollback(stats: SpecStats, verified_B: Array, n_rollback_B: Array) -> SpecStats:
+    """Rollback path counters of an attention-only (PART) target for one round: rows that
+    verified a draft (`verified_B`) and dropped `n_rollback_B` rejected draft cells count in
+    `seq_rm` when that is > 0, else in `full_accept`."""
+    verified_B = verified_B.astype(bool)
+    rolled = jnp.sum(verified_B & (n_rollback_B > 0)).astype(jnp.int32)
+    full = jnp.sum(verified_B & (n_rollback_B <= 0)).astype(jnp.int32)
+    add = jnp.zeros((len(ROLLBACK_PATHS),), jnp.int32)
+    add = add.at[ROLLBACK_PATHS.index("seq_rm")].set(rolled)
+    add = add.at[ROLLBACK_PATHS.index("full_accept")].set(full)
+    return replace(stats, n_rollback=stats.n_rollback + add)
+
+
+def format_rollback_line(counts: dict[str, int]) -> str:
+    """specjax's line: how many verified rounds rolled back by each path."""
+    return (
+        f"rollback: {counts.get('seq_rm', 0)} by seq_rm, {counts.get('rs_plane', 0)} by RS "
+        f"plane, {counts.get('checkpoint', 0)} by checkpoint + replay "
+        f"({counts.get('replay', 0)} replay rounds), {counts.get('full_accept', 0)} fully "
+        "accepted"
     )
 
 

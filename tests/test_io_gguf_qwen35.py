@@ -188,10 +188,11 @@ def test_generate_refuses_what_the_recurrent_target_does_not_support(tmp_path: P
     model = specjax.load(str(path))
     assert isinstance(model.config, q.Qwen35Config)
     spec = specjax.SpecConfig(types=("ngram-mod",))
-    with pytest.raises(ValueError, match=r"temperature 0\.7 > 0 on a qwen35 target"):
-        specjax.generate(model, ["x = 1"], max_new_tokens=4, spec=spec, temperature=0.7)
-    with pytest.raises(ValueError, match=r"temperature 0\.7 > 0 on a qwen35 target"):
-        specjax.generate(model, ["x = 1"], max_new_tokens=4, temperature=0.7)
+    # temperature > 0 is supported (tests/test_hybrid_sampling.py); repeat penalties are not
+    with pytest.raises(ValueError, match=r"repeat_penalty 1\.1 is not supported on qwen35"):
+        specjax.generate(model, ["x = 1"], max_new_tokens=4, spec=spec, repeat_penalty=1.1)
+    with pytest.raises(ValueError, match=r"repeat_penalty 1\.1 is not supported on qwen35"):
+        specjax.generate(model, ["x = 1"], max_new_tokens=4, repeat_penalty=1.1)
     with pytest.raises(ValueError, match=r"Model\.new_cache is for attention-only models"):
         model.new_cache(1, 16)
 

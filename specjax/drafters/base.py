@@ -11,6 +11,10 @@ static configuration (it can be a jit static argument) and implementing:
     rollback(state, keep)                         -> state     seq_rm(row, keep[row], -1) on own memory
     get_state(state, row) -> bytes | None                      optional per-row checkpoint blob
     set_state(state, row, blob) -> state                       (ignores a blob of the wrong size)
+    spec_state(state) -> pytree                                optional, in-jit form of get_state:
+    set_spec_state(state, saved, rows_B) -> state              every row's blob ([B] leading
+                                                               leaves); restores rows_B (see
+                                                               take_spec_state / load_spec_state)
 
 Static facts a drafter instance reports (attributes, class-level or per instance):
 * `hidden_layers`: target layer ids whose features `process` reads from
@@ -203,3 +207,16 @@ def select_rows(mask_B: Array, new: Any, old: Any) -> Any:
         return jnp.where(m, n, o)
 
     return jax.tree.map(pick, new, old)
+
+
+def take_spec_state(drafter: Any, state: Any) -> Any:
+    """The drafter's per-row checkpoint data (a checkpoint's `data_spec`, the traced form of
+    `get_state` for every row at once); {} for drafters that keep none."""
+    fn = getattr(drafter, "spec_state", None)
+    return {} if fn is None else fn(state)
+
+
+def load_spec_state(drafter: Any, state: Any, saved: Any, rows_B: Array) -> Any:
+    """`set_state` for the rows `rows_B` from `take_spec_state`'s data (other rows kept)."""
+    fn = getattr(drafter, "set_spec_state", None)
+    return state if fn is None else fn(state, saved, rows_B)

@@ -305,6 +305,20 @@ class Eagle3Drafter:
         g = np.asarray(state.pending_g)[row].astype("<f4")
         return struct.pack("<i", pos) + g.tobytes()
 
+    def spec_state(self, state: Eagle3State) -> dict[str, Array]:
+        """Every row's boundary (the traced form of `get_state`)."""
+        return {"pending_pos": state.pending_pos, "pending_g": state.pending_g}
+
+    def set_spec_state(
+        self, state: Eagle3State, saved: dict[str, Array], rows_B: Array
+    ) -> Eagle3State:
+        """Restore the boundary of the rows `rows_B` from `spec_state`'s data."""
+        return replace(
+            state,
+            pending_pos=jnp.where(rows_B, saved["pending_pos"], state.pending_pos),
+            pending_g=jnp.where(rows_B[:, None], saved["pending_g"], state.pending_g),
+        )
+
     def set_state(self, state: Eagle3State, row: int, blob: bytes) -> Eagle3State:
         """Restore one row's boundary from `get_state`'s blob; a wrong-sized blob is ignored."""
         D = self.config.D

@@ -1,0 +1,177 @@
+"""Drafter state through checkpoint + replay on the qwen35 hybrid target (FULL path,
+specjax.hybrid_spec): a checkpointed round restores the drafters with the target (their
+memory trimmed by rollback, their per-row `data_spec` set back by `set_spec_state`, no
+`accept`), as upstream's server (spec 7.5).
+
+`BoundaryDrafter` keeps EAGLE-3's deferred boundary (`pending_pos`: the last position in
+memory, moved by `process` to the end of every target batch and by `accept` to the last
+accepted row) and checkpoints it through `spec_state` / `set_spec_state`. Between rounds its
+boundary must be every row's `length - 1`; a checkpointed round that forgot to restore it
+would leave it at the end of the rejected verify batch. It drafts on rows at even positions
+only, so draft-simple (a llama draft sharing the 8-token vocabulary, its own KV cache) drafts
+the others: two stateful drafters on the FULL path, and the output is plain greedy decoding."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import api
+from specjax import hybrid_spec as hs
+from specjax.config import SpecConfig
+from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
+from specjax.drafters.registry import build_drafters
+from specjax.hybrid import generate_hybrid
+from specjax.models import qwen35 as q
+from specjax.models.config import ModelConfig
+from specjax.pytree import pytree_dataclass, replace
+from specjax.types import Array
+
+N_NEW = 24
+
+
+CFG = q.Qwen35Config(
+    vocab_size=8,
+    dim=32,
+    n_layers=4,
+    n_heads=4,
+    n_kv_heads=2,
+    head_dim=16,
+    ffn_dim=48,
+    rope_dim=8,
+    rope_theta=10000.0,
+    ssm_state_size=8,
+    ssm_k_heads=2,
+    ssm_v_heads=4,
+    ssm_conv_kernel=4,
+    full_attention_interval=2,
+    max_position=256,
+)
+
+
+def _model() -> api.Model:  # test_hybrid_spec's target: an 8-token vocabulary, std 0.2
+    return api.Model(config=CFG, params=q.init_params(CFG, jax.random.PRNGKey(1), std=0.2))
+
+
+def _prompts() -> list[list[int]]:
+    rng = np.random.RandomState(0)
+    return [[int(t) for t in rng.randint(0, CFG.V, size=n)] for n in (5, 12, 20, 9)]
+
+
+@pytree_dataclass
+class BoundaryState:
+    pending_pos: Array  # [B]
+    first: Array  # [B] first position of the last target batch
+    rows: Array  # [B] rows of the last target batch
+
+
+@dataclasses.dataclass(frozen=True)
+class BoundaryDrafter:
+    name: ClassVar[str] = "test-boundary"
+    hidden_layers: ClassVar[tuple[int, ...]] = ()
+    max_draft_len: int = 4
+
+    def init(self, batch: int, capacity: int) -> BoundaryState:
+        z = jnp.zeros((batch,), jnp.int32)
+        return BoundaryState(pending_pos=z - 1, first=z, rows=z)
+
+    def begin(self, state: BoundaryState, history: TokenHistory) -> BoundaryState:
+        return replace(state, pending_pos=(history.length - 1).astype(jnp.int32))
+
+    def process(self, params: Any, state: BoundaryState, batch: TargetBatch) -> BoundaryState:
+        valid = batch.positions >= 0
+        has = jnp.any(valid, axis=1)
+        beg = jnp.min(jnp.where(valid, batch.positions, 1 << 30), axis=1)
+        end = jnp.max(batch.positions, axis=1)
+        return BoundaryState(
+            pending_pos=jnp.where(has, end, state.pending_pos).astype(jnp.int32),
+            first=jnp.where(has, beg, state.first).astype(jnp.int32),
+            rows=jnp.where(has, end - beg + 1, state.rows).astype(jnp.int32),
+        )
+
+    def draft(
+        self, params: Any, state: BoundaryState, inp: DraftInput, k_max: int
+    ) -> tuple[BoundaryState, DraftOutput]:
+        B = inp.last_token.shape[0]
+        mine = inp.drafting & (inp.history.length % 2 == 0)
+        n = jnp.minimum(inp.n_max, self.max_draft_len)
+        valid = mine[:, None] & (jnp.arange(k_max)[None] < n[:, None])
+        tokens = jnp.broadcast_to(inp.last_token[:, None], (B, k_max)).astype(jnp.int32)
+        return state, DraftOutput(tokens=tokens, valid=valid)
+
+    def accept(
+        self, state: BoundaryState, n_accepted: Array, is_other: Array, active: Array
+    ) -> BoundaryState:
+        rows = active & (state.rows > 0)
+        i = jnp.maximum(jnp.minimum(n_accepted, state.rows - 1), 0)
+        return replace(state, pending_pos=jnp.where(rows, state.first + i, state.pending_pos))
+
+    def rollback(self, state: BoundaryState, keep: Array) -> BoundaryState:
+        return state
+
+    def spec_state(self, state: BoundaryState) -> dict[str, Array]:
+        return {"pending_pos": state.pending_pos}
+
+    def set_spec_state(
+        self, state: BoundaryState, saved: dict[str, Array], rows_B: Array
+    ) -> BoundaryState:
+        return replace(
+            state, pending_pos=jnp.where(rows_B, saved["pending_pos"], state.pending_pos)
+        )
+
+
+@functools.lru_cache(maxsize=1)
+def _draft() -> api.Model:
+    return api.init_model(
+        ModelConfig(vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=3
+    )
+
+
+@pytest.mark.slow  # 40-70 s on 2 shared cores (a host-stepped loop, two drafters)
+def test_full_path_restores_drafter_state_and_equals_plain_greedy() -> None:
+    model, prompts = _model(), _prompts()
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=4, k_max=4)
+    (simple,), dparams = build_drafters(spec, model, _draft())
+    B = len(prompts)
+    T = 32
+    tokens = np.zeros((B, T), np.int32)
+    for b, p in enumerate(prompts):
+        tokens[b, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
+    max_new = jnp.full((B,), N_NEW, jnp.int32)
+    engine = hs.HybridEngine(
+        target=model.config,
+        drafters=(BoundaryDrafter(), simple),
+        k_max=4,
+        n_rs_seq=0,  # FULL: every rejection restores the checkpoint and replays
+        capacity=128,
+        out_capacity=32,
+    )
+    dp = (None, dparams[0])
+    prefill = jax.jit(hs.prefill, static_argnames=("engine",))
+    step = jax.jit(hs.spec_step, static_argnames=("engine",))
+    st = prefill(engine, model.params, dp, jnp.asarray(tokens), lengths, max_new)
+    n_steps = 0
+    while not bool(jnp.all(st.done)) and n_steps < 2 * 64:
+        st = step(engine, model.params, dp, st, max_new)
+        n_steps += 1
+        host = jax.device_get(st)
+        live = ~host.done
+        boundary = host.drafter_states[0].pending_pos
+        # the boundary is the last position in memory for every row, after every round
+        np.testing.assert_array_equal(boundary[live], host.length[live] - 1)
+        # draft-simple's cache holds nothing beyond the committed prefix
+        assert np.all(host.drafter_states[1].n_past <= host.length)
+    plain = generate_hybrid(model, prompts, max_new_tokens=N_NEW, n_ctx=128).tokens
+    host = jax.device_get(st)
+    got = [[int(t) for t in host.out_tokens[b, : host.out_len[b]]] for b in range(B)]
+    assert got == plain
+    paths = dict(zip(hs.PATHS, host.paths.tolist()))
+    assert paths["checkpoint"] > 0 and paths["rs_plane"] == 0
+    assert int(host.n_accepted) > 0

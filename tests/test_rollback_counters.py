@@ -1,0 +1,59 @@
+"""Rollback-path counters, one schema for every target (specjax.stats.ROLLBACK_PATHS): an
+attention-only target (PART) counts its rejected drafts in `seq_rm` and never in `rs_plane` /
+`checkpoint`; `record_rollback` against a plain-Python transcription; the hybrid target's
+report has the same keys (`to_dict()["rollback"]`, what `specjax generate --out` writes)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import api
+from specjax.config import SpecConfig
+from specjax.models.config import ModelConfig
+from specjax.stats import ROLLBACK_PATHS, SpecStats, record_rollback
+
+
+def test_record_rollback_counts_rows_as_the_spec_says() -> None:
+    rng = np.random.RandomState(0)
+    s = SpecStats.create(2, 4)
+    want = dict.fromkeys(ROLLBACK_PATHS, 0)
+    step = jax.jit(record_rollback)
+    for _ in range(5):
+        verified = rng.rand(6) < 0.7
+        n_rb = rng.randint(0, 3, size=6)
+        s = step(s, jnp.asarray(verified), jnp.asarray(n_rb, jnp.int32))
+        for v, n in zip(verified, n_rb):
+            if v:
+                want["seq_rm" if n > 0 else "full_accept"] += 1
+    assert s.to_dict()["rollback"] == want
+
+
+def test_attention_target_rolls_back_by_seq_rm() -> None:
+    model = api.init_model(
+        ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64), seed=2
+    )
+    rng = np.random.RandomState(1)
+    prompts = [[int(t) for t in np.tile(rng.randint(0, 16, size=4), 4)] for _ in range(3)]
+    spec = SpecConfig(types=("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=6,
+                      adaptive=False)  # fmt: skip
+    out = api.generate(model, prompts, max_new_tokens=32, spec=spec)
+    d = out.stats.to_dict()
+    rb = d["rollback"]
+    assert set(rb) == set(ROLLBACK_PATHS)
+    assert rb["seq_rm"] > 0 and d["num_accepted_tokens"] < d["num_draft_tokens"]
+    assert rb["rs_plane"] == rb["checkpoint"] == rb["replay"] == rb["seq_rm_failed"] == 0
+    assert rb["seq_rm"] + rb["full_accept"] == d["num_drafts"]
+    assert any(line.startswith(f"rollback: {rb['seq_rm']} by seq_rm") for line in out.stats.lines())
+
+
+def test_hybrid_report_uses_the_same_schema() -> None:
+    from specjax.hybrid_spec import PATHS, HybridSpecReport
+
+    paths = {name: i + 1 for i, name in enumerate(PATHS)}
+    rep = HybridSpecReport("RS", 4, paths, 10, 5, 3, ("ngram-simple",))
+    rb = rep.to_dict()["rollback"]
+    assert list(rb) == list(ROLLBACK_PATHS) and rb["seq_rm"] == 0
+    assert all(rb[name] == paths[name] for name in PATHS)
+    assert rep.lines()[-1].startswith("rollback: 0 by seq_rm, 2 by RS plane, 3 by checkpoint")
