@@ -31,6 +31,7 @@ row gives the same output alone or in a batch, and replays are exact.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -506,23 +507,46 @@ def spec_step(
     draft = DraftOutput(tokens=d_tokens, valid=d_valid, q=q)
     recent = _recent_tokens(engine, state.history, state.length, state.last_token)
 
+    def sampled_verify(width: int) -> Callable[[Array], verify.VerifyResult]:
+        """verify_rows over the first `width` verify rows (every row's draft fits in width - 1):
+        the sampling distributions, noise and residuals are built for those rows only, not for
+        all K + 1 (K is the chain's static maximum, e.g. 64 for ngram-mod)."""
+
+        def run_width(logits: Array) -> verify.VerifyResult:
+            k = width - 1
+            narrow = DraftOutput(
+                tokens=d_tokens[:, :k], valid=d_valid[:, :k], q=None if q is None else q[:, :k]
+            )
+            out = verify.verify_rows(
+                logits[:, :width],
+                narrow,
+                run.sampling,
+                state.length,
+                has_q_B=has_q if q is not None else None,
+                synth_rates_K=run.synth_rates[:k] if engine.synthetic else None,
+                eog_V=_eog_mask(engine) if engine.synthetic else None,
+                recent_BW=recent,
+                recent_valid_BW=recent >= 0,
+            )
+            pad = K + 1 - width
+            return dataclasses.replace(
+                out,
+                tokens=jnp.pad(out.tokens, ((0, 0), (0, pad)), constant_values=verify.PAD_TOKEN),
+            )
+
+        return run_width
+
     def full_verify(logits: Array) -> verify.VerifyResult:
-        return verify.verify_rows(
-            logits,
-            draft,
-            run.sampling,
-            state.length,
-            has_q_B=has_q if q is not None else None,
-            synth_rates_K=run.synth_rates if engine.synthetic else None,
-            eog_V=_eog_mask(engine) if engine.synthetic else None,
-            recent_BW=recent,
-            recent_valid_BW=recent >= 0,
-        )
+        widths = engine.verify_widths()
+        if len(widths) == 1:
+            return sampled_verify(widths[0])(logits)
+        index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < draft_len.max() + 1)
+        return jax.lax.switch(index, [sampled_verify(w) for w in widths], logits)
 
     if engine.synthetic:
         result = full_verify(logits)
     else:
-        # Greedy batches skip building sampling distributions (a sort over V per row).
+        # Greedy batches skip building sampling distributions.
         all_greedy = jnp.all(run.sampling.temperature <= 0) & jnp.all(
             run.sampling.repeat_penalty == 1.0
         )
