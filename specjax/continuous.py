@@ -14,7 +14,9 @@ points, all of fixed shapes, so a whole job compiles each once:
                     busy slot finishes, every row is done, or `max_rounds` rounds ran; the
                     host then collects finished rows and prefills the next requests into them.
                     A round in which the governor lets no row draft runs at width 2, not
-                    K + 1 (`lean_step`; the same state as `spec_step`).
+                    K + 1 (`lean_step`; the same state as `spec_step`), or, when every
+                    drafter of the chain declares `idle_noop`, as a plain round with no
+                    drafter calls at all (`idle_step`).
 
 Invariants:
 * A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
@@ -28,6 +30,9 @@ Invariants:
 * Drafter state leaves are per row when their leading axis follows the batch size
   (`init(2, S)` vs `init(3, S)`), else shared by all slots (ngram-mod's pool): shared leaves
   keep learning across requests, as llama.cpp's server keeps a slot's drafters.
+* A drafter with `lazy_prompt` (draft-simple) does not evaluate the prompt at prefill: it
+  catches up from the token history the first time the governor lets its row draft, so a
+  request the governor never drafts for costs no draft-model forward at all.
 * `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards),
   drafted tokens (the draft each round verified; `GenState.drafted` per row) and accepted
   draft tokens (length grows by accepted + 1 per round).
@@ -193,7 +198,8 @@ def prefill_chunk(
         flags = _row_flags(d, S)
         s1 = _take(s, flags, slot)
         s1 = d.rollback(s1, start[None])
-        s1 = d.process(p, s1, batch_1)
+        if not getattr(d, "lazy_prompt", False):  # else the drafter catches up when it drafts
+            s1 = d.process(p, s1, batch_1)
         # `begin` only with the final chunk (a cond: ngram-mod's ingestion is not cheap)
         s1 = jax.lax.cond(final, lambda s, d=d: d.begin(s, hist_1), lambda s: s, s1)
         dstates.append(_put(s, s1, flags, slot))
@@ -280,7 +286,11 @@ def lean_step(
     def wide(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
 
+    idle = all(getattr(d, "idle_noop", False) for d in engine.drafters)
+
     def lean(s: eng.GenState) -> eng.GenState:
+        if idle:
+            return idle_step(engine, target_params, s, run, plan)
         return eng.spec_step(narrow, target_params, drafter_params, s, run, plan)
 
     # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
@@ -292,6 +302,29 @@ def lean_step(
 
     drafting = jnp.any(plan[0] > 0)
     return once(~drafting, lean, once(drafting, wide, state))
+
+
+def idle_step(
+    engine: eng.Engine,
+    target_params: Params,
+    state: eng.GenState,
+    run: eng.RunParams,
+    plan: tuple[Array, adaptive.Governor],
+) -> eng.GenState:
+    """A round in which no row drafts (every budget in `plan` is 0), for chains whose drafters
+    all declare `idle_noop`: a plain decoding round (no drafter calls, verify width 1),
+    plus the one thing such a round changes besides the target's: the governor's estimates
+    relax towards the prior (`adaptive.observe` with no row asked). Same state as
+    `spec_step` leaves, bit for bit (tests/test_batch_lean.py)."""
+    budget, governor = plan
+    plain = dataclasses.replace(engine, drafters=(), k_max=0)
+    out = eng.spec_step(
+        plain, target_params, (), replace(state, drafter_states=()), run, (budget, governor)
+    )
+    B = state.length.shape[0]
+    none_B = jnp.zeros((B,), jnp.int32)
+    governor = adaptive.observe(out.governor, jnp.zeros((B,), bool), none_B, none_B)
+    return replace(out, drafter_states=state.drafter_states, governor=governor)
 
 
 def run_segment(
