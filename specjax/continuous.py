@@ -16,7 +16,8 @@ points, all of fixed shapes, so a whole job compiles each once:
                     A round in which the governor lets no row draft runs at width 2, not
                     K + 1 (`lean_step`; the same state as `spec_step`), or, when every
                     drafter of the chain declares `idle_noop`, as a plain round with no
-                    drafter calls at all (`idle_step`).
+                    drafter calls at all (`idle_step`); one whose budgets are all <= MID_K
+                    at width MID_K + 1.
 
 Invariants:
 * A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
@@ -263,6 +264,11 @@ def prefill_chunk(
     return new_state, slot_stats
 
 
+#: Draft width of the middle path of `lean_step`: rounds whose budgets are all <= MID_K (the
+#: governor throttled them, or rows near their end) run at width MID_K + 1, not K + 1.
+MID_K = 4
+
+
 def lean_step(
     engine: eng.Engine,
     target_params: Params,
@@ -276,7 +282,8 @@ def lean_step(
     the round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback
     and statistics, a verify batch of width 2 instead of K + 1, so a round the governor
     turned off costs about what a plain round costs instead of padding logits, K/V and the
-    commit to K + 1 columns. Same state out, bit for bit (tests/test_batch.py).
+    commit to K + 1 columns. Likewise a round whose budgets are all <= MID_K (the governor
+    throttled it) runs at K' = MID_K. Same state out, bit for bit (tests/test_batch_lean.py).
     """
     plan = eng.draft_budget(engine, state, run)
     if not engine.drafters or engine.k_max <= 1:
@@ -300,8 +307,19 @@ def lean_step(
             lambda c: c[0], lambda c: (jnp.zeros((), bool), step(c[1])), (pred, s)
         )[1]
 
-    drafting = jnp.any(plan[0] > 0)
-    return once(~drafting, lean, once(drafting, wide, state))
+    need = jnp.max(plan[0])
+    drafting = need > 0
+    if engine.k_max <= MID_K:
+        return once(~drafting, lean, once(drafting, wide, state))
+    medium = dataclasses.replace(engine, k_max=MID_K)
+
+    def mid(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(medium, target_params, drafter_params, s, run, plan)
+
+    short = need <= MID_K
+    state = once(drafting & ~short, wide, state)
+    state = once(drafting & short, mid, state)
+    return once(~drafting, lean, state)
 
 
 def idle_step(

@@ -76,6 +76,16 @@ def never_pays() -> adaptive.CostModel:
     )
 
 
+def throttles() -> adaptive.CostModel:
+    """A governor whose best draft length for these rows is short (2 at its prior)."""
+    return adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(0.2, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(0.0, jnp.float32),
+    )
+
+
 @jax.jit
 def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
@@ -135,7 +145,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     engine = eng.Engine(
         target=target.config,
         drafters=drafters,
-        k_max=4,
+        k_max=2 * cont.MID_K,  # wide rounds, and throttled ones that take the middle path
         capacity=S,
         out_capacity=OUT,
     )
@@ -163,5 +173,13 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     # a chain that drafts every round goes the wide way: the same state as spec_step too
     want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), on)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), on)
-    assert int(jnp.sum(want.stats.n_draft_tokens)) > 0
+    assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
+    assert_same_state(got, want)
+
+    # a governor that throttles drafts to <= MID_K tokens (the middle path, width MID_K + 1)
+    mid = run_params(throttles(), temperature)
+    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), mid)
+    got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), mid)
+    assert int(want.governor.n_throttled) > int(state.governor.n_throttled)
+    assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
     assert_same_state(got, want)
