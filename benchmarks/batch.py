@@ -6,7 +6,8 @@
 Workload: `--requests` requests of mixed prompt and output lengths built from held-out
 stdlib files (half "write this function again, renamed", whose answers repeat the prompt;
 half plain continuations), prompts 24..360 tokens, n_predict log-uniform in 16..256,
-greedy. Configurations, measured interleaved (`--repeats` rounds, best of each):
+greedy. Configurations, measured interleaved (`--repeats` rounds; the best of each, and
+the per-repeat spec/continuous ratios with their median and range):
 
   static      `specjax.generate` on consecutive batches of `--parallel` requests: a batch
               runs until its longest request is done (time = its prefill + decode seconds,
@@ -137,6 +138,8 @@ def main() -> None:
     warmup_seconds = time.perf_counter() - t
 
     best: dict[str, dict[str, Any]] = {}
+    runs: dict[str, list[float]] = {}  # tokens/s of every repeat, in order
+    cpu_runs: dict[str, list[float]] = {}  # CPU seconds of every repeat, in order
     tokens: dict[str, dict[Any, list[int]]] = {}
     for _ in range(args.repeats):
         for name in configs:
@@ -166,6 +169,8 @@ def main() -> None:
             entry["cpu_seconds"] = time.process_time() - cpu0
             generated = sum(len(t) for t in toks.values())
             entry.update(generated_tokens=generated, tokens_per_second=generated / entry["seconds"])
+            runs.setdefault(name, []).append(entry["tokens_per_second"])
+            cpu_runs.setdefault(name, []).append(entry["cpu_seconds"])
             if name not in best or entry["seconds"] < best[name]["seconds"]:
                 best[name] = entry
             tokens[name] = toks
@@ -201,6 +206,21 @@ def main() -> None:
         result["spec_over_continuous_cpu"] = (
             best["continuous"]["cpu_seconds"] / best["spec"]["cpu_seconds"]
         )
+    # the shared machine's load drifts: ratios of the same repeat (configurations run back to
+    # back) are steadier than ratios of bests; their median and range are reported
+    result["tokens_per_second_runs"] = runs
+    result["cpu_seconds_runs"] = cpu_runs
+    if "spec" in runs and "continuous" in runs:
+        paired = [s / c for s, c in zip(runs["spec"], runs["continuous"])]
+        result["spec_over_continuous_per_repeat"] = paired
+        result["spec_over_continuous_median"] = float(np.median(paired))
+        result["spec_over_continuous_range"] = [min(paired), max(paired)]
+        result["spec_over_continuous_of_medians"] = float(
+            np.median(runs["spec"]) / np.median(runs["continuous"])
+        )
+        paired_cpu = [c / s for s, c in zip(cpu_runs["spec"], cpu_runs["continuous"])]
+        result["spec_over_continuous_cpu_per_repeat"] = paired_cpu
+        result["spec_over_continuous_cpu_median"] = float(np.median(paired_cpu))
     text = json.dumps(result, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,10 @@ points, all of fixed shapes, so a whole job compiles each once:
                     busy slot finishes, every row is done, or `max_rounds` rounds ran; the
                     host then collects finished rows and prefills the next requests into them.
                     A round in which the governor lets no row draft runs at width 2, not
-                    K + 1 (`lean_step`; the same state as `spec_step`).
+                    K + 1 (`lean_step`; the same state as `spec_step`), or, when every
+                    drafter of the chain declares `idle_noop`, as a plain round with no
+                    drafter calls at all (`idle_step`); one whose budgets are all <= MID_K
+                    at width MID_K + 1.
 
 Invariants:
 * A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
@@ -28,6 +31,9 @@ Invariants:
 * Drafter state leaves are per row when their leading axis follows the batch size
   (`init(2, S)` vs `init(3, S)`), else shared by all slots (ngram-mod's pool): shared leaves
   keep learning across requests, as llama.cpp's server keeps a slot's drafters.
+* A drafter with `lazy_prompt` (draft-simple) does not evaluate the prompt at prefill: it
+  catches up from the token history the first time the governor lets its row draft, so a
+  request the governor never drafts for costs no draft-model forward at all.
 * `SlotStats` counts per row, for the request in the slot: verify rounds (target forwards),
   drafted tokens (the draft each round verified; `GenState.drafted` per row) and accepted
   draft tokens (length grows by accepted + 1 per round).
@@ -193,7 +199,8 @@ def prefill_chunk(
         flags = _row_flags(d, S)
         s1 = _take(s, flags, slot)
         s1 = d.rollback(s1, start[None])
-        s1 = d.process(p, s1, batch_1)
+        if not getattr(d, "lazy_prompt", False):  # else the drafter catches up when it drafts
+            s1 = d.process(p, s1, batch_1)
         # `begin` only with the final chunk (a cond: ngram-mod's ingestion is not cheap)
         s1 = jax.lax.cond(final, lambda s, d=d: d.begin(s, hist_1), lambda s: s, s1)
         dstates.append(_put(s, s1, flags, slot))
@@ -257,6 +264,11 @@ def prefill_chunk(
     return new_state, slot_stats
 
 
+#: Draft width of the middle path of `lean_step`: rounds whose budgets are all <= MID_K (the
+#: governor throttled them, or rows near their end) run at width MID_K + 1, not K + 1.
+MID_K = 4
+
+
 def lean_step(
     engine: eng.Engine,
     target_params: Params,
@@ -270,7 +282,8 @@ def lean_step(
     the round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback
     and statistics, a verify batch of width 2 instead of K + 1, so a round the governor
     turned off costs about what a plain round costs instead of padding logits, K/V and the
-    commit to K + 1 columns. Same state out, bit for bit (tests/test_batch.py).
+    commit to K + 1 columns. Likewise a round whose budgets are all <= MID_K (the governor
+    throttled it) runs at K' = MID_K. Same state out, bit for bit (tests/test_batch_lean.py).
     """
     plan = eng.draft_budget(engine, state, run)
     if not engine.drafters or engine.k_max <= 1:
@@ -280,7 +293,11 @@ def lean_step(
     def wide(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
 
+    idle = all(getattr(d, "idle_noop", False) for d in engine.drafters)
+
     def lean(s: eng.GenState) -> eng.GenState:
+        if idle:
+            return idle_step(engine, target_params, s, run, plan)
         return eng.spec_step(narrow, target_params, drafter_params, s, run, plan)
 
     # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
@@ -290,8 +307,42 @@ def lean_step(
             lambda c: c[0], lambda c: (jnp.zeros((), bool), step(c[1])), (pred, s)
         )[1]
 
-    drafting = jnp.any(plan[0] > 0)
-    return once(~drafting, lean, once(drafting, wide, state))
+    need = jnp.max(plan[0])
+    drafting = need > 0
+    if engine.k_max <= MID_K:
+        return once(~drafting, lean, once(drafting, wide, state))
+    medium = dataclasses.replace(engine, k_max=MID_K)
+
+    def mid(s: eng.GenState) -> eng.GenState:
+        return eng.spec_step(medium, target_params, drafter_params, s, run, plan)
+
+    short = need <= MID_K
+    state = once(drafting & ~short, wide, state)
+    state = once(drafting & short, mid, state)
+    return once(~drafting, lean, state)
+
+
+def idle_step(
+    engine: eng.Engine,
+    target_params: Params,
+    state: eng.GenState,
+    run: eng.RunParams,
+    plan: tuple[Array, adaptive.Governor],
+) -> eng.GenState:
+    """A round in which no row drafts (every budget in `plan` is 0), for chains whose drafters
+    all declare `idle_noop`: a plain decoding round (no drafter calls, verify width 1),
+    plus the one thing such a round changes besides the target's: the governor's estimates
+    relax towards the prior (`adaptive.observe` with no row asked). Same state as
+    `spec_step` leaves, bit for bit (tests/test_batch_lean.py)."""
+    budget, governor = plan
+    plain = dataclasses.replace(engine, drafters=(), k_max=0)
+    out = eng.spec_step(
+        plain, target_params, (), replace(state, drafter_states=()), run, (budget, governor)
+    )
+    B = state.length.shape[0]
+    none_B = jnp.zeros((B,), jnp.int32)
+    governor = adaptive.observe(out.governor, jnp.zeros((B,), bool), none_B, none_B)
+    return replace(out, drafter_states=state.drafter_states, governor=governor)
 
 
 def run_segment(

@@ -1,5 +1,6 @@
 """`continuous.lean_step`: rounds in which the governor lets no row draft run at width 2
-instead of K + 1, and must leave exactly the state `engine.spec_step` leaves.
+instead of K + 1 (or, for chains of `idle_noop` drafters, as plain rounds without drafter
+calls: `continuous.idle_step`), and must leave exactly the state `engine.spec_step` leaves.
 
 The independent source is `engine.spec_step` itself (the wide round every path of a job
 used before): after the same rounds from the same state, every leaf of the two states
@@ -75,6 +76,16 @@ def never_pays() -> adaptive.CostModel:
     )
 
 
+def throttles() -> adaptive.CostModel:
+    """A governor whose best draft length for these rows is short (2 at its prior)."""
+    return adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(0.2, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(0.0, jnp.float32),
+    )
+
+
 @jax.jit
 def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
@@ -134,7 +145,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     engine = eng.Engine(
         target=target.config,
         drafters=drafters,
-        k_max=4,
+        k_max=2 * cont.MID_K,  # wide rounds, and throttled ones that take the middle path
         capacity=S,
         out_capacity=OUT,
     )
@@ -143,18 +154,32 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
         tokens[b, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
     run = run_params(never_pays(), temperature)
+    on = run_params(adaptive.CostModel.off(), temperature)
     state = eng.prefill_jit(engine, target.params, dparams, jnp.asarray(tokens), lengths, run)
+    # one drafting round first: the governor's estimates leave the prior (where relaxing
+    # towards it would change nothing), so an off round that skipped the relaxing shows
+    state = eng.step_jit(engine, target.params, dparams, state, on)
+    gov = state.governor
+    assert not np.allclose(np.asarray(gov.acc_num / gov.acc_den), adaptive.PRIOR_ACCEPT)
 
     want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), run)
     # the governor turned every round off, and the rounds did run
-    assert int(want.governor.n_off) == int(want.governor.n_rounds) > 0
+    n_off = int(want.governor.n_off) - int(gov.n_off)
+    assert n_off == int(want.governor.n_rounds) - int(gov.n_rounds) > 0
     assert int(jnp.sum(want.out_len)) > int(jnp.sum(state.out_len))
     assert_same_state(got, want)
 
     # a chain that drafts every round goes the wide way: the same state as spec_step too
-    on = run_params(adaptive.CostModel.off(), temperature)
     want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), on)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), on)
-    assert int(jnp.sum(want.stats.n_draft_tokens)) > 0
+    assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
+    assert_same_state(got, want)
+
+    # a governor that throttles drafts to <= MID_K tokens (the middle path, width MID_K + 1)
+    mid = run_params(throttles(), temperature)
+    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), mid)
+    got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), mid)
+    assert int(want.governor.n_throttled) > int(state.governor.n_throttled)
+    assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
     assert_same_state(got, want)

@@ -3,8 +3,10 @@
 Invariants:
 * The draft cache holds the target's memory prefix positions 0..n_past[b]-1 of every row
   (`n_past <= length`). `process` evaluates the prompt; verify batches are not re-evaluated:
-  like llama.cpp's draft-simple, `draft` first catches up from the token history (chunks of
-  CATCH_UP tokens, usually none or one: the last accepted draft token), then drafts.
+  like llama.cpp's draft-simple, `draft` first catches up from the token history (usually
+  none or one token: the last accepted draft token; a row further behind, e.g. whose prompt
+  continuous batching did not evaluate (`lazy_prompt`), alone in batch-1 chunks of
+  CATCH_UP_ROW), then drafts.
 * The k-step loop runs on device and reads the draft cache without writing it: each step's
   K/V go to a small scratch ([B, G, K, E] per layer) that later steps attend to. After the
   loop the scratch (id_last, d_1, ... as fed) is committed at its real positions, and
@@ -45,6 +47,9 @@ DRAFT_SEED_XOR = 0x85EBCA6B
 DRAFT_TOP_K = 10
 #: Width of one catch-up forward over history tokens the draft cache does not hold yet.
 CATCH_UP = 16
+#: Width of one batch-1 catch-up forward of a row more than CATCH_UP tokens behind (a
+#: deferred prompt, or tokens generated while the governor kept the row from drafting).
+CATCH_UP_ROW = 64
 
 
 @pytree_dataclass
@@ -57,6 +62,13 @@ class DraftSimpleState:
 class DraftSimple:
     name: ClassVar[str] = "draft-simple"
     hidden_layers: ClassVar[tuple[int, ...]] = ()
+    #: `process` of a prompt may be skipped (continuous batching defers it): `draft` catches
+    #: up from the token history before it drafts, so only rows that draft pay for it.
+    lazy_prompt: ClassVar[bool] = True
+    #: A round in which no row drafts leaves the state as it is (`draft` skips, `process`
+    #: ignores verify batches, `accept` is a no-op, `rollback` to length + 1 >= n_past keeps
+    #: every cell), so continuous batching may skip the calls (`continuous.idle_step`).
+    idle_noop: ClassVar[bool] = True
 
     config: ModelConfig
     target_vocab: int
@@ -104,9 +116,53 @@ class DraftSimple:
     def _catch_up(
         self, params: Params, state: DraftSimpleState, history: TokenHistory, rows_B: Array
     ) -> DraftSimpleState:
-        """Evaluate history[n_past:length] of `rows` so the draft cache holds the prefix."""
+        """Evaluate history[n_past:length] of `rows` so the draft cache holds the prefix.
+
+        Rows more than CATCH_UP tokens behind first catch up alone, CATCH_UP_ROW tokens per
+        batch-1 forward (furthest behind first); then every row's last <= CATCH_UP tokens
+        go in one batched forward. A row far behind thus costs its own tokens, not
+        B * CATCH_UP per step for all rows."""
         S = history.tokens.shape[1]
         target_B = jnp.where(rows_B, history.length, state.n_past)
+        W = CATCH_UP_ROW
+
+        def far_cond(st: DraftSimpleState) -> Array:
+            return jnp.any(target_B - st.n_past > CATCH_UP)
+
+        def far_body(st: DraftSimpleState) -> DraftSimpleState:
+            r = jnp.argmax(target_B - st.n_past).astype(jnp.int32)
+            start = st.n_past[r]
+            idx_T = start + jnp.arange(W, dtype=jnp.int32)
+            ok_T = idx_T < target_B[r]
+            tokens_1T = history.tokens[r, jnp.clip(idx_T, 0, S - 1)][None, :]
+            positions_1T = jnp.where(ok_T, idx_T, -1)[None, :]
+            c = st.cache
+
+            def row(x: Array) -> Array:
+                return jax.lax.dynamic_slice_in_dim(x, r, 1, 0)
+
+            def put(x: Array, y: Array) -> Array:
+                return jax.lax.dynamic_update_slice_in_dim(x, y, r, 0)
+
+            row_cache = KVCache(
+                k=tuple(row(x) for x in c.k),
+                v=tuple(row(x) for x in c.v),
+                pos=row(c.pos),
+                overflow=row(c.overflow),
+                inv_freq=c.inv_freq,
+            )
+            row_cache = self._evaluate(params, row_cache, tokens_1T, positions_1T)
+            cache = KVCache(
+                k=tuple(put(x, y) for x, y in zip(c.k, row_cache.k)),
+                v=tuple(put(x, y) for x, y in zip(c.v, row_cache.v)),
+                pos=put(c.pos, row_cache.pos),
+                overflow=put(c.overflow, row_cache.overflow),
+                inv_freq=c.inv_freq,
+            )
+            n_past = st.n_past.at[r].add(jnp.sum(ok_T).astype(jnp.int32))
+            return DraftSimpleState(cache=cache, n_past=n_past)
+
+        state = jax.lax.while_loop(far_cond, far_body, state)
 
         def cond(st: DraftSimpleState) -> Array:
             return jnp.any(st.n_past < target_B)

@@ -180,6 +180,10 @@ class NgramMod(ModelFreeDrafter):
     """llama.cpp `ngram-mod` (`--spec-ngram-mod-n-match/-n-min/-n-max`)."""
 
     name: ClassVar[str] = "ngram-mod"
+    #: A round in which no row drafts leaves the state as it is (no row ingests or looks up;
+    #: `accept` applies only to rows whose verified draft was its own), so continuous
+    #: batching may skip the calls (`continuous.idle_step`).
+    idle_noop: ClassVar[bool] = True
     n_match: int = 24
     n_min: int = 48
     n_max: int = 64
