@@ -133,6 +133,8 @@ def load_model(path: str) -> tuple[ModelConfig, Params]:
 
         model = specjax.load(path, dtype="float32")
         config, params = model.config, model.params
+    if not isinstance(config, ModelConfig):
+        raise ValueError(f"{path}: train_draft needs a llama-family model, got {config.arch!r}")
     config = dataclasses.replace(config, dtype="float32")
     return config, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
