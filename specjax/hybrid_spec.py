@@ -37,8 +37,8 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
-from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory
+from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory, chain_width
+from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory_hidden
 from specjax.models import qwen35
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
@@ -117,13 +117,15 @@ def prefill(
     S, K = engine.capacity, engine.k_max
     positions_BT = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], jnp.arange(T)[None], -1)
     mem = HybridMemory.init(engine.target, B, S, engine.n_rs_seq)
-    logits, mem = forward_memory(
+    logits, mem, hidden = forward_memory_hidden(
         engine.target, params, tokens_BT, positions_BT, mem, cache_empty=True
     )
     last = jnp.take_along_axis(logits, (lengths_B - 1)[:, None, None], axis=1)[:, 0]
     first = jnp.argmax(last, axis=-1).astype(jnp.int32)
     states = tuple(d.init(B, S) for d in engine.drafters)
-    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, is_prompt=True)
+    batch = TargetBatch(
+        tokens=tokens_BT, positions=positions_BT, hidden=_nextn(engine, hidden), is_prompt=True
+    )
     states = tuple(
         d.process(p, s, batch) for d, p, s in zip(engine.drafters, drafter_params, states)
     )
@@ -191,18 +193,31 @@ def _relay(
     return tokens, valid, winner, tuple(new_states)
 
 
+def _nextn(engine: HybridEngine, hidden: Array) -> dict[int, Array]:
+    """`TargetBatch.hidden` for the chain: h_nextn under H_NEXTN when a drafter reads it."""
+    from specjax.drafters.draft_mtp import H_NEXTN
+
+    if any(getattr(d, "reads_nextn", False) for d in engine.drafters):
+        return {H_NEXTN: hidden}
+    return {}
+
+
 def _verify(
     engine: HybridEngine, params: Params, mem: HybridMemory, v_tokens: Array, v_pos: Array
-) -> tuple[Array, HybridMemory]:
-    """Target forward at width 1 when no row has a draft, else K + 1: (argmax [B, K+1], mem)."""
+) -> tuple[Array, HybridMemory, Array]:
+    """Target forward at width 1 when no row has a draft, else K + 1: (argmax [B, K+1], mem,
+    h_nextn [B, K+1, D])."""
     K = engine.k_max
 
     def branch(width: int) -> Any:
-        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory]:
+        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory, Array]:
             m, tok, pos = ops
-            logits, m = forward_memory(engine.target, params, tok[:, :width], pos[:, :width], m)
+            logits, m, h = forward_memory_hidden(
+                engine.target, params, tok[:, :width], pos[:, :width], m
+            )
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return jnp.pad(greedy, ((0, 0), (0, K + 1 - width))), m
+            pad = ((0, 0), (0, K + 1 - width))
+            return jnp.pad(greedy, pad), m, jnp.pad(h, pad + ((0, 0),))
 
         return run
 
@@ -239,7 +254,7 @@ def spec_step(
     v_pos = jnp.where(v_valid, st.length[:, None] + ar_T, -1)
     # upstream decides on the draft length (7.3): FULL always, RS beyond n_rs_seq planes
     use_ckpt = ~replaying & (draft_len > engine.n_rs_seq)
-    greedy, mem = _verify(engine, params, st.mem, v_tokens, v_pos)
+    greedy, mem, hidden = _verify(engine, params, st.mem, v_tokens, v_pos)
 
     match_K = (greedy[:, :K] == draft_tokens) & valid_K
     n_acc = jnp.sum(jnp.cumprod(match_K.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
@@ -291,7 +306,7 @@ def spec_step(
 
     had_draft = active & (draft_len > 0)
     if engine.drafters:
-        batch = TargetBatch(tokens=v_tokens, positions=v_pos)
+        batch = TargetBatch(tokens=v_tokens, positions=v_pos, hidden=_nextn(engine, hidden))
         new_states = []
         for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
             s = d.process(p, s, batch)
@@ -444,12 +459,12 @@ def generate_speculative(
         return None, None, None, None, 0.0
     drafters, dparams = build_drafters(spec, model, draft)
     for d in drafters:
-        if d.hidden_layers:
+        if d.hidden_layers and not getattr(d, "reads_nextn", False):
             raise ValueError(
                 f"{d.name} reads target hidden states, which the {config.arch} target does not "
                 "export yet; use n-gram drafters or draft-simple"
             )
-    K = spec.resolved_k_max()
+    K = chain_width(drafters, spec.resolved_k_max())  # draft-mtp: its own (clamped) n_max
     B = len(prompt_ids)
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     T = min(max(8, 1 << (int(lengths.max()) - 1).bit_length()), n_ctx)  # history holds n_ctx
