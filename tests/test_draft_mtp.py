@@ -88,6 +88,7 @@ def _trunk_reference(params: dict, tokens: np.ndarray) -> tuple[Reference, list[
     return ref, hs
 
 
+@pytest.mark.slow  # the driver tests below also check h_nextn (their drafts read it)
 def test_trunk_exports_final_normed_hidden() -> None:
     """h_nextn = output_norm(last layer's output) for every row; logits unchanged."""
     rows = _rows((11, 6))
@@ -155,6 +156,26 @@ def _inp(last: np.ndarray, length: np.ndarray, drafting: np.ndarray) -> DraftInp
     )
 
 
+W = 9  # every batch the drafter sees is padded to this width (one compiled `process`)
+
+
+def _process(drafter: MtpDrafter, params, ds, toks, pos, h):
+    pad = W - toks.shape[1]
+    toks = np.pad(np.asarray(toks, np.int32), ((0, 0), (0, pad)))
+    pos = np.pad(np.asarray(pos, np.int32), ((0, 0), (0, pad)), constant_values=-1)
+    h = np.pad(np.asarray(h, np.float32), ((0, 0), (0, pad), (0, 0)))
+    batch = TargetBatch(tokens=toks, positions=pos, hidden={H_NEXTN: h})
+    return jax.jit(drafter.process)(params, ds, batch)
+
+
+@functools.partial(jax.jit, static_argnums=(0, 4))
+def _accept_rollback(drafter: MtpDrafter, ds, n_acc, keep, accept: bool = True):
+    if accept:
+        B = n_acc.shape[0]
+        ds = drafter.accept(ds, n_acc, jnp.zeros(B, bool), jnp.ones(B, bool))
+    return drafter.rollback(ds, keep)
+
+
 def _run_rounds(cfg, drafter: MtpDrafter, n_nextn: int) -> None:
     """Prompt (2 rows of 9 and 5 tokens) -> draft; a verify batch of 4 rows -> accept 1 ->
     rollback -> draft from a new token; every draft checked against the reference driver."""
@@ -164,10 +185,7 @@ def _run_rounds(cfg, drafter: MtpDrafter, n_nextn: int) -> None:
     state = q.new_state(cfg, 2, S)
     out = _trunk(cfg, params, jnp.asarray(toks), jnp.asarray(pos), state)
     ds = drafter.init(2, S)
-    ds = drafter.process(
-        params, ds, TargetBatch(tokens=jnp.asarray(toks), positions=jnp.asarray(pos),
-                                hidden={H_NEXTN: out.hidden}, is_prompt=True),
-    )  # fmt: skip
+    ds = _process(drafter, params, ds, toks, pos, out.hidden)
     ref_blocks, ref_trunks, ref_h = [], [], []
     for r in prompts:
         blocks = [MtpReference(cfg, params, j) for j in range(n_nextn)]
@@ -197,12 +215,8 @@ def _run_rounds(cfg, drafter: MtpDrafter, n_nextn: int) -> None:
     vrows = [np.asarray([first[b], 1, 2, 3]) for b in range(2)]
     vt, vp = _batch(vrows, list(lengths), 4)
     out = _trunk(cfg, params, jnp.asarray(vt), jnp.asarray(vp), out.state)
-    ds = drafter.process(
-        params, ds, TargetBatch(tokens=jnp.asarray(vt), positions=jnp.asarray(vp),
-                                hidden={H_NEXTN: out.hidden}),
-    )  # fmt: skip
-    ds = drafter.accept(ds, jnp.asarray([1, 1]), jnp.asarray([False, False]), jnp.ones(2, bool))
-    ds = drafter.rollback(ds, jnp.asarray(lengths + 2))
+    ds = _process(drafter, params, ds, vt, vp, out.hidden)
+    ds = _accept_rollback(drafter, ds, np.asarray([1, 1]), np.asarray(lengths + 2))
     nxt = np.asarray([7, 9])
     ds, d = run_draft(params, ds, _inp(nxt, lengths + 2, np.asarray([True, True])), K)
     for b in range(2):
@@ -217,18 +231,59 @@ def _run_rounds(cfg, drafter: MtpDrafter, n_nextn: int) -> None:
         want = ref_draft(b, int(nxt[b]), hv[1], int(lengths[b]) + 2)
         got = np.asarray(d.tokens[b])[: len(want)].tolist()
         assert got == want, (b, got, want)
+        ref_h[b] = hv
+    # a checkpointed round: verify [nxt, 1, 2] (no accept), restore to lengths + 2, replay
+    # [nxt, 4] and accept it; the replay's first row pairs with h@lengths+1 again (seed_h).
+    # The drafter only pairs rows, so the h rows here are arbitrary.
+    rng = np.random.RandomState(5)
+    hA = rng.standard_normal((2, 3, cfg.D)).astype(np.float32)
+    hB = rng.standard_normal((2, 2, cfg.D)).astype(np.float32)
+    L2 = lengths + 2
+    for rows, hx, n_acc in (([nxt, [1] * 2, [2] * 2], hA, None), ([nxt, [4] * 2], hB, 1)):
+        t = np.stack([np.asarray(r) for r in rows], axis=1).astype(np.int32)
+        p = L2[:, None] + np.arange(t.shape[1])[None]
+        ds = _process(drafter, params, ds, t, p, hx)
+        if n_acc is None:  # upstream skips accept() for a restored round
+            ds = _accept_rollback(drafter, ds, np.asarray([0, 0]), L2, False)
+        else:
+            ds = _accept_rollback(drafter, ds, np.asarray([n_acc] * 2), L2 + n_acc + 1)
+    last = np.asarray([6, 2])
+    ds, d = run_draft(params, ds, _inp(last, L2 + 2, np.asarray([True, True])), K)
+    for b in range(2):
+        for blk in ref_blocks[b]:
+            for toks_b, hx in (([nxt[b], 1, 2], hA[b]), ([nxt[b], 4], hB[b])):
+                blk.truncate(int(L2[b]))
+                for i, tk in enumerate(toks_b):
+                    blk.step(int(tk), hx[i - 1] if i else ref_h[b][1], int(L2[b]) + i)
+            blk.truncate(int(L2[b]) + 2)
+        want = ref_draft(b, int(last[b]), hB[b][1], int(L2[b]) + 2)
+        got = np.asarray(d.tokens[b])[: len(want)].tolist()
+        assert got == want, ("replay", b, got, want)
 
 
 def test_standard_mode_pairing_and_drafts_match_reference_driver() -> None:
     _run_rounds(CFG, MtpDrafter(config=CFG, max_draft_len=3), 1)
 
 
-def test_chain_heads_clamp_n_max_and_match_reference_driver() -> None:
+def _chain_drafter() -> MtpDrafter:
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=5)
-    model = api.Model(config=CFG2, params=_params(2))
-    (drafter,), _ = build_drafters(spec, model, None)
-    assert drafter.chain_heads and drafter.max_draft_len == 2  # clamped to the head count
-    _run_rounds(CFG2, drafter, 2)
+    (drafter,), _ = build_drafters(spec, api.Model(config=CFG2, params=_params(2)), None)
+    return drafter
+
+
+def test_chain_heads_clamp_n_max_to_the_head_count() -> None:
+    drafter = _chain_drafter()
+    assert drafter.chain_heads and drafter.max_draft_len == 2  # n_max 5 clamped to 2 heads
+    (one,), _ = build_drafters(
+        SpecConfig(types=("draft-mtp",), draft_n_max=5), api.Model(config=CFG, params=_params()),
+        None,
+    )  # fmt: skip
+    assert not one.chain_heads and one.max_draft_len == 5
+
+
+@pytest.mark.slow
+def test_chain_heads_match_reference_driver() -> None:
+    _run_rounds(CFG2, _chain_drafter(), 2)
 
 
 def test_state_blob_round_trip_and_bad_sizes() -> None:
@@ -293,6 +348,7 @@ def test_rs_path_equals_plain_greedy() -> None:
     assert paths["replay"] == paths["checkpoint"]
 
 
+@pytest.mark.slow  # the RS test takes checkpoint + replay too; this one only them
 def test_full_path_equals_plain_greedy() -> None:
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=3)
     res = generate_hybrid(
