@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracles.qwen35_mtp_reference import MtpReference, draft_chain, draft_standard
+from oracles.qwen35_mtp_reference import MtpReference, draft_chain, draft_standard, random_norms
 from oracles.qwen35_reference import Reference
 
 from specjax import api
@@ -57,7 +57,7 @@ S = 32
 @functools.lru_cache(maxsize=2)
 def _params(n_nextn: int = 1) -> dict:
     cfg = CFG if n_nextn == 1 else CFG2
-    return q.init_params(cfg, jax.random.PRNGKey(0), std=0.2)
+    return random_norms(q.init_params(cfg, jax.random.PRNGKey(0), std=0.2))
 
 
 def _rows(lengths: tuple[int, ...], seed: int = 1) -> list[np.ndarray]:

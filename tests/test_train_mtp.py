@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from oracles.qwen35_mtp_reference import MtpReference
+from oracles.qwen35_mtp_reference import MtpReference, random_norms
 from oracles.qwen35_reference import Reference
 
 from specjax.models import qwen35 as q
@@ -28,7 +28,7 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("objective", OBJECTIVES)
 def test_loss_scores_the_drafter_rows_against_the_reference(objective: str) -> None:
-    params = q.init_params(CFG, jax.random.PRNGKey(2), std=0.2)
+    params = random_norms(q.init_params(CFG, jax.random.PRNGKey(2), std=0.2))
     seq = np.random.RandomState(0).randint(0, CFG.V, size=8)
     inputs, targets = seq[None, :-1], seq[None, 1:]
     trunk = {k: v for k, v in params.items() if k != "nextn"}

@@ -100,3 +100,20 @@ def draft_chain(
         hs.append(h)
         blocks[i].truncate(pos0)
     return out
+
+
+def random_norms(params: Any, seed: int = 11) -> Any:
+    """The params with every norm weight drawn from U(0.5, 1.5) instead of 1 (float32): a
+    norm applied twice or skipped (e.g. h_nextn taken before the final norm) then shows."""
+    rng = np.random.RandomState(seed)
+
+    def fix(name: str, a: Any) -> Any:
+        if "norm" in name and np.ndim(a) == 1:
+            return rng.uniform(0.5, 1.5, np.shape(a)).astype(np.float32)
+        return a
+
+    out = {k: fix(k, v) for k, v in params.items() if k not in ("layers", "nextn")}
+    for group in ("layers", "nextn"):
+        if group in params:
+            out[group] = tuple({k: fix(k, v) for k, v in b.items()} for b in params[group])
+    return out
