@@ -17,8 +17,11 @@ Invariants:
 * With ``distill.teacher`` (a params .npz written by this module) the loss is
   ``alpha * T^2 * KL(teacher_T || student_T) + (1 - alpha) * CE``.
 
-The forward is the inference forward (`specjax.models.llama.forward_compute`) over an empty
-cache of capacity ``seq_len``, positions ``arange(seq_len)``.
+The forward is the inference forward over an empty cache of capacity ``seq_len``, positions
+``arange(seq_len)``: `specjax.models.llama.forward_compute` for a `ModelConfig`,
+`specjax.models.qwen35.forward` (chunked delta-net scan) for a `Qwen35Config` (``model.arch:
+qwen35``; see specjax.train_hybrid). ``train.init_from`` copies the top-level tensors
+(embeddings, output matrix, final norm) of equal shape from a GGUF / .npz before step 0.
 """
 
 from __future__ import annotations
@@ -41,6 +44,7 @@ import numpy as np
 import optax
 import yaml
 
+from specjax.models import qwen35
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward_compute, init_params, new_cache
 from specjax.pytree import pytree_dataclass
@@ -48,6 +52,16 @@ from specjax.types import Array, Params
 
 # ---------------------------------------------------------------------------------------------
 # Configuration
+
+#: The model families this trainer trains: a Llama-family decoder or a qwen35 hybrid.
+AnyModelConfig = ModelConfig | qwen35.Qwen35Config
+
+
+def model_config_from_dict(data: dict[str, Any]) -> AnyModelConfig:
+    """A `Qwen35Config` when ``arch == "qwen35"``, else a `ModelConfig`."""
+    if data.get("arch") == "qwen35":
+        return qwen35.Qwen35Config.from_dict(data)
+    return ModelConfig.from_dict(data)
 
 
 def _from_dict(cls: type, data: dict[str, Any] | None, section: str) -> Any:
@@ -112,13 +126,16 @@ class LoopConfig:
     #: > 0: stop after this step as if killed (no export); used by the resume tests.
     stop_at_step: int = 0
     export_float16: bool = False  # also write params-f16.npz
+    #: a GGUF or params .npz: its top-level tensors (embed, lm_head, final_norm) of equal shape
+    #: replace the random init at step 0 ("" = off); named in summary["init_from"].
+    init_from: str = ""
     progress: bool = True
     progress_interval: float = 1.0  # tqdm mininterval (seconds)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class TrainConfig:
-    model: ModelConfig
+    model: AnyModelConfig
     data: DataConfig = DataConfig()
     optim: OptimConfig = OptimConfig()
     distill: DistillConfig = DistillConfig()
@@ -132,7 +149,7 @@ class TrainConfig:
         if "model" not in data:
             raise ValueError("config needs a 'model' section")
         return cls(
-            model=ModelConfig.from_dict(data["model"]),
+            model=model_config_from_dict(data["model"]),
             data=_from_dict(DataConfig, data.get("data"), "data"),
             optim=_from_dict(OptimConfig, data.get("optim"), "optim"),
             distill=_from_dict(DistillConfig, data.get("distill"), "distill"),
@@ -265,13 +282,17 @@ def byte_lengths(cfg: DataConfig, vocab_size: int) -> np.ndarray:
 # Parameters on disk (.npz, config embedded)
 
 
+#: Top-level entries that are tuples of per-block dicts ("nextn": qwen35's MTP blocks).
+_BLOCK_KEYS = ("layers", "nextn")
+
+
 def flatten_params(params: Params) -> dict[str, Any]:
     flat: dict[str, Any] = {}
     for k, v in params.items():
-        if k == "layers":
+        if k in _BLOCK_KEYS:
             for i, layer in enumerate(v):
                 for name, arr in layer.items():
-                    flat[f"layers.{i}.{name}"] = arr
+                    flat[f"{k}.{i}.{name}"] = arr
         else:
             flat[k] = v
     return flat
@@ -279,19 +300,21 @@ def flatten_params(params: Params) -> dict[str, Any]:
 
 def unflatten_params(flat: dict[str, Any]) -> Params:
     params: Params = {}
-    layers: dict[int, dict[str, Any]] = {}
+    blocks: dict[str, dict[int, dict[str, Any]]] = {"layers": {}}
     for k, v in flat.items():
-        if k.startswith("layers."):
+        head = k.split(".", 1)[0]
+        if head in _BLOCK_KEYS:
             _, i, name = k.split(".", 2)
-            layers.setdefault(int(i), {})[name] = v
+            blocks.setdefault(head, {}).setdefault(int(i), {})[name] = v
         else:
             params[k] = v
-    params["layers"] = tuple(layers[i] for i in range(len(layers)))
+    for head, layers in blocks.items():
+        params[head] = tuple(layers[i] for i in range(len(layers)))
     return params
 
 
 def save_params_npz(
-    path: str | Path, config: ModelConfig, params: Params, dtype: str = "float32"
+    path: str | Path, config: AnyModelConfig, params: Params, dtype: str = "float32"
 ) -> None:
     """Write params (cast to `dtype`) and the model config (JSON under ``__config__``)."""
     flat = {
@@ -305,10 +328,10 @@ def save_params_npz(
     tmp.replace(path)
 
 
-def load_params_npz(path: str | Path, dtype: str | None = None) -> tuple[ModelConfig, Params]:
+def load_params_npz(path: str | Path, dtype: str | None = None) -> tuple[AnyModelConfig, Params]:
     """Inverse of `save_params_npz`; arrays come back as numpy (cast to `dtype` if given)."""
     with np.load(path) as z:
-        config = ModelConfig.from_dict(json.loads(str(z["__config__"])))
+        config = model_config_from_dict(json.loads(str(z["__config__"])))
         flat = {k: (z[k].astype(dtype) if dtype else z[k]) for k in z.files if k != "__config__"}
     return config, unflatten_params(flat)
 
@@ -324,10 +347,16 @@ class TrainState:
     opt_state: Any
 
 
-def model_logits(config: ModelConfig, params: Params, inputs_BT: Array) -> Array:
-    """Full-sequence logits [B, T, V] float32: the inference forward over an empty cache."""
+def model_logits(config: AnyModelConfig, params: Params, inputs_BT: Array) -> Array:
+    """Full-sequence logits [B, T, V] float32: the inference forward over an empty cache
+    (for qwen35: a fresh state of capacity T, the chunked delta-net scan)."""
     B, T = inputs_BT.shape
     positions_BT = jnp.broadcast_to(jnp.arange(T, dtype=jnp.int32), (B, T))
+    if isinstance(config, qwen35.Qwen35Config):
+        state = qwen35.new_state(config, B, T)
+        return qwen35.forward(
+            config, params, inputs_BT, positions_BT, state, cache_empty=True
+        ).logits
     cache = new_cache(config, B, T)
     out = forward_compute(config, params, inputs_BT, positions_BT, cache, cache_empty=True)
     assert out.logits is not None
@@ -367,14 +396,52 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
     return optax.chain(*parts)
 
 
+def model_init_params(config: AnyModelConfig, key: Array) -> Params:
+    """Random parameters of either model family."""
+    if isinstance(config, qwen35.Qwen35Config):
+        return qwen35.init_params(config, key)
+    return init_params(config, key)
+
+
+def load_any_params(path: str | Path) -> tuple[AnyModelConfig, Params]:
+    """(config, float32 numpy params) from a params .npz or a GGUF (llama family or qwen35)."""
+    if str(path).endswith(".npz"):
+        return load_params_npz(path, dtype="float32")
+    from specjax.io.gguf_io import read_architecture
+
+    config: AnyModelConfig
+    if read_architecture(str(path)) == "qwen35":
+        from specjax.io.gguf_qwen35 import load_qwen35_gguf
+
+        config, params, _ = load_qwen35_gguf(path, dtype="float32")
+    else:
+        from specjax.io.gguf_io import load_gguf
+
+        config, params, _ = load_gguf(path, dtype="float32")
+    return config, jax.tree.map(np.asarray, params)
+
+
+def copy_top_level(params: Params, source: Params) -> tuple[Params, list[str]]:
+    """`params` with its top-level (non-block) tensors replaced by `source`'s of equal shape;
+    returns the names copied."""
+    out, copied = dict(params), []
+    for k, v in params.items():
+        if k in _BLOCK_KEYS or k not in source:
+            continue
+        if tuple(np.shape(source[k])) == tuple(v.shape):
+            out[k] = jnp.asarray(source[k], v.dtype)
+            copied.append(k)
+    return out, copied
+
+
 def init_state(
-    config: ModelConfig, optimizer: optax.GradientTransformation, seed: int
+    config: AnyModelConfig, optimizer: optax.GradientTransformation, seed: int
 ) -> TrainState:
     config = dataclasses.replace(config, dtype="float32")
 
     @jax.jit
     def init(key: Array) -> TrainState:
-        params = init_params(config, key)
+        params = model_init_params(config, key)
         with jax.numpy_dtype_promotion("standard"):
             opt_state = optimizer.init(params)
         return TrainState(step=jnp.zeros((), jnp.int32), params=params, opt_state=opt_state)
@@ -385,7 +452,7 @@ def init_state(
 def make_train_step(
     cfg: TrainConfig,
     optimizer: optax.GradientTransformation,
-    teacher_config: ModelConfig | None = None,
+    teacher_config: AnyModelConfig | None = None,
 ) -> Callable[..., tuple[TrainState, dict[str, Array]]]:
     """jit(step(state, batch [B, T+1] int32, teacher_params | None, total_steps [] int32)
     -> (state, metrics)); the state is donated."""
@@ -425,7 +492,7 @@ def make_train_step(
 
 
 def make_eval_fn(
-    config: ModelConfig, compute_dtype: str = "float32"
+    config: AnyModelConfig, compute_dtype: str = "float32"
 ) -> Callable[..., tuple[Array, Array]]:
     """jit(eval(params, windows [W, T+1], mask [W, T], bytes [V]) -> (sum nats, sum bytes))."""
     model_cfg = dataclasses.replace(config, dtype=compute_dtype)
@@ -441,7 +508,7 @@ def make_eval_fn(
 
 
 def bits_per_byte(
-    config: ModelConfig,
+    config: AnyModelConfig,
     params: Params,
     tokens: np.ndarray,
     seq_len: int,
@@ -479,8 +546,8 @@ def bits_per_byte(
 
 
 def top1_agreement(
-    draft: tuple[ModelConfig, Params],
-    target: tuple[ModelConfig, Params],
+    draft: tuple[AnyModelConfig, Params],
+    target: tuple[AnyModelConfig, Params],
     tokens: np.ndarray,
     seq_len: int,
     batch_size: int = 8,
@@ -602,8 +669,14 @@ def _plan_steps(
     return max(1, int(cfg.train.auto_steps_seconds / per_step)), per_step
 
 
-def train(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
-    """Train (or resume) per `config`; returns the summary also written to run_dir/summary.json."""
+def train(
+    config: TrainConfig | dict[str, Any],
+    on_validate: Callable[[int, Params, dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
+    """Train (or resume) per `config`; returns the summary also written to run_dir/summary.json.
+
+    `on_validate(step, params, result)` runs after each in-loop validation (e.g. to export an
+    intermediate model file)."""
     if isinstance(config, dict):
         config = TrainConfig.from_dict(config)
     cfg = config
@@ -629,7 +702,7 @@ def train(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
 
     teacher_cfg, teacher = None, None
     if cfg.distill.teacher:
-        teacher_cfg, tparams = load_params_npz(cfg.distill.teacher, dtype="float32")
+        teacher_cfg, tparams = load_any_params(cfg.distill.teacher)
         if teacher_cfg.vocab_size != cfg.model.vocab_size:
             raise ValueError("teacher and student vocabularies differ")
         teacher = jax.tree.map(lambda x: jnp.asarray(x, loop.compute_dtype), tparams)
@@ -656,6 +729,12 @@ def train(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
         plan = {"steps": steps, "measured_seconds_per_step": planned_per_step}
         plan_path.write_text(json.dumps(plan))
     total_steps = jnp.asarray(steps, jnp.int32)
+    copied: list[str] = []
+    if loop.init_from and latest is None:
+        state_params, copied = copy_top_level(state.params, load_any_params(loop.init_from)[1])
+        if not copied:
+            raise ValueError(f"train.init_from {loop.init_from}: no tensor of matching shape")
+        state = TrainState(step=state.step, params=state_params, opt_state=state.opt_state)
     if mngr is not None and latest is not None:
         state = _restore(mngr, latest, state)
     elif mngr is not None:
@@ -720,6 +799,8 @@ def train(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
             r = validate(step)
             if r is not None:
                 bar.write(f"step {step}: val bpb {r['bpb']:.4f}")
+                if on_validate is not None:
+                    on_validate(step, state.params, r)
         if mngr is not None and step % loop.checkpoint_every == 0 and step < steps:
             _save(mngr, state)
         if loop.stop_at_step and step >= loop.stop_at_step and step < steps:
@@ -750,6 +831,7 @@ def train(config: TrainConfig | dict[str, Any]) -> dict[str, Any]:
         "device": str(jax.devices()[0].device_kind),
         "train_loss": None,
         "timings": timings,
+        "init_from": {"path": loop.init_from, "tensors": copied} if loop.init_from else None,
     }
     train_rows = [r for r in log if "loss" in r]
     if train_rows:
@@ -838,6 +920,11 @@ def export_gguf(
 
     config, params = load_params_npz(params_npz, dtype="float32")
     Path(out).parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(config, qwen35.Qwen35Config):
+        from specjax.io.gguf_qwen35 import save_qwen35_gguf
+
+        save_qwen35_gguf(out, config, params, Tokenizer.from_file(tokenizer), dtype=dtype)
+        return
     save_gguf(out, config, params, Tokenizer.from_file(tokenizer), dtype=dtype)
 
 

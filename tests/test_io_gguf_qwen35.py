@@ -238,6 +238,15 @@ def test_peer_llamacpp_same_greedy_tokens(tmp_path: Path, prompt: str, n_ctx: in
     ids = tok.encode(prompt, add_bos=tok.add_bos)
     assert n_ctx == 64 or len(ids) > 2 * q.CHUNK
     gen = _greedy_by_steps(cfg, params, ids, n_predict, n_ctx)
+    theirs = llamacpp_greedy_text(tool, path, prompt, n_predict, n_ctx, tmp_path)
+    assert theirs.rstrip("\n") == tok.decode(gen).rstrip("\n")
+
+
+def llamacpp_greedy_text(
+    tool: str, path: Path, prompt: str, n_predict: int, n_ctx: int, tmp_path: Path
+) -> str:
+    """llama-completion's greedy continuation (text only) of `prompt` with the GGUF at `path`.
+    Shared with the shipped code-hybrid peer test (tests/test_shipped_gguf.py)."""
     prompt_file = tmp_path / "prompt.txt"
     prompt_file.write_text(prompt + "\n")  # -f drops one trailing newline
     res = subprocess.run(
@@ -246,4 +255,4 @@ def test_peer_llamacpp_same_greedy_tokens(tmp_path: Path, prompt: str, n_ctx: in
         capture_output=True,
         check=True,
     )
-    assert res.stdout.decode("utf-8", errors="replace").rstrip("\n") == tok.decode(gen).rstrip("\n")
+    return res.stdout.decode("utf-8", errors="replace")

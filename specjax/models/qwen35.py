@@ -354,9 +354,12 @@ def delta_chunked(
         lambda m, r: jax.scipy.linalg.solve_triangular(m, r, lower=True, unit_diagonal=True),
     )
     flat = lhs.reshape(-1, C, C)
-    W = solve(flat, (b_c[..., None] * v_c).reshape(-1, C, S)).reshape(B, H, N, C, S)
-    Kd = solve(flat, (b_c[..., None] * jnp.exp(G)[..., None] * k_c).reshape(-1, C, S))
-    Kd = Kd.reshape(B, H, N, C, S)
+    # One triangular solve for both right-hand sides: on CPU each solve is a LAPACK trsm call
+    # that fans out over XLA's intra-op pool and blocks a pool thread while it waits; two
+    # independent solves running at once can hold every thread of a 2-core pool and deadlock.
+    rhs = jnp.concatenate([b_c[..., None] * v_c, b_c[..., None] * jnp.exp(G)[..., None] * k_c], -1)
+    WK = solve(flat, rhs.reshape(-1, C, 2 * S)).reshape(B, H, N, C, 2 * S)
+    W, Kd = WK[..., :S], WK[..., S:]
     qk = jnp.einsum("bhnti,bhnsi->bhnts", q_c, k_c)
     P = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)) * qk, 0.0)  # [B, H, N, t, s]
     qg = q_c * jnp.exp(G)[..., None]
