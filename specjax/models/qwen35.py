@@ -327,6 +327,34 @@ def delta_recurrent(
     return M, o, None if steps is None else jnp.moveaxis(steps, 0, 1)
 
 
+def unit_lower_inverse(L: Array) -> Array:
+    """Inverse of unit lower-triangular matrices [..., C, C] by blocked inversion: diagonal
+    blocks of size s -> 2s via [[A, 0], [X, B]]^-1 = [[A^-1, 0], [-B^-1 X A^-1, B^-1]]
+    (log2 C rounds of batched matmuls; C is padded to a power of two with the identity)."""
+    C = L.shape[-1]
+    P = 1 << (C - 1).bit_length()
+    batch = L.shape[:-2]
+    if P != C:
+        pad = [(0, 0)] * len(batch) + [(0, P - C), (0, P - C)]
+        eye = jnp.diag((jnp.arange(P) >= C).astype(L.dtype))
+        L = jnp.pad(L, pad) + eye.reshape((1,) * len(batch) + (P, P))
+    inv = jnp.ones(batch + (P, 1, 1), L.dtype)  # the 1 x 1 diagonal blocks' inverses
+    s = 1
+    while s < P:
+        nb = P // (2 * s)
+        blocks = L.reshape(batch + (nb, 2 * s, nb, 2 * s))
+        diag = jnp.moveaxis(jnp.diagonal(blocks, axis1=-4, axis2=-2), -1, -3)  # [.., nb, 2s, 2s]
+        X = diag[..., s:, :s]
+        pairs = inv.reshape(batch + (nb, 2, s, s))
+        a_inv, b_inv = pairs[..., 0, :, :], pairs[..., 1, :, :]
+        low = -jnp.matmul(b_inv, jnp.matmul(X, a_inv))
+        top = jnp.concatenate([a_inv, jnp.zeros_like(a_inv)], axis=-1)
+        bottom = jnp.concatenate([low, b_inv], axis=-1)
+        inv = jnp.concatenate([top, bottom], axis=-2)
+        s *= 2
+    return inv.reshape(batch + (P, P))[..., :C, :C]
+
+
 def delta_chunked(
     M_BHJI: Array, q: Array, k: Array, v: Array, g: Array, beta: Array, chunk: int = CHUNK
 ) -> tuple[Array, Array]:
@@ -350,15 +378,13 @@ def delta_chunked(
     kk = jnp.einsum("bhnti,bhnsi->bhnts", k_c, k_c)
     A = jnp.where(strict, b_c[..., None] * jnp.exp(jnp.where(strict, diff, 0.0)) * kk, 0.0)
     lhs = A + jnp.eye(C, dtype=A.dtype)[None, None, None]
-    solve = jax.vmap(
-        lambda m, r: jax.scipy.linalg.solve_triangular(m, r, lower=True, unit_diagonal=True),
-    )
-    flat = lhs.reshape(-1, C, C)
-    # One triangular solve for both right-hand sides: on CPU each solve is a LAPACK trsm call
-    # that fans out over XLA's intra-op pool and blocks a pool thread while it waits; two
-    # independent solves running at once can hold every thread of a 2-core pool and deadlock.
+    # (I + A)^-1 by blocked inversion (batched matmuls), not LAPACK trsm: on CPU jax's trsm
+    # custom call fans out over XLA's intra-op pool and blocks a pool thread while it waits;
+    # two such calls at once (the backward pass has them) held both threads of a 2-core pool
+    # and the training step deadlocked.
+    inv = unit_lower_inverse(lhs)
     rhs = jnp.concatenate([b_c[..., None] * v_c, b_c[..., None] * jnp.exp(G)[..., None] * k_c], -1)
-    WK = solve(flat, rhs.reshape(-1, C, 2 * S)).reshape(B, H, N, C, 2 * S)
+    WK = jnp.einsum("bhnts,bhnsj->bhntj", inv, rhs)
     W, Kd = WK[..., :S], WK[..., S:]
     qk = jnp.einsum("bhnti,bhnsi->bhnts", q_c, k_c)
     P = jnp.where(incl, jnp.exp(jnp.where(incl, diff, 0.0)) * qk, 0.0)  # [B, H, N, t, s]
