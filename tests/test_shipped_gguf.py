@@ -80,3 +80,51 @@ def test_llama_cpp_gives_the_same_greedy_tokens(target):
                 break
             theirs.append(tok)
         assert theirs == ours[: len(theirs)] and len(theirs) == len(ours)
+
+
+# ------------------------------------------------------------------ code-hybrid (qwen35 hybrid)
+HYBRID = ROOT / "models" / "code-hybrid" / "code-hybrid-f16.gguf"
+HYBRID_PROMPT = "def read_lines(path):\n"
+HYBRID_TRUNK_PARAMS = 3_691_024
+
+
+@pytest.fixture(scope="module")
+def hybrid() -> specjax.Model:
+    return specjax.load(str(HYBRID))
+
+
+def test_shipped_hybrid_loads_with_the_documented_shapes(hybrid, target):
+    cfg = hybrid.config
+    assert cfg.arch == "qwen35" and cfg.dtype == "float32"  # F16 file, float32 compute on CPU
+    assert cfg.num_params() == HYBRID_TRUNK_PARAMS  # the card's count (trunk, no MTP block)
+    assert (cfg.D, cfg.L, cfg.n_nextn) == (256, 4, 1)
+    assert cfg.attention_layers == (3,) and cfg.recurrent_layers == (0, 1, 2)
+    assert len(hybrid.params["nextn"]) == 1
+    check_vocab_compatible(target.tokenizer, hybrid.tokenizer, target.config.V, cfg.V)
+    assert hybrid.eog_ids == target.eog_ids
+
+
+def test_shipped_hybrid_greedy_is_deterministic_python(hybrid):
+    a = specjax.generate(hybrid, [HYBRID_PROMPT], max_new_tokens=32)
+    b = specjax.generate(hybrid, [HYBRID_PROMPT], max_new_tokens=32)
+    assert a.tokens == b.tokens and len(a.tokens[0]) > 8
+    assert "\n" in a.text[0]  # it writes code lines, not one run-on token stream
+
+
+@pytest.mark.peers
+def test_shipped_hybrid_llama_completion_gives_the_same_greedy_text(hybrid, tmp_path):
+    """llama-completion on the shipped file continues the prompt greedily with the same text as
+    specjax.generate (float32 compute from the F16 weights on both sides)."""
+    import os
+    import shutil
+
+    from test_io_gguf_qwen35 import llamacpp_greedy_text
+
+    bin_dir = os.environ.get("SPECJAX_LLAMACPP_BIN")
+    tool = shutil.which("llama-completion", path=bin_dir) if bin_dir else None
+    if not tool:
+        pytest.skip("llama-completion not found (set SPECJAX_LLAMACPP_BIN to llama.cpp's bin)")
+    n = 48
+    ours = specjax.generate(hybrid, [HYBRID_PROMPT], max_new_tokens=n).text[0]
+    theirs = llamacpp_greedy_text(tool, HYBRID, HYBRID_PROMPT, n, 512, tmp_path)
+    assert theirs.rstrip("\n") == ours.rstrip("\n")

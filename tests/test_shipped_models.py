@@ -81,7 +81,7 @@ def test_token_byte_lengths_account_for_every_byte(tokenizer: Any, val_texts: li
 def test_models_folder_stays_small() -> None:
     total = sum(p.stat().st_size for p in MODELS.rglob("*") if p.is_file())
     assert total < 40 * 1024 * 1024, total
-    for name in ("code-target", "code-draft"):
+    for name in ("code-target", "code-draft", "code-hybrid"):
         assert (MODELS / name / "MODEL_CARD.md").exists()
         assert list((MODELS / name).glob("*.gguf")), name
 

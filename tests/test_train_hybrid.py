@@ -109,8 +109,6 @@ def test_short_hybrid_run_lowers_loss_and_exports_a_loadable_gguf(tmp_path: Path
     ours = model_logits(config, params, ids)
     theirs = model_logits(model.config, model.params, ids)
     np.testing.assert_allclose(np.asarray(theirs), np.asarray(ours), atol=0.05)  # F16 weights
-    res = specjax.generate(model, [[0, 5, 6, 7]], max_new_tokens=4)
-    assert len(res.tokens[0]) == 4
 
 
 def test_init_from_copies_only_top_level_tensors_of_equal_shape(tmp_path: Path) -> None:
