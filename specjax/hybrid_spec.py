@@ -85,7 +85,7 @@ class HybridGenState:
 def _is_eog(engine: HybridEngine, tokens: Array) -> Array:
     if not engine.eog_ids:
         return jnp.zeros(tokens.shape, bool)
-    ids = jnp.asarray(engine.eog_ids, jnp.int32)
+    ids = jnp.asarray(engine.eog_ids, jnp.int32).reshape((1,) * tokens.ndim + (-1,))
     return jnp.any(tokens[..., None] == ids, axis=-1)
 
 
