@@ -64,6 +64,9 @@ class LoopConfig:
     save_every: int = 50
     #: re-initialise the block (N(0, 0.02)) instead of starting from the GGUF's
     reinit: bool = False
+    #: a run directory whose nextn.npz starts this run (e.g. a head trained on an earlier
+    #: trunk; fresh optimiser state); "" = the GGUF's block (or reinit)
+    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -213,6 +216,12 @@ def train(config: MtpTrainConfig) -> dict[str, Any]:
     nextn = tuple(dict(b) for b in model.params["nextn"])
     if loop.reinit:
         nextn = _reinit(cfg, jax.random.key(loop.seed), jnp.float32)
+    if loop.init_from:
+        nextn = load_run(loop.init_from)
+        if len(nextn) != cfg.n_nextn:
+            raise ValueError(
+                f"{loop.init_from} has {len(nextn)} nextn blocks, the target {cfg.n_nextn}"
+            )
     train_tokens, val_tokens = resolve_data(config.data)
     sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
     optimizer = make_optimizer(config.optim)
