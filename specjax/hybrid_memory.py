@@ -385,6 +385,23 @@ def forward_memory(
 
     Each row reads its input recurrent state from plane rs_idx; with n_rs_seq > 0 the
     per-position states (token-by-token scan) fill the planes."""
+    logits, mem, _ = forward_memory_hidden(
+        config, params, tokens_BT, positions_BT, mem, cache_empty=cache_empty
+    )
+    return logits, mem
+
+
+def forward_memory_hidden(
+    config: qwen35.Qwen35Config,
+    params: Params,
+    tokens_BT: Array,
+    positions_BT: Array,
+    mem: HybridMemory,
+    *,
+    cache_empty: bool = False,
+) -> tuple[Array, HybridMemory, Array]:
+    """`forward_memory` that also returns h_nextn [B, T, D] (the LM head's input, which the
+    MTP drafter reads; unused outputs cost nothing under jit)."""
     conv, ssm = mem.rec.current()
     state = qwen35.Qwen35State(kv=mem.kv, conv=conv, ssm=ssm)
     out = qwen35.forward(
@@ -395,11 +412,13 @@ def forward_memory(
         state,
         per_position=mem.n_rs_seq > 0,
         cache_empty=cache_empty,
+        return_hidden=True,
     )
     rec = mem.rec.advance(
         out.conv_steps, out.ssm_steps, out.state.conv, out.state.ssm, positions_BT
     )
-    return out.logits, HybridMemory(kv=out.state.kv, rec=rec)
+    assert out.hidden is not None
+    return out.logits, HybridMemory(kv=out.state.kv, rec=rec), out.hidden
 
 
 # ----------------------------------------------------------------------------- the probe

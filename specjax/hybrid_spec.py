@@ -52,10 +52,11 @@ from specjax.drafters.base import (
     DraftOutput,
     TargetBatch,
     TokenHistory,
+    chain_width,
     load_spec_state,
     take_spec_state,
 )
-from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory
+from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory_hidden
 from specjax.models import qwen35
 from specjax.pytree import pytree_dataclass, replace
 from specjax.sampling import SamplingParams
@@ -107,7 +108,7 @@ class HybridGenState:
 def _is_eog(engine: HybridEngine, tokens: Array) -> Array:
     if not engine.eog_ids:
         return jnp.zeros(tokens.shape, bool)
-    ids = jnp.asarray(engine.eog_ids, jnp.int32)
+    ids = jnp.asarray(engine.eog_ids, jnp.int32).reshape((1,) * tokens.ndim + (-1,))
     return jnp.any(tokens[..., None] == ids, axis=-1)
 
 
@@ -145,16 +146,18 @@ def prefill(
     positions_BT = jnp.where(jnp.arange(T)[None] < lengths_B[:, None], jnp.arange(T)[None], -1)
     if start is None:
         mem = HybridMemory.init(engine.target, B, S, engine.n_rs_seq)
-        logits, mem = forward_memory(
+        logits, mem, hidden = forward_memory_hidden(
             engine.target, params, tokens_BT, positions_BT, mem, cache_empty=True
         )
         last_idx = lengths_B - 1
     else:
         from specjax.slots import suffix
 
+        if any(getattr(d, "reads_nextn", False) for d in engine.drafters):
+            raise ValueError("a restored slot holds no target hidden states for draft-mtp")
         mem, n_cached = start
         s_tokens, s_pos, last_idx = suffix(tokens_BT, lengths_B, n_cached)
-        logits, mem = forward_memory(engine.target, params, s_tokens, s_pos, mem)
+        logits, mem, hidden = forward_memory_hidden(engine.target, params, s_tokens, s_pos, mem)
     last = jnp.take_along_axis(logits, last_idx[:, None, None], axis=1)[:, 0]
     if sampling_params is None:
         first = jnp.argmax(last, axis=-1).astype(jnp.int32)
@@ -162,7 +165,9 @@ def prefill(
         keys = sampling.make_keys(sampling_params.seed, lengths_B, sampling.ROLE_SAMPLE)
         first = sampling.sample(last, sampling_params, keys).astype(jnp.int32)
     states = tuple(d.init(B, S) for d in engine.drafters)
-    batch = TargetBatch(tokens=tokens_BT, positions=positions_BT, is_prompt=True)
+    batch = TargetBatch(
+        tokens=tokens_BT, positions=positions_BT, hidden=_nextn(engine, hidden), is_prompt=True
+    )
     states = tuple(
         d.process(p, s, batch) for d, p, s in zip(engine.drafters, drafter_params, states)
     )
@@ -234,18 +239,31 @@ def _relay(
     return tokens, valid, winner, tuple(new_states)
 
 
+def _nextn(engine: HybridEngine, hidden: Array) -> dict[int, Array]:
+    """`TargetBatch.hidden` for the chain: h_nextn under H_NEXTN when a drafter reads it."""
+    from specjax.drafters.draft_mtp import H_NEXTN
+
+    if any(getattr(d, "reads_nextn", False) for d in engine.drafters):
+        return {H_NEXTN: hidden}
+    return {}
+
+
 def _verify(
     engine: HybridEngine, params: Params, mem: HybridMemory, v_tokens: Array, v_pos: Array
-) -> tuple[Array, HybridMemory]:
-    """Target forward at width 1 when no row has a draft, else K + 1: (argmax [B, K+1], mem)."""
+) -> tuple[Array, HybridMemory, Array]:
+    """Target forward at width 1 when no row has a draft, else K + 1: (argmax [B, K+1], mem,
+    h_nextn [B, K+1, D])."""
     K = engine.k_max
 
     def branch(width: int) -> Any:
-        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory]:
+        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory, Array]:
             m, tok, pos = ops
-            logits, m = forward_memory(engine.target, params, tok[:, :width], pos[:, :width], m)
+            logits, m, h = forward_memory_hidden(
+                engine.target, params, tok[:, :width], pos[:, :width], m
+            )
             greedy = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-            return jnp.pad(greedy, ((0, 0), (0, K + 1 - width))), m
+            pad = ((0, 0), (0, K + 1 - width))
+            return jnp.pad(greedy, pad), m, jnp.pad(h, pad + ((0, 0),))
 
         return run
 
@@ -255,15 +273,18 @@ def _verify(
 
 def _verify_logits(
     engine: HybridEngine, params: Params, mem: HybridMemory, v_tokens: Array, v_pos: Array
-) -> tuple[Array, HybridMemory]:
+) -> tuple[Array, HybridMemory, Array]:
     """`_verify` returning the logits [B, K+1, V] (padded rows zero) for sampling."""
     K = engine.k_max
 
     def branch(width: int) -> Any:
-        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory]:
+        def run(ops: tuple[HybridMemory, Array, Array]) -> tuple[Array, HybridMemory, Array]:
             m, tok, pos = ops
-            logits, m = forward_memory(engine.target, params, tok[:, :width], pos[:, :width], m)
-            return jnp.pad(logits, ((0, 0), (0, K + 1 - width), (0, 0))), m
+            logits, m, h = forward_memory_hidden(
+                engine.target, params, tok[:, :width], pos[:, :width], m
+            )
+            pad = ((0, 0), (0, K + 1 - width))
+            return jnp.pad(logits, pad + ((0, 0),)), m, jnp.pad(h, pad + ((0, 0),))
 
         return run
 
@@ -301,14 +322,14 @@ def spec_step(
     # upstream decides on the draft length (7.3): FULL always, RS beyond n_rs_seq planes
     use_ckpt = ~replaying & (draft_len > engine.n_rs_seq)
     if st.sampling is None:
-        greedy, mem = _verify(engine, params, st.mem, v_tokens, v_pos)
+        greedy, mem, hidden = _verify(engine, params, st.mem, v_tokens, v_pos)
         match_K = (greedy[:, :K] == draft_tokens) & valid_K
         n_acc = jnp.sum(jnp.cumprod(match_K.astype(jnp.int32), axis=1), axis=1).astype(jnp.int32)
         n_acc = jnp.where(replaying, draft_len, n_acc)  # replayed tokens are accepted untested
         n_acc = jnp.where(active, n_acc, 0)
         next_token = jnp.take_along_axis(greedy, n_acc[:, None], axis=1)[:, 0]
     else:  # specjax.verify: sample-and-match, replay rows accepted untested (keys by position)
-        logits, mem = _verify_logits(engine, params, st.mem, v_tokens, v_pos)
+        logits, mem, hidden = _verify_logits(engine, params, st.mem, v_tokens, v_pos)
         draft = DraftOutput(tokens=draft_tokens, valid=valid_K)
         result = verify.verify_rows(logits, draft, st.sampling, st.length, replay_B=replaying)
         n_acc = jnp.where(active, result.n_accepted, 0).astype(jnp.int32)
@@ -358,7 +379,7 @@ def spec_step(
 
     had_draft = active & (draft_len > 0)
     if engine.drafters:
-        batch = TargetBatch(tokens=v_tokens, positions=v_pos)
+        batch = TargetBatch(tokens=v_tokens, positions=v_pos, hidden=_nextn(engine, hidden))
         new_states = []
         for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
             s = d.process(p, s, batch)
@@ -531,12 +552,13 @@ def generate_speculative(
         spec, n_rs = None, 0
     drafters, dparams = build_drafters(spec, model, draft) if spec is not None else ((), ())
     for d in drafters:
-        if d.hidden_layers:
+        if d.hidden_layers and not getattr(d, "reads_nextn", False):
             raise ValueError(
                 f"{d.name} reads target hidden states, which the {config.arch} target does not "
                 "export yet; use n-gram drafters or draft-simple"
             )
-    K = spec.resolved_k_max() if spec is not None else 1
+    # draft-mtp drafts at most its own (clamped) n_max
+    K = chain_width(drafters, spec.resolved_k_max()) if spec is not None else 1
     B = len(prompt_ids)
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
     T = min(max(8, 1 << (int(lengths.max()) - 1).bit_length()), n_ctx)  # history holds n_ctx

@@ -84,6 +84,35 @@ def _draft_eagle3(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     return drafter, params
 
 
+def _draft_mtp(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
+    """The target's own nextn block(s) (upstream creates the MTP context on the target model
+    when no draft path is given; a separate draft GGUF holding the block also works)."""
+    from specjax.drafters.draft_mtp import MtpDrafter
+
+    source = target if draft is None else draft
+    cfg = source.config
+    if getattr(cfg, "arch", None) != "qwen35" or target.config.arch != "qwen35":
+        raise ValueError(
+            "draft-mtp runs the nextn block of a qwen35 model; got target "
+            f"{getattr(target.config, 'arch', '?')!r}, draft {getattr(cfg, 'arch', '?')!r}"
+        )
+    if cfg.n_nextn < 1:
+        raise ValueError(
+            "draft-mtp needs a model with a nextn (MTP) block; "
+            f"{'the target' if draft is None else 'the draft'} has none"
+        )
+    if cfg.D != target.config.D or cfg.V != target.config.V:
+        raise ValueError(
+            f"MTP block width/vocabulary ({cfg.D}, {cfg.V}) differ from the target's "
+            f"({target.config.D}, {target.config.V})"
+        )
+    # the drafter stops at draft n_max (upstream); an explicit k_max caps it
+    n_max = spec.draft_n_max if spec.k_max is None else min(spec.draft_n_max, spec.k_max)
+    if cfg.n_nextn > 1:  # chain heads: one draft step per head (upstream clamps n_max)
+        n_max = min(n_max, cfg.n_nextn)
+    return MtpDrafter(config=cfg, max_draft_len=max(1, n_max)), source.params
+
+
 def _draft_block(dspark: bool) -> Callable[[SpecConfig, Any, Any], tuple[Any, Any]]:
     """draft-dflash / draft-dspark: one builder, upstream's shared implementation."""
 
@@ -182,6 +211,7 @@ def _ngram_cache(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
 _BUILDERS: dict[str, Callable[[SpecConfig, Any, Any], tuple[Any, Any]]] = {
     "draft-simple": _draft_simple,
     "draft-eagle3": _draft_eagle3,
+    "draft-mtp": _draft_mtp,
     "draft-dflash": _draft_block(False),
     "draft-dspark": _draft_block(True),
     "ngram-simple": _ngram_simple,

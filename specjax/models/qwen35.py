@@ -16,7 +16,10 @@ Computed as llama.cpp's `src/models/qwen35.cpp` + `delta-net-base.cpp` compute i
   a pair whose interleaved section is the 4th ("e") is rotated by position 0, as text tokens
   carry position 0 there; softmax attention (scale 1/sqrt(E)) through specjax's KV cache; output
   * sigmoid(gate), then w_o.
-* NextN/MTP blocks (`params["nextn"]`) are loaded and saved but not run by this forward.
+* NextN/MTP blocks (`params["nextn"]`) are not run by this forward (see `qwen35_mtp`);
+  `return_hidden=True` also returns the hidden state they read: llama.cpp's `h_nextn`, the
+  last layer's output after the final norm, for every row (the plain path never computes it
+  separately: it is the LM head's input).
 
 State invariants (`Qwen35State`):
 * `kv` is a specjax KVCache holding the attention layers only (entry j = j-th attention layer).
@@ -41,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, used_cells
-from specjax.models.llama import CACHE_CHUNK, _attend, commit_kv, rms_norm
+from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, commit_kv, rms_norm
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -286,6 +289,8 @@ class Qwen35Output(NamedTuple):
     #: (conv [B, T, d_conv - 1, C], ssm [B, T, Hv, S, S]); else empty tuples.
     conv_steps: tuple[Array, ...]
     ssm_steps: tuple[Array, ...]
+    #: With return_hidden=True: h_nextn [B, T, D] (final-normed hidden, model dtype); else None.
+    hidden: Array | None = None
 
 
 # --------------------------------------------------------------------------------- delta net
@@ -474,8 +479,11 @@ def _attention_layer(
     kv: KVCache,
     j: int,
     n_chunks: Array | None,
+    extra: ExtraKV | None = None,
 ) -> tuple[Array, Array, Array]:
-    """Gated attention mixer. Returns (out [B, T, D], new K, new V [B, T, G, E])."""
+    """Gated attention mixer. Returns (out [B, T, D], new K, new V [B, T, G, E]).
+
+    `extra`: cells attended besides the cache and the new tokens (a drafter's scratch)."""
     B, T, _ = h_BTD.shape
     H, G, E = config.H, config.G, config.E
     eps = config.norm_eps
@@ -490,6 +498,8 @@ def _attention_layer(
     v = v.astype(kv.v[j].dtype)
     qh = q.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)
     own = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions_BT)]
+    if extra is not None:
+        own.append((extra.k[j], extra.v[j], extra.pos))
     cached = None if n_chunks is None else (kv.k[j], kv.v[j], kv.pos)
     attn = _attend(qh, own, positions_BT, 0, cached, n_chunks)
     attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
@@ -507,11 +517,13 @@ def forward(
     mode: str = "auto",
     per_position: bool = False,
     cache_empty: bool = False,
+    return_hidden: bool = False,
 ) -> Qwen35Output:
     """One forward over new tokens: logits, the new state and optional per-token states.
 
     `mode` (static): "auto" (one-token recurrence when T == 1, else the chunked scan),
-    "recurrent" or "chunked". `per_position=True` returns every token's recurrent state."""
+    "recurrent" or "chunked". `per_position=True` returns every token's recurrent state;
+    `return_hidden=True` (static) also returns h_nextn, the LM head's input, for every row."""
     if mode not in ("auto", "recurrent", "chunked"):
         raise ValueError(f"mode must be auto, recurrent or chunked, got {mode!r}")
     freqs = jnp.asarray(rope_pair_frequencies(config), jnp.float32)
@@ -561,7 +573,8 @@ def forward(
     if new_k:
         kv = commit_kv(kv, positions_BT, tuple(new_k), tuple(new_v), after=logits)
     new_state = Qwen35State(kv=kv, conv=tuple(new_conv), ssm=tuple(new_ssm))
-    return Qwen35Output(logits, new_state, tuple(conv_steps), tuple(ssm_steps))
+    hidden = x if return_hidden else None
+    return Qwen35Output(logits, new_state, tuple(conv_steps), tuple(ssm_steps), hidden)
 
 
 # --------------------------------------------------------------------------------- params

@@ -150,5 +150,6 @@ class Reference:
             ff = _silu(layer["w_gate"] @ h) * (layer["w_up"] @ h)
             x = x + layer["w_down"] @ ff
         x = _rms(x, self.p["final_norm"], cfg.norm_eps)
+        self.h_nextn = x  # llama.cpp's t_h_nextn: the final-normed hidden (MTP input)
         head = self.p["embed"] if cfg.tie_embeddings else self.p["lm_head"]
         return head @ x

@@ -1,0 +1,324 @@
+"""draft-mtp: the target's own NextN/MTP block(s) as the drafter (llama.cpp section 5.3,
+`common_speculative_impl_draft_mtp`, standard and chain-heads modes).
+
+The block (specjax.models.qwen35_mtp) reads pairs: its row at position p is `(x_p, h_{p-1})`,
+the token at p with the target's `h_nextn` of position p - 1 (final-normed hidden, exported by
+the target forward under `TargetBatch.hidden[H_NEXTN]`). The last h of a batch pairs with the
+first token of the NEXT batch, so it is carried as explicit per-row state:
+
+    pending_h [B, D], pending_pos [B]   h of the row at pending_pos (-1 = none yet)
+    seed_h [B, D], seed_pos [B]         the h the last `process` paired its first token with
+    verify_h [B, S, D], verify_pos_first [B], verify_rows [B]
+                                         the target's h rows of the last `process`
+
+* `process(batch)`: per row with evaluated tokens `[beg, end]`: the first token is paired with
+  `pending_h` (upstream), except when `pending_pos + 1 != pos[beg]` and `seed_pos + 1 ==
+  pos[beg]` -- a batch restarting at the same position as the last one, i.e. the replay of a
+  checkpointed round, whose `accept` never came -- then with `seed_h` (upstream would pair the
+  rejected last row here); token k > beg is paired with the target h of row k - 1. Every head
+  runs the batch and its K/V is written at the batch positions (chain heads: each head its own
+  layer, as upstream's per-head `seq_rm` + decode). Then `verify_h = h[beg..end]`,
+  `pending_h = h[end]`, `pending_pos = pos[end]`.
+* `accept(n)`: `i = min(n, rows - 1)`; `pending_h = verify_h[i]`, `pending_pos =
+  verify_pos_first + i`.
+* `draft`, standard mode (one head): row 0 is `(id_last, pending_h)` at `pos0 = length`; step
+  i: top-10 softmax of the row's logits, take the argmax; stop when its probability is <
+  p_min; append; stop at the draft n_max; else the next row is `(token, h')` at pos0 + i + 1,
+  h' the block's own output h of the previous row. Drafted rows live in a scratch and never
+  enter the cache (upstream removes them: `seq_rm(draft, pos_max + 1, -1)`). Drafts shorter
+  than n_min are cleared.
+* chain-heads mode (more than one nextn block): n_max is clamped to the number of heads; step
+  i runs head i over the whole prefix `[id_last, r_1..r_i]` at `pos0 + t` with h rows
+  `[pending_h, h'_1..h'_i]` (h'_j from step j - 1) and reads the logits of its last row.
+* `rollback(keep)`: `seq_rm(row, keep, -1)` on the block cache (the pending pair stays).
+* `get_state` / `set_state`: a per-row blob, little-endian int32 `pending_pos` followed by D
+  float32 of `pending_h` (the layout of EAGLE-3's blob; upstream's MTP has no blob and its
+  checkpoints lose the pairing, see `process`); `get_state` returns None when
+  `pending_pos < 0`, `set_state` ignores a blob of the wrong size.
+
+Greedy only: drafts are the argmax of the top-10 (the draft sampler upstream uses at any
+temperature is top_k(10) then the argmax at p_min 0). Pure functions over the state pytree.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from typing import Any, ClassVar
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling
+from specjax.cache import KVCache, keep_prefix
+from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.draft_simple import DRAFT_TOP_K
+from specjax.models import qwen35
+from specjax.models.llama import ExtraKV, commit_kv
+from specjax.models.qwen35_mtp import new_nextn_cache, nextn_forward
+from specjax.pytree import pytree_dataclass, replace
+from specjax.types import Array, Params
+
+#: `TargetBatch.hidden` key of the target's h_nextn (final-normed hidden of every row).
+H_NEXTN = -1
+
+
+@pytree_dataclass
+class MtpState:
+    cache: KVCache  # one layer per head
+    pending_h: Array  # [B, D] float32
+    pending_pos: Array  # [B] int32, -1 = none yet
+    seed_h: Array  # [B, D] float32
+    seed_pos: Array  # [B] int32
+    verify_h: Array  # [B, S, D] float32, rows 0..verify_rows-1 valid
+    verify_pos_first: Array  # [B] int32
+    verify_rows: Array  # [B] int32
+
+
+@dataclasses.dataclass(frozen=True)
+class MtpDrafter:
+    name: ClassVar[str] = "draft-mtp"
+    #: reads no trunk layer by id (the engine's llama path); `reads_nextn` asks the hybrid
+    #: engine for the target's h_nextn under H_NEXTN instead
+    hidden_layers: ClassVar[tuple[int, ...]] = ()
+    reads_nextn: ClassVar[bool] = True
+
+    config: qwen35.Qwen35Config
+    #: the longest draft (chain heads: already clamped to the head count)
+    max_draft_len: int
+    top_k: int = DRAFT_TOP_K
+
+    def __post_init__(self) -> None:
+        if self.config.n_nextn < 1:
+            raise ValueError("draft-mtp needs a model with a nextn (MTP) block; it has none")
+        if self.max_draft_len < 1:
+            raise ValueError(f"draft-mtp max_draft_len must be >= 1, got {self.max_draft_len}")
+        if self.chain_heads and self.max_draft_len > self.n_heads:
+            raise ValueError(
+                f"chain-heads draft-mtp drafts at most {self.n_heads} tokens (one per head), "
+                f"got max_draft_len {self.max_draft_len}"
+            )
+
+    @property
+    def n_heads(self) -> int:
+        return self.config.n_nextn
+
+    @property
+    def chain_heads(self) -> bool:
+        return self.n_heads > 1
+
+    def init(self, batch: int, capacity: int) -> MtpState:
+        D = self.config.D
+        return MtpState(
+            cache=new_nextn_cache(self.config, batch, capacity),
+            pending_h=jnp.zeros((batch, D), jnp.float32),
+            pending_pos=jnp.full((batch,), -1, jnp.int32),
+            seed_h=jnp.zeros((batch, D), jnp.float32),
+            seed_pos=jnp.full((batch,), -1, jnp.int32),
+            verify_h=jnp.zeros((batch, capacity, D), jnp.float32),
+            verify_pos_first=jnp.full((batch,), -1, jnp.int32),
+            verify_rows=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def begin(self, state: MtpState, history: TokenHistory) -> MtpState:
+        del history  # upstream only warns when process() missed a prefill chunk
+        return state
+
+    # ----------------------------------------------------------------------------- process
+    def process(self, params: Params, state: MtpState, batch: TargetBatch) -> MtpState:
+        cfg = self.config
+        tokens, pos = batch.tokens, batch.positions
+        T = tokens.shape[1]
+        h = batch.hidden[H_NEXTN].astype(jnp.float32)  # [B, T, D]
+        valid = pos >= 0
+        has = jnp.any(valid, axis=1)
+        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)
+        end = (T - 1 - jnp.argmax(valid[:, ::-1], axis=1)).astype(jnp.int32)
+        pos_beg = jnp.take_along_axis(pos, beg[:, None], axis=1)[:, 0]
+        pos_end = jnp.take_along_axis(pos, end[:, None], axis=1)[:, 0]
+        replay = (state.pending_pos + 1 != pos_beg) & (state.seed_pos + 1 == pos_beg)
+        first_h = jnp.where(replay[:, None], state.seed_h, state.pending_h)
+        shifted = jnp.concatenate([first_h[:, None], h[:, :-1]], axis=1)
+        col = jnp.arange(T)[None, :]
+        h_in = jnp.where((col == beg[:, None])[..., None], first_h[:, None], shifted)
+        ks, vs, after = [], [], None
+        for j in range(self.n_heads):
+            out = nextn_forward(cfg, params, j, tokens, h_in.astype(cfg.dtype), pos, state.cache)
+            ks.append(out.k)
+            vs.append(out.v)
+            after = out.hidden if after is None else after + out.hidden
+        cache = commit_kv(state.cache, pos, tuple(ks), tuple(vs), after=after)
+
+        idx = jnp.clip(beg[:, None] + jnp.arange(T)[None, :], 0, T - 1)
+        h_rows = jnp.take_along_axis(h, idx[..., None], axis=1)
+        S = state.verify_h.shape[1]
+        if T > S:
+            h_rows = h_rows[:, :S]
+        new_vh = jax.lax.dynamic_update_slice_in_dim(state.verify_h, h_rows, 0, axis=1)
+        h_end = jnp.take_along_axis(h, end[:, None, None], axis=1)[:, 0]
+        return MtpState(
+            cache=cache,
+            pending_h=jnp.where(has[:, None], h_end, state.pending_h),
+            pending_pos=jnp.where(has, pos_end, state.pending_pos).astype(jnp.int32),
+            seed_h=jnp.where(has[:, None], first_h, state.seed_h),
+            seed_pos=jnp.where(has, pos_beg - 1, state.seed_pos).astype(jnp.int32),
+            verify_h=jnp.where(has[:, None, None], new_vh, state.verify_h),
+            verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
+            verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
+        )
+
+    # ------------------------------------------------------------------------------ accept
+    def accept(
+        self, state: MtpState, n_accepted: Array, is_other: Array, active: Array
+    ) -> MtpState:
+        del is_other  # upstream moves the pairing whoever drafted
+        rows = active & (state.verify_rows > 0)
+        i = jnp.maximum(jnp.minimum(n_accepted, state.verify_rows - 1), 0).astype(jnp.int32)
+        h_i = jnp.take_along_axis(state.verify_h, i[:, None, None], axis=1)[:, 0]
+        return replace(
+            state,
+            pending_pos=jnp.where(rows, state.verify_pos_first + i, state.pending_pos),
+            pending_h=jnp.where(rows[:, None], h_i, state.pending_h),
+        )
+
+    def rollback(self, state: MtpState, keep: Array) -> MtpState:
+        return replace(state, cache=keep_prefix(state.cache, keep))
+
+    # ------------------------------------------------------------------------------- draft
+    def draft(
+        self, params: Params, state: MtpState, inp: DraftInput, k_max: int
+    ) -> tuple[MtpState, DraftOutput]:
+        B = inp.last_token.shape[0]
+        drafting = inp.drafting & (state.pending_pos >= 0)
+        n_max = jnp.asarray(self.max_draft_len if inp.draft_n_max is None else inp.draft_n_max)
+        limit = jnp.clip(jnp.minimum(n_max, self.max_draft_len), 1, k_max)  # first always taken
+        run = self._draft_chain if self.chain_heads else self._draft_standard
+
+        def go(state: MtpState) -> tuple[MtpState, DraftOutput]:
+            tokens, valid, n = run(params, state, inp, drafting, limit, k_max)
+            valid = valid & (n >= inp.n_min)[:, None]
+            return state, DraftOutput(tokens=tokens, valid=valid)
+
+        def skip(state: MtpState) -> tuple[MtpState, DraftOutput]:
+            return state, empty_draft(B, k_max)
+
+        return jax.lax.cond(jnp.any(drafting), go, skip, state)
+
+    def _pick(
+        self, i: Any, logits: Array, alive: Array, n: Array, tokens: Array, valid: Array,
+        p_min: Array, limit: Array,
+    ) -> tuple[Array, Array, Array, Array, Array]:  # fmt: skip
+        """Top-10 softmax, argmax; keep it unless p < p_min; stop at `limit` tokens."""
+        top_vals, top_ids = sampling.small_top_k(logits, min(self.top_k, logits.shape[-1]))
+        probs = jax.nn.softmax(top_vals, axis=-1)
+        token = top_ids[:, 0].astype(jnp.int32)
+        keep = alive & (probs[:, 0] >= p_min)
+        tokens = jax.lax.dynamic_update_slice_in_dim(
+            tokens, jnp.where(keep, token, 0)[:, None], i, 1
+        )
+        valid = jax.lax.dynamic_update_slice_in_dim(valid, keep[:, None], i, 1)
+        n = n + keep.astype(jnp.int32)
+        return token, keep & (n < limit), n, tokens, valid
+
+    def _draft_standard(
+        self, params: Params, state: MtpState, inp: DraftInput, drafting: Array, limit: Array,
+        k_max: int,
+    ) -> tuple[Array, Array, Array]:  # fmt: skip
+        cfg = self.config
+        B = drafting.shape[0]
+        pos0 = inp.history.length.astype(jnp.int32)
+        shape = (B, cfg.G, k_max, cfg.E)
+        dtype = state.cache.k[0].dtype
+        scratch0 = ExtraKV(
+            k=(jnp.zeros(shape, dtype),),
+            v=(jnp.zeros(shape, dtype),),
+            pos=jnp.full((B, k_max), -1, jnp.int32),
+        )
+
+        def cond(carry: tuple[Any, ...]) -> Array:
+            i, _, _, _, alive, _, _, _ = carry
+            return (i < k_max) & jnp.any(alive)
+
+        def body(carry: tuple[Any, ...]) -> tuple[Any, ...]:
+            i, scratch, tok, h, alive, n, tokens, valid = carry
+            p = jnp.where(alive, pos0 + i, -1)
+            o = nextn_forward(
+                cfg, params, 0, tok[:, None], h[:, None].astype(cfg.dtype), p[:, None],
+                state.cache, extra=scratch,
+            )  # fmt: skip
+            scratch = ExtraKV(
+                k=(_put(scratch.k[0], i, o.k),),
+                v=(_put(scratch.v[0], i, o.v),),
+                pos=jax.lax.dynamic_update_slice_in_dim(scratch.pos, p[:, None], i, 1),
+            )
+            tok, alive, n, tokens, valid = self._pick(
+                i, o.logits[:, 0], alive, n, tokens, valid, inp.p_min, limit
+            )
+            return i + 1, scratch, tok, o.hidden[:, 0].astype(jnp.float32), alive, n, tokens, valid
+
+        init = (
+            jnp.zeros((), jnp.int32),
+            scratch0,
+            inp.last_token.astype(jnp.int32),
+            state.pending_h,
+            drafting,
+            jnp.zeros((B,), jnp.int32),
+            jnp.zeros((B, k_max), jnp.int32),
+            jnp.zeros((B, k_max), bool),
+        )
+        _, _, _, _, _, n, tokens, valid = jax.lax.while_loop(cond, body, init)
+        return tokens, valid, n
+
+    def _draft_chain(
+        self, params: Params, state: MtpState, inp: DraftInput, drafting: Array, limit: Array,
+        k_max: int,
+    ) -> tuple[Array, Array, Array]:  # fmt: skip
+        cfg = self.config
+        B = drafting.shape[0]
+        W = self.max_draft_len  # rows of the longest prefix (static)
+        pos0 = inp.history.length.astype(jnp.int32)
+        seq = jnp.zeros((B, W), jnp.int32).at[:, 0].set(inp.last_token.astype(jnp.int32))
+        hs = jnp.zeros((B, W, cfg.D), jnp.float32).at[:, 0].set(state.pending_h)
+        alive, n = drafting, jnp.zeros((B,), jnp.int32)
+        tokens, valid = jnp.zeros((B, k_max), jnp.int32), jnp.zeros((B, k_max), bool)
+        for i in range(min(W, k_max)):  # step i: head i over the prefix rows 0..i
+            rows = jnp.arange(W)[None, :] <= i
+            p = jnp.where(alive[:, None] & rows, pos0[:, None] + jnp.arange(W)[None, :], -1)
+            o = nextn_forward(cfg, params, i, seq, hs.astype(cfg.dtype), p, state.cache)
+            tok, alive, n, tokens, valid = self._pick(
+                i, o.logits[:, i], alive, n, tokens, valid, inp.p_min, limit
+            )
+            if i + 1 < W:
+                seq = seq.at[:, i + 1].set(tok)
+                hs = hs.at[:, i + 1].set(o.hidden[:, i].astype(jnp.float32))
+        return tokens, valid, n
+
+    # ------------------------------------------------------------------------ checkpoints
+    def get_state(self, state: MtpState, row: int) -> bytes | None:
+        """One row's pairing: int32 pending_pos + D float32 pending_h (None: none yet)."""
+        pos = int(np.asarray(state.pending_pos)[row])
+        if pos < 0:
+            return None
+        h = np.asarray(state.pending_h)[row].astype("<f4")
+        return struct.pack("<i", pos) + h.tobytes()
+
+    def set_state(self, state: MtpState, row: int, blob: bytes) -> MtpState:
+        """Restore one row's pairing from `get_state`'s blob; a wrong-sized blob is ignored."""
+        D = self.config.D
+        if len(blob) != 4 + 4 * D:
+            return state
+        (pos,) = struct.unpack("<i", blob[:4])
+        h = np.frombuffer(blob[4:], "<f4").astype(np.float32)
+        return replace(
+            state,
+            pending_pos=state.pending_pos.at[row].set(pos),
+            pending_h=state.pending_h.at[row].set(jnp.asarray(h)),
+        )
+
+
+def _put(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:
+    """Write one token's [B, 1, G, E] K or V into scratch slot i."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        scratch_BGKE, new_BTGE.transpose(0, 2, 1, 3).astype(scratch_BGKE.dtype), i, 2
+    )
