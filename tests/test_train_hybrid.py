@@ -71,6 +71,7 @@ def _counting(n: int, seed: int, vocab: int = 32) -> np.ndarray:
     return (np.cumsum(steps) % vocab).astype(np.uint16)
 
 
+@pytest.mark.slow  # ~50 s on 2 cores; the training forward test stays in the default suite
 def test_short_hybrid_run_lowers_loss_and_exports_a_loadable_gguf(tmp_path: Path) -> None:
     np.save(tmp_path / "train.npy", _counting(4000, 0))
     np.save(tmp_path / "val.npy", _counting(300, 1))
