@@ -45,10 +45,13 @@ Conventions (all arrays are per row, B = batch):
 from __future__ import annotations
 
 import dataclasses
+import struct
 from collections.abc import Sequence
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
+import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.pytree import pytree_dataclass, static_field
 from specjax.types import Array
@@ -220,3 +223,25 @@ def load_spec_state(drafter: Any, state: Any, saved: Any, rows_B: Array) -> Any:
     """`set_state` for the rows `rows_B` from `take_spec_state`'s data (other rows kept)."""
     fn = getattr(drafter, "set_spec_state", None)
     return state if fn is None else fn(state, saved, rows_B)
+
+
+def boundary_blob(pos: int, vector_D: Any) -> bytes | None:
+    """llama.cpp's drafter state blob for one row: int32 position + D float32 (None: pos < 0)."""
+    if pos < 0:
+        return None
+    return struct.pack("<i", pos) + np.asarray(vector_D).astype("<f4").tobytes()
+
+
+def read_boundary_blob(blob: bytes, dim: int) -> tuple[int, Array] | None:
+    """(position, float32 [D]) from `boundary_blob`'s bytes; None for a blob of the wrong size."""
+    if len(blob) != 4 + 4 * dim:
+        return None
+    (pos,) = struct.unpack("<i", blob[:4])
+    return pos, jnp.asarray(np.frombuffer(blob[4:], "<f4").astype(np.float32))
+
+
+def put_scratch_kv(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:
+    """Write one token's [B, 1, G, E] K or V into slot i of a draft head's scratch cache."""
+    return jax.lax.dynamic_update_slice_in_dim(
+        scratch_BGKE, new_BTGE.transpose(0, 2, 1, 3).astype(scratch_BGKE.dtype), i, 2
+    )

@@ -43,7 +43,6 @@ temperature is top_k(10) then the argmax at p_min 0). Pure functions over the st
 from __future__ import annotations
 
 import dataclasses
-import struct
 from typing import Any, ClassVar
 
 import jax
@@ -52,7 +51,16 @@ import numpy as np
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.base import (
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    boundary_blob,
+    empty_draft,
+    put_scratch_kv,
+    read_boundary_blob,
+)
 from specjax.drafters.draft_simple import DRAFT_TOP_K
 from specjax.models import qwen35
 from specjax.models.llama import ExtraKV, commit_kv
@@ -248,8 +256,8 @@ class MtpDrafter:
                 state.cache, extra=scratch,
             )  # fmt: skip
             scratch = ExtraKV(
-                k=(_put(scratch.k[0], i, o.k),),
-                v=(_put(scratch.v[0], i, o.v),),
+                k=(put_scratch_kv(scratch.k[0], i, o.k),),
+                v=(put_scratch_kv(scratch.v[0], i, o.v),),
                 pos=jax.lax.dynamic_update_slice_in_dim(scratch.pos, p[:, None], i, 1),
             )
             tok, alive, n, tokens, valid = self._pick(
@@ -297,28 +305,18 @@ class MtpDrafter:
     # ------------------------------------------------------------------------ checkpoints
     def get_state(self, state: MtpState, row: int) -> bytes | None:
         """One row's pairing: int32 pending_pos + D float32 pending_h (None: none yet)."""
-        pos = int(np.asarray(state.pending_pos)[row])
-        if pos < 0:
-            return None
-        h = np.asarray(state.pending_h)[row].astype("<f4")
-        return struct.pack("<i", pos) + h.tobytes()
+        return boundary_blob(
+            int(np.asarray(state.pending_pos)[row]), np.asarray(state.pending_h)[row]
+        )
 
     def set_state(self, state: MtpState, row: int, blob: bytes) -> MtpState:
         """Restore one row's pairing from `get_state`'s blob; a wrong-sized blob is ignored."""
-        D = self.config.D
-        if len(blob) != 4 + 4 * D:
+        read = read_boundary_blob(blob, self.config.D)
+        if read is None:
             return state
-        (pos,) = struct.unpack("<i", blob[:4])
-        h = np.frombuffer(blob[4:], "<f4").astype(np.float32)
+        pos, h = read
         return replace(
             state,
             pending_pos=state.pending_pos.at[row].set(pos),
-            pending_h=state.pending_h.at[row].set(jnp.asarray(h)),
+            pending_h=state.pending_h.at[row].set(h),
         )
-
-
-def _put(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:
-    """Write one token's [B, 1, G, E] K or V into scratch slot i."""
-    return jax.lax.dynamic_update_slice_in_dim(
-        scratch_BGKE, new_BTGE.transpose(0, 2, 1, 3).astype(scratch_BGKE.dtype), i, 2
-    )

@@ -40,7 +40,6 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
 from __future__ import annotations
 
 import dataclasses
-import struct
 from typing import Any, ClassVar
 
 import jax
@@ -49,7 +48,16 @@ import numpy as np
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.base import (
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    boundary_blob,
+    empty_draft,
+    put_scratch_kv,
+    read_boundary_blob,
+)
 from specjax.drafters.draft_simple import DRAFT_SEED_XOR, DRAFT_TOP_K
 from specjax.models import eagle3 as e3
 from specjax.models.llama import ExtraKV, commit_kv, new_cache
@@ -252,8 +260,8 @@ class Eagle3Drafter:
                     )
                     assert o.logits is not None
                     scratch = ExtraKV(
-                        k=(_put(scratch.k[0], i, o.k[0]),),
-                        v=(_put(scratch.v[0], i, o.v[0]),),
+                        k=(put_scratch_kv(scratch.k[0], i, o.k[0]),),
+                        v=(put_scratch_kv(scratch.v[0], i, o.v[0]),),
                         pos=jax.lax.dynamic_update_slice_in_dim(scratch.pos, p[:, None], i, 1),
                     )
                     return scratch, o.logits[:, 0], o.prenorm[:, 0]
@@ -299,11 +307,9 @@ class Eagle3Drafter:
     # ------------------------------------------------------------------------ checkpoints
     def get_state(self, state: Eagle3State, row: int) -> bytes | None:
         """Upstream's blob for one row: int32 pending_pos + D float32 (None: no boundary)."""
-        pos = int(np.asarray(state.pending_pos)[row])
-        if pos < 0:
-            return None
-        g = np.asarray(state.pending_g)[row].astype("<f4")
-        return struct.pack("<i", pos) + g.tobytes()
+        return boundary_blob(
+            int(np.asarray(state.pending_pos)[row]), np.asarray(state.pending_g)[row]
+        )
 
     def spec_state(self, state: Eagle3State) -> dict[str, Array]:
         """Every row's boundary (the traced form of `get_state`)."""
@@ -321,20 +327,12 @@ class Eagle3Drafter:
 
     def set_state(self, state: Eagle3State, row: int, blob: bytes) -> Eagle3State:
         """Restore one row's boundary from `get_state`'s blob; a wrong-sized blob is ignored."""
-        D = self.config.D
-        if len(blob) != 4 + 4 * D:
+        read = read_boundary_blob(blob, self.config.D)
+        if read is None:
             return state
-        (pos,) = struct.unpack("<i", blob[:4])
-        g = np.frombuffer(blob[4:], "<f4").astype(np.float32)
+        pos, g = read
         return replace(
             state,
             pending_pos=state.pending_pos.at[row].set(pos),
-            pending_g=state.pending_g.at[row].set(jnp.asarray(g)),
+            pending_g=state.pending_g.at[row].set(g),
         )
-
-
-def _put(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:
-    """Write one token's [B, 1, G, E] K or V into scratch slot i."""
-    return jax.lax.dynamic_update_slice_in_dim(
-        scratch_BGKE, new_BTGE.transpose(0, 2, 1, 3).astype(scratch_BGKE.dtype), i, 2
-    )
