@@ -288,27 +288,47 @@ class GenerationResult:
     drafter_states: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
+#: Executables `generate` compiled, most recently used last. Bounded: every executable holds
+#: its machine code in its own memory mappings (~3 per kernel, hundreds of kernels per engine
+#: program), and a process that kept them all would eventually hit the kernel's map limit
+#: (vm.max_map_count, 65530 by default), after which XLA crashes while compiling.
 _COMPILED: dict[Any, Any] = {}
+_COMPILED_MAX = 16
+_compiles_made = 0
 
 
 def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
     """AOT-compiled executable of a jitted engine entry point, cached per (engine, shapes).
 
     Keeps compilation out of the measured prefill/decode time. Keyed like jit's own cache:
-    static engine + pytree structure + leaf shapes/dtypes; values never enter the key.
+    static engine + pytree structure + leaf shapes/dtypes; values never enter the key. The
+    cache keeps the `_COMPILED_MAX` most recently used executables.
     """
+    global _compiles_made
     leaves, treedef = jax.tree.flatten(args)
     key = (fn, engine, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
-    exe = _COMPILED.get(key)
+    exe = _COMPILED.pop(key, None)
     if exe is None:
         exe = fn.lower(engine, *args).compile()
-        _COMPILED[key] = exe
+        _compiles_made += 1
+    _COMPILED[key] = exe  # (re)inserted last: dicts keep insertion order, so this is an LRU
+    while len(_COMPILED) > _COMPILED_MAX:
+        del _COMPILED[next(iter(_COMPILED))]
     return exe
 
 
 def compile_count() -> int:
-    """Number of distinct executables `generate` has compiled in this process."""
-    return len(_COMPILED)
+    """Number of executables `generate` has compiled in this process (never decreases)."""
+    return _compiles_made
+
+
+def clear_compiled() -> None:
+    """Drop every executable `generate` and JAX's jit caches hold, releasing their memory.
+
+    The next call compiles again (or reads JAX's persistent compilation cache, when on).
+    """
+    _COMPILED.clear()
+    jax.clear_caches()
 
 
 def _apply_stop(

@@ -104,6 +104,21 @@ def test_generation_compiles_once_across_sampling_params(target):
     assert events == []
 
 
+def test_executable_cache_is_bounded_and_keeps_the_recently_used(target, monkeypatch):
+    """Executables pin machine-code mappings; the cache keeps the most recently used few, and
+    a shape evicted from it is compiled again (compile_count counts every compile)."""
+    monkeypatch.setattr(api, "_COMPILED", {})
+    monkeypatch.setattr(api, "_COMPILED_MAX", 2)  # one generate = prefill + loop executables
+    before = api.compile_count()
+    generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=64)
+    generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=64)  # both hits
+    assert api.compile_count() == before + 2 and len(api._COMPILED) == 2
+    generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=96)  # evicts the n_ctx=64 pair
+    assert api.compile_count() == before + 4 and len(api._COMPILED) == 2
+    generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=64)
+    assert api.compile_count() == before + 6 and len(api._COMPILED) == 2
+
+
 def test_plain_sampling_replays_exactly_and_batch_independent(target):
     a = generate(target, PROMPTS, max_new_tokens=16, temperature=0.9, seed=[1, 2, 3, 4])
     b = generate(target, PROMPTS, max_new_tokens=16, temperature=0.9, seed=[1, 2, 3, 4])
