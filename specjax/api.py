@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import compile_cache, sampling
 from specjax import engine as eng
-from specjax import sampling
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
@@ -302,15 +302,17 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
 
     Keeps compilation out of the measured prefill/decode time. Keyed like jit's own cache:
     static engine + pytree structure + leaf shapes/dtypes; values never enter the key. The
-    cache keeps the `_COMPILED_MAX` most recently used executables.
+    cache keeps the `_COMPILED_MAX` most recently used executables. With the compilation cache
+    on, an executable compiled by an earlier process is loaded from disk without tracing
+    (`compile_cache.load_executable`).
     """
     global _compiles_made
     leaves, treedef = jax.tree.flatten(args)
     key = (fn, engine, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
     exe = _COMPILED.pop(key, None)
     if exe is None:
-        exe = fn.lower(engine, *args).compile()
-        _compiles_made += 1
+        exe, compiled_here = compile_cache.compile_or_load(fn, engine, args)
+        _compiles_made += compiled_here
     _COMPILED[key] = exe  # (re)inserted last: dicts keep insertion order, so this is an LRU
     while len(_COMPILED) > _COMPILED_MAX:
         del _COMPILED[next(iter(_COMPILED))]

@@ -1,8 +1,13 @@
 """JAX's persistent compilation cache, on by default in a per-user directory.
 
 A second identical `specjax generate` then loads its compiled executables from disk instead
-of running XLA again; tracing and lowering are still paid in every process (they are what
-produce the cache key).
+of running XLA again. JAX's cache is keyed by the lowered program, so it still pays tracing
+and lowering (about 1.5 s for the engine on 2 CPU cores) in every process; specjax therefore
+also keeps its engine executables, serialised, in `<cache dir>/specjax-executables/`, keyed by
+what determines the program before tracing (`executable_key`): the entry point, the static
+engine configuration, the arguments' structure, shapes, dtypes and shardings, specjax's own
+source, the JAX version, backend, devices, XLA flags and JAX's configuration. A warm start
+loads them directly and traces nothing.
 
 Where the cache lives, in order of precedence:
 
@@ -17,12 +22,20 @@ Invariants: `enable_default()` runs once when `specjax` is imported and never ra
 that cannot be set up only means slower starts); while specjax's cache is on, every
 compilation is eligible (`jax_persistent_cache_min_compile_time_secs = 0`, no minimum entry
 size), because the engine's executables take well under JAX's default 1 s threshold to compile
-on small models; `current()` is the directory in use or None.
+on small models; `current()` is the directory in use or None. A stored executable that cannot
+be read is compiled again and rewritten (never trusted half-read); the store keeps the
+`MAX_STORED_EXECUTABLES` most recently written entries.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
+import hashlib
 import os
+import pickle
+import sys
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -35,6 +48,9 @@ _OFF_VALUES = frozenset({"", "0", "off", "false", "no", "none"})
 DEFAULT_MAX_BYTES = 2 * 2**30
 
 _state: dict[str, str | None] = {"dir": None}
+#: Bound on `specjax-executables/` (oldest written first out); an entry is ~1-2 MB of machine code.
+MAX_STORED_EXECUTABLES = 64
+_STORE = "specjax-executables"
 
 
 def default_dir() -> Path:
@@ -106,3 +122,132 @@ def enable_default() -> str | None:
         warnings.warn(f"specjax: persistent compilation cache disabled ({err})", stacklevel=2)
         _state["dir"] = None
         return None
+
+
+# ------------------------------------------------------------------ stored executables
+
+
+@functools.cache
+def _environment_digest() -> str:
+    """What, besides the call itself, decides the compiled program: specjax's source, JAX's
+    version and configuration, the backend and its devices, XLA's flags."""
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    for path in sorted(package.rglob("*.py")):
+        h.update(str(path.relative_to(package)).encode())
+        h.update(path.read_bytes())
+    config = sorted(
+        (k, v)
+        for k, v in jax.config.values.items()
+        if isinstance(v, (bool, int, float, str, type(None))) and "cache" not in k
+    )
+    devices = [(d.platform, d.device_kind, d.id) for d in jax.devices()]
+    for part in (jax.__version__, sys.version, config, devices, os.environ.get("XLA_FLAGS", "")):
+        h.update(repr(part).encode())
+    return h.hexdigest()
+
+
+def executable_key(fn: Any, static: Any, args: Any) -> str | None:
+    """Stable key of the executable `fn.lower(static, *args).compile()` would produce, or None
+    when some part has no stable text (an object printed by address)."""
+    leaves, treedef = jax.tree.flatten(args)
+    text = repr(
+        (
+            getattr(fn, "__module__", None),
+            getattr(fn, "__qualname__", None),
+            static,
+            str(treedef),
+            [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves],
+        )
+    )
+    if " at 0x" in text or getattr(fn, "__qualname__", None) is None:
+        return None
+    return hashlib.sha256((_environment_digest() + text).encode()).hexdigest()
+
+
+def _store_dir() -> Path | None:
+    directory = current()
+    return Path(directory) / _STORE if directory else None
+
+
+def _device_ids(compiled: Any) -> list[int]:
+    unloaded = getattr(compiled._executable, "_unloaded_executable", None)
+    devices = getattr(unloaded, "device_list", None) or jax.devices()[:1]
+    return [d.id for d in devices]
+
+
+def load_executable(key: str | None) -> Any | None:
+    """The stored executable for `key`, or None (cache off, not stored, or unreadable)."""
+    store = _store_dir()
+    if key is None or store is None:
+        return None
+    path = store / f"{key}.exe"
+    try:
+        payload, in_tree, out_tree, device_ids = pickle.loads(path.read_bytes())
+        from jax.experimental.serialize_executable import deserialize_and_load
+
+        by_id = {d.id: d for d in jax.devices()}
+        devices = [by_id[i] for i in device_ids]
+        return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+    except FileNotFoundError:
+        return None
+    except Exception as err:  # a truncated or foreign file: compile again, then rewrite it
+        warnings.warn(f"specjax: ignoring stored executable {path} ({err})", stacklevel=2)
+        return None
+
+
+@contextlib.contextmanager
+def _bypassing_jax_cache() -> Any:
+    # An executable that JAX's cache deserialised cannot be serialised again (XLA CPU drops
+    # its kernels: "Function ... not found" when run), so what the store keeps is compiled
+    # by XLA itself.
+    if not _jax_option("jax_enable_compilation_cache"):
+        yield
+        return
+    jax.config.update("jax_enable_compilation_cache", False)
+    _reset_jax_cache()
+    try:
+        yield
+    finally:
+        jax.config.update("jax_enable_compilation_cache", True)
+        _reset_jax_cache()
+
+
+def compile_or_load(fn: Any, static: Any, args: tuple[Any, ...]) -> tuple[Any, bool]:
+    """`fn.lower(static, *args).compile()`, or the executable an earlier process stored for
+    the same key. Returns (executable, whether XLA compiled it here)."""
+    key = executable_key(fn, static, args) if _store_dir() is not None else None
+    if key is None:
+        return fn.lower(static, *args).compile(), True
+    exe = load_executable(key)
+    if exe is not None:
+        return exe, False
+    with _bypassing_jax_cache():
+        exe = fn.lower(static, *args).compile()
+    save_executable(key, exe)
+    return exe, True
+
+
+def save_executable(key: str | None, compiled: Any) -> None:
+    """Store `compiled` under `key`, atomically. Failing to store only means a slower next
+    start: programs JAX cannot serialise (hoisted constants) are skipped quietly."""
+    store = _store_dir()
+    if key is None or store is None:
+        return
+    from jax.experimental.serialize_executable import serialize
+
+    try:
+        blob = pickle.dumps((*serialize(compiled), _device_ids(compiled)))
+    except (ValueError, NotImplementedError, pickle.PicklingError, TypeError):
+        return
+    try:
+        store.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=store, suffix=".tmp")
+        with os.fdopen(fd, "wb") as f:
+            f.write(blob)
+        os.replace(tmp, store / f"{key}.exe")
+        entries = sorted(store.glob("*.exe"), key=lambda p: p.stat().st_mtime)
+        for old in entries[:-MAX_STORED_EXECUTABLES]:
+            old.unlink(missing_ok=True)
+    except OSError as err:
+        warnings.warn(f"specjax: could not store an executable ({err})", stacklevel=2)
