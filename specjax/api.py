@@ -8,6 +8,7 @@ repeated calls reuse compiled code, and calls the jitted entry points of `specja
 from __future__ import annotations
 
 import dataclasses
+import gc
 import time
 import warnings
 from collections.abc import Sequence
@@ -291,10 +292,21 @@ class GenerationResult:
 #: Executables `generate` compiled, most recently used last. Bounded: every executable holds
 #: its machine code in its own memory mappings (~3 per kernel, hundreds of kernels per engine
 #: program), and a process that kept them all would eventually hit the kernel's map limit
-#: (vm.max_map_count, 65530 by default), after which XLA crashes while compiling.
+#: (vm.max_map_count, 65530 by default), after which XLA crashes while compiling. The least
+#: recently used are dropped above `_COMPILED_MAX` entries or `_MAX_MAPPED_REGIONS` mappings.
 _COMPILED: dict[Any, Any] = {}
-_COMPILED_MAX = 16
+_COMPILED_MAX = 64
+_MAX_MAPPED_REGIONS = 32768
 _compiles_made = 0
+
+
+def _mapped_regions() -> int:
+    """Memory mappings of this process (0 where /proc is not there to tell)."""
+    try:
+        with open("/proc/self/maps", "rb") as f:
+            return sum(1 for _ in f)
+    except OSError:
+        return 0
 
 
 def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
@@ -313,9 +325,13 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
     if exe is None:
         exe, compiled_here = compile_cache.compile_or_load(fn, engine, args)
         _compiles_made += compiled_here
+        _COMPILED[key] = exe
+        while len(_COMPILED) > 1 and (
+            len(_COMPILED) > _COMPILED_MAX or _mapped_regions() > _MAX_MAPPED_REGIONS
+        ):
+            del _COMPILED[next(iter(_COMPILED))]
+            gc.collect()  # an executable's mappings go when its last reference does
     _COMPILED[key] = exe  # (re)inserted last: dicts keep insertion order, so this is an LRU
-    while len(_COMPILED) > _COMPILED_MAX:
-        del _COMPILED[next(iter(_COMPILED))]
     return exe
 
 
