@@ -11,7 +11,9 @@ For a row with history `t[0:L]` (L = `history.length`) and `sampled = last_token
 All of it is one vectorised pass: a sliding-window equality over the history (n compares of
 shifted views), then a masked max. The pass covers the smallest prefix in a ladder of widths
 (64, 256, 1024, ... x4, then S; `lax.switch`) that holds every row's history, so its cost
-follows the used context, not the capacity. No state, so `begin/process/accept/rollback` are
+follows the used context, not the capacity; while no row's history is longer than n + m + 1
+there is no pass at all, and the compares stop once no window can match (upstream returns
+early in both cases too). No state, so `begin/process/accept/rollback` are
 no-ops.
 
 This module also holds the small window helpers the other n-gram drafters share.
@@ -43,15 +45,19 @@ def pad_tokens(tokens_S: Array, extra: int) -> Array:
 def window_equal(pad_P: Array, pattern_N: Array, count: int, offset: int = 0) -> Array:
     """`[count]` bool: `pad[j+offset : j+offset+N] == pattern` for every start j < count.
 
-    `pad` must hold at least `count + offset + N` cells. Computed as N shifted compares.
+    `pad` must hold at least `count + offset + N` cells. Computed as up to N shifted compares,
+    from the pattern's last token back: the loop stops once no start can match any more, so a
+    search that finds nothing costs a few compares, not N (N is 1024 for some users).
     """
     n = pattern_N.shape[0]
 
-    def body(k: Any, eq: Array) -> Array:
+    def body(c: tuple[Array, Array]) -> tuple[Array, Array]:
+        k, eq = c
         view = lax.dynamic_slice(pad_P, (k + offset,), (count,))
-        return eq & (view == pattern_N[k])
+        return k - 1, eq & (view == pattern_N[k])
 
-    return lax.fori_loop(0, n, body, jnp.ones((count,), bool))
+    init = (jnp.int32(n - 1), jnp.ones((count,), bool))
+    return lax.while_loop(lambda c: (c[0] >= 0) & jnp.any(c[1]), body, init)[1]
 
 
 def last_pattern(pad_P: Array, length: Array, sampled: Array, n: int) -> Array:
@@ -124,13 +130,18 @@ class NgramSimple(ModelFreeDrafter):
 
             return lambda tokens_BS: run(tokens_BS[:, :width])
 
-        # scan only the used prefix: the smallest width in the ladder holding every row's history
+        # scan only the used prefix: the smallest width in the ladder holding every row's
+        # history; no scan at all while no row's history is long enough to draft from
         widths = scan_widths(S)
-        if len(widths) == 1:
-            return state, scan(S)(inp.history.tokens)
         need = jnp.max(inp.history.length) + 1
         index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < need)
-        out = lax.switch(index, [scan(w) for w in widths], inp.history.tokens)
+        can_draft = jnp.any(inp.drafting & (inp.history.length > n + m + 1))
+        B = inp.history.tokens.shape[0]
+        nothing = DraftOutput(
+            tokens=jnp.zeros((B, k_max), jnp.int32), valid=jnp.zeros((B, k_max), bool)
+        )
+        branches = [lambda _: nothing] + [scan(w) for w in widths]
+        out = lax.switch(jnp.where(can_draft, index + 1, 0), branches, inp.history.tokens)
         return state, out
 
 
