@@ -107,6 +107,50 @@ def test_generation_loop_copies_no_kv_buffer(types):
     assert _cache_copies(hlo, capacity) == []  # ... and never copied
 
 
+# -------------------------------------------------------------------- input-major weights
+
+
+def test_input_major_forward_matches_float64_and_the_stored_form():
+    """`linear` equals the float64 product for both weight forms, and a forward on
+    `input_major` weights equals the stored-form forward at T = 1 and T = 5."""
+    model = tiny_model(4)
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((2, 3, 32)).astype(np.float32)
+    w = np.asarray(model.params["layers"][0]["w_gate_up"])
+    expected = x.astype(np.float64) @ w.T.astype(np.float64)
+    for weight in (jnp.asarray(w), llama.InputMajor(t=jnp.asarray(w.T))):
+        np.testing.assert_allclose(
+            llama.linear(jnp.asarray(x), weight), expected, rtol=1e-5, atol=1e-5
+        )
+    major = llama.input_major(model.params)
+    assert isinstance(major["layers"][0]["wqkv"], llama.InputMajor)
+    assert major["layers"][0]["w_gate_up"].t.shape == (32, 128)
+    assert llama.input_major(major)["lm_head"] is major["lm_head"]  # idempotent
+    cache = model.new_cache(1, 64)
+    for T in (1, 5):
+        tokens = jnp.asarray(rng.integers(0, model.config.V, (1, T)), jnp.int32)
+        pos = jnp.arange(T, dtype=jnp.int32)[None]
+        a = llama.forward_compute(model.config, model.params, tokens, pos, cache).logits
+        b = llama.forward_compute(model.config, major, tokens, pos, cache).logits
+        np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
+
+
+def test_generate_runs_the_loop_on_input_major_weights_made_once():
+    """On CPU the compiled generation loop takes the `[in, out]` copies (a 128 x 32 gate/up
+    weight arrives as f32[32,128]), made once per model and reused by the next call."""
+    model = tiny_model(4)
+    api._COMPILED.clear()
+    first = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
+    params = api.decode_params(model)
+    assert params is api.decode_params(model)
+    assert isinstance(params["layers"][0]["w_gate_up"], llama.InputMajor)
+    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    shapes = loops[0].as_text().split("ENTRY", 1)[1].split("\n", 1)[0]
+    assert "f32[32,128]" in shapes and "f32[128,32]" not in shapes
+    again = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
+    assert again.tokens == first.tokens
+
+
 # -------------------------------------------------------------------- draft governor
 
 

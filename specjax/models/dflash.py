@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache, used_cells
 from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
-from specjax.models.llama import CACHE_CHUNK, _attend, apply_rope, rms_norm, rope_angles
+from specjax.models.llama import CACHE_CHUNK, _attend, apply_rope, linear, rms_norm, rope_angles
 from specjax.types import Array, Params
 
 #: `dflash.block_size` when the metadata key is absent (upstream's default).
@@ -314,7 +314,7 @@ class BlockOutput(NamedTuple):
 def head_logits(config: DFlashConfig, params: Params, shared: Params, h_norm: Array) -> Array:
     """LM head over the draft vocabulary -> full-vocabulary row (-inf off d2t)."""
     head = params["lm_head"] if config.own_lm_head else shared["lm_head"]
-    logits = jnp.einsum("...d,vd->...v", h_norm, head, preferred_element_type=jnp.float32)
+    logits = linear(h_norm, head, preferred_element_type=jnp.float32)
     if not config.has_d2t:
         return logits
     full = jnp.full(logits.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)

@@ -48,6 +48,7 @@ from specjax.models.llama import (
     ExtraKV,
     _layer_attention,
     apply_rope,
+    linear,
     rms_norm,
     rope_angles,
 )
@@ -254,7 +255,7 @@ def head_logits(config: Eagle3Config, params: Params, shared: Params, prenorm: A
     (-inf at target ids no draft id maps to when the head has a d2t table)."""
     x = rms_norm(prenorm, params["final_norm"], config.norm_eps)
     head = params["lm_head"] if config.own_lm_head else shared["lm_head"]
-    logits = jnp.einsum("...d,vd->...v", x, head, preferred_element_type=jnp.float32)
+    logits = linear(x, head, preferred_element_type=jnp.float32)
     if not config.has_d2t:
         return logits
     full = jnp.full(logits.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)
