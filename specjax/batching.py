@@ -532,7 +532,8 @@ class _Runner:
         from specjax import batch_sharding as bs
 
         mesh = bs.make_mesh(axes, self.B, self.model.config)
-        self.params = jax.device_put(self.model.params, bs.param_shardings(mesh, self.params))
+        stored = self.model.params
+        self.params = jax.device_put(stored, bs.param_shardings(mesh, stored))
         self.drafter_params = jax.device_put(
             self.drafter_params, bs.replicated(mesh, self.drafter_params)
         )
