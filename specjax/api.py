@@ -315,16 +315,17 @@ _DECODE_PARAMS: dict[int, tuple[Params, Params]] = {}
 _DECODE_PARAMS_MAX = 4
 
 
-def decode_params(model: Model) -> Params:
-    """The parameters the engine runs with: on CPU, linear weights transposed to `[in, out]`
-    (`llama.InputMajor`: XLA's CPU matrix-vector products read them ~1.7x faster), made once
-    per model and kept for the next calls; elsewhere the model's own."""
-    if jax.default_backend() != "cpu" or not isinstance(model.params, dict):
-        return model.params
-    hit = _DECODE_PARAMS.pop(id(model.params), None)
-    if hit is None or hit[0] is not model.params:
-        hit = (model.params, jax.jit(input_major)(model.params))
-    _DECODE_PARAMS[id(model.params)] = hit
+def decode_params(params: Params) -> Params:
+    """The parameters the engine decodes with: on CPU, a Llama-family pytree's linear weights
+    transposed to `[in, out]` (`llama.InputMajor`: XLA's CPU matrix-vector products read them
+    ~1.7x faster), made once per parameter pytree and kept for the next calls; elsewhere, and
+    for other pytrees, `params` itself."""
+    if jax.default_backend() != "cpu" or not (isinstance(params, dict) and "layers" in params):
+        return params
+    hit = _DECODE_PARAMS.pop(id(params), None)
+    if hit is None or hit[0] is not params:
+        hit = (params, jax.jit(input_major)(params))
+    _DECODE_PARAMS[id(params)] = hit
     while len(_DECODE_PARAMS) > _DECODE_PARAMS_MAX:
         del _DECODE_PARAMS[next(iter(_DECODE_PARAMS))]
     return hit[1]
@@ -654,6 +655,11 @@ def generate(
         drafters, drafter_params = build_drafters(spec, model, draft)
     else:
         drafters, drafter_params = _slots.drafters, _slots.drafter_params
+    # the draft model's K one-token steps per round are matrix-vector products too
+    drafter_params = tuple(
+        decode_params(p) if d.name == "draft-simple" else p
+        for d, p in zip(drafters, drafter_params, strict=True)
+    )
     n_idle = B - n_prompts
     if n_idle:  # idle Generator slots: a 1-token prompt, done after prefill, never drafting
         prompt_ids = prompt_ids + [[0]] * n_idle
@@ -731,7 +737,7 @@ def generate(
             engine.cache_type_v or engine.cache_type_k or model.config.dtype,
         )  # fmt: skip
     tc = time.perf_counter()
-    params = decode_params(model)
+    params = decode_params(model.params)
     prefill_exe = _compiled(
         eng.prefill_jit, engine, params, drafter_params, tokens_j, lengths_j, run, carried, start,
     )  # fmt: skip
@@ -836,7 +842,13 @@ def _streaming_loop(
         raise ValueError(f"stream_rounds must be >= 1, got {rounds}")
     n = jnp.asarray(rounds, jnp.int32)
     exe = _compiled(
-        cont.run_rounds_jit, engine, decode_params(model), drafter_params, state_shape, run, n
+        cont.run_rounds_jit,
+        engine,
+        decode_params(model.params),
+        drafter_params,
+        state_shape,
+        run,
+        n,
     )
     eog = set(model.eog_ids)
 

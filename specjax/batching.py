@@ -520,7 +520,7 @@ class _Runner:
         self.cost = api.cost_model(spec, model, draft)
         self.stats_host: Any = None
         self.compile_seconds = 0.0
-        self.params = api.decode_params(model)  # the mesh path below keeps the stored form
+        self.params = api.decode_params(model.params)  # the mesh path below keeps the stored form
         self.init_fn: Any = cont.init_slots_jit
         self.prefill_fn: Any = cont.prefill_chunk_jit
         self.segment_fn: Any = cont.run_segment_jit

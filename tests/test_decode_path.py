@@ -141,8 +141,8 @@ def test_generate_runs_the_loop_on_input_major_weights_made_once():
     model = tiny_model(4)
     api._COMPILED.clear()
     first = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
-    params = api.decode_params(model)
-    assert params is api.decode_params(model)
+    params = api.decode_params(model.params)
+    assert params is api.decode_params(model.params)
     assert isinstance(params["layers"][0]["w_gate_up"], llama.InputMajor)
     loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
     shapes = loops[0].as_text().split("ENTRY", 1)[1].split("\n", 1)[0]
