@@ -309,22 +309,24 @@ def _mapped_regions() -> int:
         return 0
 
 
-#: `input_major` copies of recently used models' parameters, by id (value: the original, kept
-#: alive so the id stays its own, and the copy).
-_DECODE_PARAMS: dict[int, tuple[Params, Params]] = {}
+#: `input_major` copies of recently used parameter pytrees, by id; each entry keeps the
+#: original's leaves (arrays are immutable: the same leaves mean the copy is still right, even
+#: if the dict holding them was edited in place).
+_DECODE_PARAMS: dict[int, tuple[list[Any], Params]] = {}
 _DECODE_PARAMS_MAX = 4
 
 
 def decode_params(params: Params) -> Params:
     """The parameters the engine decodes with: on CPU, a Llama-family pytree's linear weights
     transposed to `[in, out]` (`llama.InputMajor`: XLA's CPU matrix-vector products read them
-    ~1.7x faster), made once per parameter pytree and kept for the next calls; elsewhere, and
+    ~1.7x faster), made once per set of weights and kept for the next calls; elsewhere, and
     for other pytrees, `params` itself."""
     if jax.default_backend() != "cpu" or not (isinstance(params, dict) and "layers" in params):
         return params
+    leaves = jax.tree.leaves(params)
     hit = _DECODE_PARAMS.pop(id(params), None)
-    if hit is None or hit[0] is not params:
-        hit = (params, jax.jit(input_major)(params))
+    if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
+        hit = (leaves, jax.jit(input_major)(params))
     _DECODE_PARAMS[id(params)] = hit
     while len(_DECODE_PARAMS) > _DECODE_PARAMS_MAX:
         del _DECODE_PARAMS[next(iter(_DECODE_PARAMS))]

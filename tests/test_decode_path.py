@@ -149,6 +149,11 @@ def test_generate_runs_the_loop_on_input_major_weights_made_once():
     assert "f32[32,128]" in shapes and "f32[128,32]" not in shapes
     again = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
     assert again.tokens == first.tokens
+    # a weight replaced in place (same dict) is seen: the copies follow the leaves
+    model.params["lm_head"] = -model.params["lm_head"]
+    assert api.decode_params(model.params) is not params
+    flipped = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
+    assert flipped.tokens != first.tokens
 
 
 # -------------------------------------------------------------------- draft governor
