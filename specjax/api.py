@@ -327,10 +327,20 @@ def decode_params(params: Params) -> Params:
     hit = _DECODE_PARAMS.pop(id(params), None)
     if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
         hit = (leaves, jax.jit(input_major)(params))
-    _DECODE_PARAMS[id(params)] = hit
-    while len(_DECODE_PARAMS) > _DECODE_PARAMS_MAX:
-        del _DECODE_PARAMS[next(iter(_DECODE_PARAMS))]
+    _lru_put(_DECODE_PARAMS, id(params), hit, lambda d: len(d) > _DECODE_PARAMS_MAX)
     return hit[1]
+
+
+def _lru_put(cache: dict[Any, Any], key: Any, value: Any, over: Any) -> None:
+    """Insert `key` as most recently used (dicts keep insertion order), then drop the least
+    recently used entries while `over(cache)` holds, never the one just inserted."""
+    cache[key] = value
+    dropped = False
+    while len(cache) > 1 and over(cache):
+        del cache[next(iter(cache))]
+        dropped = True
+    if dropped:
+        gc.collect()  # what an entry held goes when its last reference does
 
 
 def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
@@ -346,16 +356,17 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
     leaves, treedef = jax.tree.flatten(args)
     key = (fn, engine, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
     exe = _COMPILED.pop(key, None)
-    if exe is None:
-        exe, compiled_here = compile_cache.compile_or_load(fn, engine, args)
-        _compiles_made += compiled_here
-        _COMPILED[key] = exe
-        while len(_COMPILED) > 1 and (
-            len(_COMPILED) > _COMPILED_MAX or _mapped_regions() > _MAX_MAPPED_REGIONS
-        ):
-            del _COMPILED[next(iter(_COMPILED))]
-            gc.collect()  # an executable's mappings go when its last reference does
-    _COMPILED[key] = exe  # (re)inserted last: dicts keep insertion order, so this is an LRU
+    if exe is not None:
+        _COMPILED[key] = exe  # most recently used
+        return exe
+    exe, compiled_here = compile_cache.compile_or_load(fn, engine, args)
+    _compiles_made += compiled_here
+    _lru_put(
+        _COMPILED,
+        key,
+        exe,
+        lambda d: len(d) > _COMPILED_MAX or _mapped_regions() > _MAX_MAPPED_REGIONS,
+    )
     return exe
 
 

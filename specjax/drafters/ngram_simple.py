@@ -28,7 +28,13 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
+from specjax.drafters.base import (
+    DraftInput,
+    DraftOutput,
+    ModelFreeDrafter,
+    TokenHistory,
+    empty_draft,
+)
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array
 
@@ -136,10 +142,7 @@ class NgramSimple(ModelFreeDrafter):
         need = jnp.max(inp.history.length) + 1
         index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < need)
         can_draft = jnp.any(inp.drafting & (inp.history.length > n + m + 1))
-        B = inp.history.tokens.shape[0]
-        nothing = DraftOutput(
-            tokens=jnp.zeros((B, k_max), jnp.int32), valid=jnp.zeros((B, k_max), bool)
-        )
+        nothing = empty_draft(inp.history.tokens.shape[0], k_max)
         branches = [lambda _: nothing] + [scan(w) for w in widths]
         out = lax.switch(jnp.where(can_draft, index + 1, 0), branches, inp.history.tokens)
         return state, out

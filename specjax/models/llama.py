@@ -50,9 +50,9 @@ class InputMajor:
     """A linear weight held transposed, `[in, out]`, for products with a few activation rows.
 
     Parameters store linear weights `[out, in]` (as GGUF and PyTorch do). XLA's CPU dot reads
-    a weight stored `[in, out]` about 1.7x faster when the activations are one row (decode:
-    84 vs 48 us for a 1536 x 256 matrix-vector product), so `api.generate` hands the engine
-    `input_major` copies, made once per model. `linear` takes either form.
+    a weight stored `[in, out]` about 1.7x faster when the activations are one row (decode),
+    so `api.generate` hands the engine `input_major` copies, made once per set of weights
+    (`api.decode_params`). `linear` takes either form.
     """
 
     t: Array  # [in, out]
