@@ -18,13 +18,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import compile_cache, sampling
+from specjax import compile_cache, cpu_kernels, sampling
 from specjax import engine as eng
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
 from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, init_params, input_major, new_cache
+from specjax.models.llama import forward_fn, init_params, input_major, kernel_weights, new_cache
 from specjax.types import Params
 
 
@@ -309,25 +309,28 @@ def _mapped_regions() -> int:
         return 0
 
 
-#: `input_major` copies of recently used parameter pytrees, by id; each entry keeps the
+#: Decode forms of recently used parameter pytrees, by id and form; each entry keeps the
 #: original's leaves (arrays are immutable: the same leaves mean the copy is still right, even
 #: if the dict holding them was edited in place).
-_DECODE_PARAMS: dict[int, tuple[list[Any], Params]] = {}
+_DECODE_PARAMS: dict[tuple[int, bool], tuple[list[Any], Params]] = {}
 _DECODE_PARAMS_MAX = 4
 
 
 def decode_params(params: Params) -> Params:
-    """The parameters the engine decodes with: on CPU, a Llama-family pytree's linear weights
-    transposed to `[in, out]` (`llama.InputMajor`: XLA's CPU matrix-vector products read them
-    ~1.7x faster), made once per set of weights and kept for the next calls; elsewhere, and
-    for other pytrees, `params` itself."""
+    """The parameters the engine decodes with. On CPU, a Llama-family pytree's linear weights
+    become `llama.KernelWeight`s (few-row products on `specjax.cpu_kernels`, reading F16 weights
+    as F16) when the native kernel is available, else `llama.InputMajor` copies (XLA's CPU
+    matrix-vector products read `[in, out]` ~1.7x faster); made once per set of weights and
+    kept for the next calls. Elsewhere, and for other pytrees, `params` itself."""
     if jax.default_backend() != "cpu" or not (isinstance(params, dict) and "layers" in params):
         return params
+    kernel = cpu_kernels.available()
     leaves = jax.tree.leaves(params)
-    hit = _DECODE_PARAMS.pop(id(params), None)
+    key = (id(params), kernel)
+    hit = _DECODE_PARAMS.pop(key, None)
     if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
-        hit = (leaves, jax.jit(input_major)(params))
-    _lru_put(_DECODE_PARAMS, id(params), hit, lambda d: len(d) > _DECODE_PARAMS_MAX)
+        hit = (leaves, kernel_weights(params) if kernel else jax.jit(input_major)(params))
+    _lru_put(_DECODE_PARAMS, key, hit, lambda d: len(d) > _DECODE_PARAMS_MAX)
     return hit[1]
 
 

@@ -129,11 +129,12 @@ def enable_default() -> str | None:
 
 @functools.cache
 def _environment_digest() -> str:
-    """What, besides the call itself, decides the compiled program: specjax's source, JAX's
-    version and configuration, the backend and its devices, XLA's flags."""
+    """What, besides the call itself, decides the compiled program: specjax's source (its
+    native kernel's too), JAX's version and configuration, the backend and its devices,
+    XLA's flags."""
     h = hashlib.sha256()
     package = Path(__file__).resolve().parent
-    for path in sorted(package.rglob("*.py")):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc")]):
         h.update(str(path.relative_to(package)).encode())
         h.update(path.read_bytes())
     config = sorted(

@@ -8,6 +8,7 @@ of the governor's rule, and the engine's own greedy output at another capacity.
 
 from __future__ import annotations
 
+import contextlib
 import re
 
 import jax
@@ -15,7 +16,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, api
+from specjax import adaptive, api, cpu_kernels
 from specjax.api import generate
 from specjax.config import SpecConfig
 from specjax.models import llama
@@ -135,18 +136,31 @@ def test_input_major_forward_matches_float64_and_the_stored_form():
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
-def test_generate_runs_the_loop_on_input_major_weights_made_once():
-    """On CPU the compiled generation loop takes the `[in, out]` copies (a 128 x 32 gate/up
-    weight arrives as f32[32,128]), made once per model and reused by the next call."""
+@pytest.mark.parametrize("kernel", [False, True], ids=["xla_dot", "cpu_kernel"])
+def test_generate_runs_the_loop_on_decode_weights_made_once(kernel):
+    """On CPU the compiled generation loop takes the decode form of the weights, made once per
+    model and reused by the next call: without the native kernel the `[in, out]` copies (a
+    128 x 32 gate/up weight arrives as f32[32,128]); with it, `KernelWeight`s."""
+    if kernel and not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    with contextlib.nullcontext() if kernel else cpu_kernels.disabled():
+        _loop_on_decode_weights(kernel)
+
+
+def _loop_on_decode_weights(kernel):
     model = tiny_model(4)
     api._COMPILED.clear()
     first = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
     params = api.decode_params(model.params)
     assert params is api.decode_params(model.params)
-    assert isinstance(params["layers"][0]["w_gate_up"], llama.InputMajor)
     loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
     shapes = loops[0].as_text().split("ENTRY", 1)[1].split("\n", 1)[0]
-    assert "f32[32,128]" in shapes and "f32[128,32]" not in shapes
+    if kernel:
+        assert isinstance(params["layers"][0]["w_gate_up"], llama.KernelWeight)
+        assert cpu_kernels.TARGET in loops[0].as_text()
+    else:
+        assert isinstance(params["layers"][0]["w_gate_up"], llama.InputMajor)
+        assert "f32[32,128]" in shapes and "f32[128,32]" not in shapes
     again = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
     assert again.tokens == first.tokens
     # a weight replaced in place (same dict) is seen: the copies follow the leaves

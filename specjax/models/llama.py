@@ -22,6 +22,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax import cpu_kernels
 from specjax.cache import KVCache, used_cells, write_layer, write_positions
 from specjax.models.config import ModelConfig, rope_frequencies
 from specjax.pytree import pytree_dataclass
@@ -50,38 +51,75 @@ class InputMajor:
     """A linear weight held transposed, `[in, out]`, for products with a few activation rows.
 
     Parameters store linear weights `[out, in]` (as GGUF and PyTorch do). XLA's CPU dot reads
-    a weight stored `[in, out]` about 1.7x faster when the activations are one row (decode),
-    so `api.generate` hands the engine `input_major` copies, made once per set of weights
-    (`api.decode_params`). `linear` takes either form.
+    a weight stored `[in, out]` about 1.7x faster when the activations are one row (decode).
+    This is the decode form where the native kernel (`KernelWeight`) is not available.
     """
 
     t: Array  # [in, out]
 
 
-def linear(x: Array, w: Array | InputMajor, **kwargs: Any) -> Array:
-    """`x @ w.T` for a `[out, in]` weight, or `x @ w.t` for an `InputMajor` one."""
+@pytree_dataclass
+class KernelWeight:
+    """A linear weight for `specjax.cpu_kernels`: products with at most `cpu_kernels.MAX_ROWS`
+    activation rows (decode, verify) run on the native kernel over `rows`, larger ones
+    (prefill) on XLA's dot over `stored`.
+
+    `rows` is `[out, in]` in float16 when that holds the stored values exactly (GGUF F16
+    weights: half the bytes to stream, same products), else `stored` itself.
+    """
+
+    rows: Array  # [out, in] float16 or the stored dtype
+    stored: Array  # [out, in], the parameters' own array
+
+
+def linear(x: Array, w: Array | InputMajor | KernelWeight, **kwargs: Any) -> Array:
+    """`x @ w.T` for a `[out, in]` weight, `x @ w.t` for an `InputMajor` one; a `KernelWeight`
+    takes the native kernel for a few float32 rows (its result is float32)."""
+    if isinstance(w, KernelWeight):
+        rows = math.prod(x.shape[:-1])
+        if x.dtype == jnp.float32 and 0 < rows <= cpu_kernels.MAX_ROWS:
+            return cpu_kernels.linear_rows(x, w.rows)
+        w = w.stored
     if isinstance(w, InputMajor):
         return jnp.einsum("...i,io->...o", x, w.t, **kwargs)
     return jnp.einsum("...i,oi->...o", x, w, **kwargs)
 
 
-#: The per-layer linear weights `input_major` transposes.
+#: The per-layer linear weights the decode forms replace.
 LINEAR_WEIGHTS = ("wqkv", "wo", "w_gate_up", "w_down")
 
 
-def input_major(params: Params) -> Params:
-    """`params` with every layer's linear weights and an untied LM head as `InputMajor`."""
+def _decode_form(params: Params, make: Any) -> Params:
     out = dict(params)
     out["layers"] = [
         {
-            k: InputMajor(t=v.T) if k in LINEAR_WEIGHTS and not isinstance(v, InputMajor) else v
+            k: make(v) if k in LINEAR_WEIGHTS and isinstance(v, jax.Array) else v
             for k, v in layer.items()
         }
         for layer in params["layers"]
     ]
-    if "lm_head" in params and not isinstance(params["lm_head"], InputMajor):
-        out["lm_head"] = InputMajor(t=params["lm_head"].T)
+    if isinstance(params.get("lm_head"), jax.Array):
+        out["lm_head"] = make(params["lm_head"])
     return out
+
+
+def input_major(params: Params) -> Params:
+    """`params` with every layer's linear weights and an untied LM head as `InputMajor`."""
+    return _decode_form(params, lambda w: InputMajor(t=w.T))
+
+
+def kernel_weights(params: Params) -> Params:
+    """`params` with every layer's linear weights and an untied LM head as `KernelWeight`
+    (host-side: decides per matrix whether float16 holds it exactly)."""
+
+    def make(w: Array) -> KernelWeight:
+        if w.dtype == jnp.float32:
+            half = w.astype(jnp.float16)
+            if bool(jnp.array_equal(half.astype(jnp.float32), w)):
+                return KernelWeight(rows=half, stored=w)
+        return KernelWeight(rows=w, stored=w)
+
+    return _decode_form(params, make)
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:

@@ -1,0 +1,176 @@
+"""Native CPU kernel for the few-row linear products of decode and verify steps.
+
+At one to a few dozen activation rows a linear layer is a matrix-vector product: it reads its
+whole weight matrix for two FLOPs per weight, so its speed is memory bandwidth. XLA's CPU dot
+runs it on one thread, and reads f16 weights only after converting the whole matrix. The
+kernel in `kernels/linear.cc` reads f16 (or f32) weights in their stored `[out, in]` layout,
+converts them in registers and splits the outputs over XLA's intra-op thread pool; it is
+called from jitted code through the XLA FFI (`jax.ffi.ffi_call`).
+
+Invariants:
+- `linear_rows(x, w)` = `x @ w.T` in float32, with each (row, output) sum computed in an order
+  that depends on nothing but the row and the weight row: a row's result is bit-identical
+  whatever the number of rows beside it (a token decoded alone, in a batch of 32, or verified
+  among draft rows gets the same logits).
+- The kernel is built on first use with the system C++ compiler (`-O3 -march=native`, for the
+  machine it runs on) into `$XDG_CACHE_HOME/specjax/kernels/<digest>/` (else
+  `~/.cache/specjax/kernels/`, else a temporary directory), written under a temporary name and
+  renamed, so concurrent processes never load half a library. The digest covers the source,
+  the compiler, the flags, the CPU's features and the XLA FFI headers.
+- `available()` never raises. Without a compiler, off CPU, on a build failure (one warning), or
+  with `SPECJAX_CPU_KERNELS=0`, it is False and callers keep XLA's dot.
+- Inference only: the custom call has no derivative rule (training never sees kernel weights).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from jax import Array
+
+ENV_VAR = "SPECJAX_CPU_KERNELS"
+TARGET = "specjax_linear"
+_SOURCE = Path(__file__).resolve().parent / "kernels" / "linear.cc"
+_FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
+_OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
+
+#: Products with at most this many activation rows use the kernel; more rows (prefill) go to
+#: XLA's dot, which blocks for the caches and wins once a product is compute-bound.
+MAX_ROWS = 64
+
+_state: dict[str, Any] = {"library": None, "error": None, "forced_off": False}
+
+
+def _compiler() -> str | None:
+    return os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++")
+
+
+def _cpu_features() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    return line
+    except OSError:
+        pass
+    return platform.processor()
+
+
+def _build_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "specjax" / "kernels"
+
+
+def _digest(compiler: str) -> str:
+    h = hashlib.sha256()
+    h.update(_SOURCE.read_bytes())
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    for part in (version.stdout, " ".join(_FLAGS), platform.machine(), _cpu_features()):
+        h.update(part.encode())
+    include = Path(jax.ffi.include_dir())
+    for header in sorted((include / "xla" / "ffi" / "api").glob("*.h")):
+        h.update(header.read_bytes())
+    return h.hexdigest()[:24]
+
+
+def _build(compiler: str) -> Path:
+    """The library for this source, compiler and CPU: from the cache, else compiled there."""
+    digest = _digest(compiler)
+    for root in (_build_dir(), Path(tempfile.gettempdir()) / "specjax-kernels"):
+        target = root / digest / "libspecjax_linear.so"
+        if target.exists():
+            return target
+        try:
+            target.parent.mkdir(parents=True, exist_ok=True)
+        except OSError:
+            continue  # a read-only cache: try the next place
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+        os.close(fd)
+        try:
+            command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+            if done.returncode != 0:
+                raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+            os.replace(tmp, target)  # atomic: another process sees all of it or nothing
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+        return target
+    raise RuntimeError(f"no writable directory for the kernel under {_build_dir()}")
+
+
+def _load() -> ctypes.CDLL | None:
+    if _state["library"] is not None or _state["error"] is not None:
+        return _state["library"]
+    try:
+        compiler = _compiler()
+        if compiler is None:
+            raise RuntimeError("no C++ compiler (g++ or $CXX) found")
+        library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
+        jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxLinear), "cpu")
+        _state["library"] = library
+    except Exception as err:  # no kernel only means XLA's slower dot
+        _state["error"] = str(err)
+        warnings.warn(f"specjax: CPU kernel unavailable, using XLA's dot ({err})", stacklevel=3)
+    return _state["library"]
+
+
+def available() -> bool:
+    """Whether `linear_rows` can run here: CPU backend, not turned off, kernel built."""
+    if _state["forced_off"] or os.environ.get(ENV_VAR, "").strip().lower() in _OFF_VALUES:
+        return False
+    if jax.default_backend() != "cpu":
+        return False
+    return _load() is not None
+
+
+def unavailable_reason() -> str | None:
+    """Why the kernel could not be built or loaded (None if it was, or was never tried)."""
+    return _state["error"]
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block, `available()` is False (to compare against XLA's dot)."""
+    before = _state["forced_off"]
+    _state["forced_off"] = True
+    try:
+        yield
+    finally:
+        _state["forced_off"] = before
+
+
+def _call(x: Array, w: Array) -> Array:
+    out_type = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out_type)(x, w)
+
+
+@functools.partial(jax.custom_batching.custom_vmap)
+def linear_rows(x: Array, w: Array) -> Array:
+    """`x @ w.T` (f32 `[..., in]` by f16/f32 `[out, in]`) on the kernel; see the module doc."""
+    return _call(x, w)
+
+
+@linear_rows.def_vmap
+def _linear_rows_vmap(
+    axis_size: int, in_batched: list[bool], x: Array, w: Array
+) -> tuple[Array, bool]:
+    x_batched, w_batched = in_batched
+    if w_batched:  # a weight per batch element: no shared matrix to stream
+        x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        return jnp.einsum("b...i,boi->b...o", x, w.astype(jnp.float32)), True
+    return _call(x, w), True  # the batch axis is just more leading rows

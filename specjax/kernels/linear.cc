@@ -1,0 +1,214 @@
+// specjax_linear: y[r, o] = sum_i x[r, i] * w[o, i], for the few activation rows of decode and
+// verify steps on CPU. x is f32 [rows, in], w is f16 or f32 [out, in] (the stored layout), y
+// is f32 [rows, out].
+//
+// Why: at one to a few dozen rows a linear layer reads its whole weight matrix to do a few
+// FLOPs per weight, so its speed is memory bandwidth. XLA's CPU dot runs these products on one
+// thread and cannot read f16 weights without first converting the whole matrix. This kernel
+// reads f16 (half the bytes) or f32 weights, converts 16 at a time in registers, and splits the
+// outputs over XLA's intra-op thread pool.
+//
+// Invariant (tested): the value of y[r, o] depends only on x[r, :] and w[o, :], not on the
+// number of rows, their order or the thread split. Each (row, output) sum is 16 lane-wise
+// partial sums accumulated in input order, reduced by a fixed tree, plus the tail in order.
+// So a row's logits are bit-identical whether it is decoded alone, in a batch, or verified
+// among draft rows.
+//
+// Built by specjax.cpu_kernels on first use (g++ -O3 -march=native) and loaded with ctypes.
+
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <memory>
+#include <utility>
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+typedef float f32x16 __attribute__((vector_size(64)));
+typedef _Float16 f16x16 __attribute__((vector_size(32)));
+
+constexpr int kLanes = 16;
+constexpr int kOutputsPerTile = 4;  // outputs sharing one pass over a tile's x rows
+constexpr int kRowsPerTile = 4;     // 4 x 4 accumulators fit the 32 AVX-512 registers
+constexpr int64_t kTilesPerChunk = 16;  // unit of work handed between threads
+constexpr int64_t kSerialWork = int64_t(1) << 16;  // below this many MACs, no threads
+// Software prefetch distance. A tile reads 4 weight rows side by side, which the hardware
+// prefetcher does not follow: without this the kernel waits on the cache hierarchy (measured
+// 3x slower at one row on the 2-core AMD EPYC development machine); 4 KiB ahead was best there.
+constexpr int64_t kPrefetchBytes = 4096;
+constexpr int64_t kLine = 64;
+
+inline f32x16 load16(const float* p) {
+  f32x16 v;
+  std::memcpy(&v, p, sizeof v);
+  return v;
+}
+
+inline f32x16 load16(const _Float16* p) {
+#if defined(__AVX512F__)
+  return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+#elif defined(__F16C__)
+  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
+  f32x16 v;
+  std::memcpy(&v, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
+  return v;
+#else
+  f16x16 h;
+  std::memcpy(&h, p, sizeof h);
+  return __builtin_convertvector(h, f32x16);
+#endif
+}
+
+inline float to_float(float v) { return v; }
+inline float to_float(_Float16 v) { return static_cast<float>(v); }
+
+// Fixed pairwise tree over the 16 lanes: lane i += lane i + 8, then i + 4, i + 2, i + 1 (the
+// order is part of the invariant above), in vector halves rather than through memory.
+inline float reduce_lanes(f32x16 v) {
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  typedef float f32x2 __attribute__((vector_size(8)));
+  const f32x8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
+                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
+                   __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
+  const f32x2 s2 = __builtin_shufflevector(s4, s4, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3);
+  return s2[0] + s2[1];
+}
+
+inline void cpu_relax() {
+#if defined(__x86_64__) || defined(__i386__)
+  _mm_pause();
+#endif
+}
+
+// Outputs [o0, o0 + n_out) (n_out <= 4) for ROWS consecutive rows of x.
+template <int ROWS, typename W>
+void tile(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t o0,
+          int64_t n_out, bool prefetch) {
+  f32x16 acc[kOutputsPerTile][ROWS];
+  for (auto& per_output : acc)
+    for (auto& a : per_output) a = f32x16{};
+  const W* w_row[kOutputsPerTile];
+  for (int j = 0; j < kOutputsPerTile; ++j) w_row[j] = w + (o0 + (j < n_out ? j : 0)) * in;
+  const int64_t in_vec = in - in % kLanes;
+  // Tiles are contiguous in memory: fetch the bytes kPrefetchBytes past this tile's start,
+  // spread over the loop (only on a tile's first pass; later row groups hit the cache).
+  const char* ahead = reinterpret_cast<const char*>(w + o0 * in) + kPrefetchBytes;
+  const char* weights_end = reinterpret_cast<const char*>(w + out * in);
+  const int64_t steps = in_vec / kLanes;
+  const int64_t tile_lines = (kOutputsPerTile * in * int64_t(sizeof(W)) + kLine - 1) / kLine;
+  const int64_t lines_per_step = prefetch && steps ? (tile_lines + steps - 1) / steps : 0;
+  for (int64_t i = 0; i < in_vec; i += kLanes) {
+    for (int64_t l = 0; l < lines_per_step; ++l) {
+      const char* line = ahead + ((i / kLanes) * lines_per_step + l) * kLine;
+      if (line < weights_end) __builtin_prefetch(line);
+    }
+    f32x16 xv[ROWS];
+    for (int r = 0; r < ROWS; ++r) xv[r] = load16(x + r * in + i);
+    for (int j = 0; j < kOutputsPerTile; ++j) {
+      const f32x16 wv = load16(w_row[j] + i);
+      for (int r = 0; r < ROWS; ++r) acc[j][r] += wv * xv[r];
+    }
+  }
+  for (int j = 0; j < n_out; ++j)
+    for (int r = 0; r < ROWS; ++r) {
+      float s = reduce_lanes(acc[j][r]);
+      for (int64_t i = in_vec; i < in; ++i) s += to_float(w_row[j][i]) * x[r * in + i];
+      y[r * out + o0 + j] = s;
+    }
+}
+
+// All rows, output tiles [t0, t1).
+template <typename W>
+void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, int64_t out,
+               int64_t t0, int64_t t1) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t o0 = t * kOutputsPerTile;
+    const int64_t n_out = out - o0 < kOutputsPerTile ? out - o0 : kOutputsPerTile;
+    int64_t r = 0;
+    for (; r + kRowsPerTile <= rows; r += kRowsPerTile)
+      tile<kRowsPerTile>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0);
+    switch (rows - r) {
+      case 3: tile<3>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0); break;
+      case 2: tile<2>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0); break;
+      case 1: tile<1>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0); break;
+      default: break;
+    }
+  }
+}
+
+// Chunks of output tiles are claimed from a shared counter by the calling thread and by
+// helpers on XLA's pool. The caller never waits for a chunk nobody has claimed (it claims
+// it itself), so a busy or single-threaded pool cannot deadlock it; a helper that starts late
+// finds nothing to claim and only touches the shared counters, which it co-owns.
+struct Progress {
+  std::atomic<int64_t> next{0};
+  std::atomic<int64_t> done{0};
+};
+
+template <typename W>
+void linear(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t rows,
+            int64_t in, int64_t out) {
+  const int64_t tiles = (out + kOutputsPerTile - 1) / kOutputsPerTile;
+  const int64_t chunks = (tiles + kTilesPerChunk - 1) / kTilesPerChunk;
+  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
+  if (helpers < 1 || rows * in * out < kSerialWork) {
+    run_tiles(x, w, y, rows, in, out, 0, tiles);
+    return;
+  }
+  auto progress = std::make_shared<Progress>();
+  auto work = [=]() {
+    for (;;) {
+      const int64_t c = progress->next.fetch_add(1, std::memory_order_relaxed);
+      if (c >= chunks) return;
+      const int64_t t1 = std::min(tiles, (c + 1) * kTilesPerChunk);
+      run_tiles(x, w, y, rows, in, out, c * kTilesPerChunk, t1);
+      progress->done.fetch_add(1, std::memory_order_release);
+    }
+  };
+  for (int64_t h = 0; h < helpers; ++h) {
+    auto task = work;
+    pool.Schedule(std::move(task));
+  }
+  work();
+  while (progress->done.load(std::memory_order_acquire) < chunks) cpu_relax();
+}
+
+ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ThreadPool pool) {
+  const auto w_dims = w.dimensions();
+  const auto x_dims = x.dimensions();
+  if (w_dims.size() != 2 || x_dims.size() < 1 || x_dims.back() != w_dims[1])
+    return ffi::Error::InvalidArgument("specjax_linear: want x [..., in] and w [out, in]");
+  const int64_t in = w_dims[1], out = w_dims[0];
+  const int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x.element_count()) / in;
+  if (w.element_type() == ffi::DataType::F16)
+    linear(pool, x.typed_data(), static_cast<const _Float16*>(w.untyped_data()),
+           y->typed_data(), rows, in, out);
+  else if (w.element_type() == ffi::DataType::F32)
+    linear(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(),
+           rows, in, out);
+  else
+    return ffi::Error::InvalidArgument("specjax_linear: weights must be f16 or f32");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxLinear, LinearImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ctx<ffi::ThreadPool>());

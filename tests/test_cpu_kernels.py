@@ -1,0 +1,183 @@
+"""The native CPU linear kernel (`specjax.cpu_kernels`) as behaviour.
+
+Independent sources: float64 NumPy products; the kernel's own single-row results (a row's
+value must not depend on the rows beside it or on the thread split); the engine's greedy
+tokens on XLA's dot (`cpu_kernels.disabled()`).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import api, cpu_kernels
+from specjax.api import generate
+from specjax.config import SpecConfig
+from specjax.models import llama
+from specjax.testing import noisy_copy, tiny_model
+
+ROOT = Path(__file__).resolve().parents[1]
+
+needs_kernel = pytest.mark.skipif(
+    not cpu_kernels.available(),
+    reason=f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}",
+)
+
+
+def test_the_kernel_builds_wherever_a_compiler_is_found():
+    """CI and development machines have g++: there the kernel must be in use, not silently
+    replaced by XLA's dot."""
+    if jax.default_backend() != "cpu" or not (os.environ.get("CXX") or shutil.which("g++")):
+        pytest.skip("no CPU backend or no compiler")
+    if os.environ.get(cpu_kernels.ENV_VAR, "").lower() in {"0", "off", "false", "no", "none"}:
+        pytest.skip("turned off by the environment")
+    assert cpu_kernels.available(), cpu_kernels.unavailable_reason()
+
+
+def _weights(rng, out, inp, dtype):
+    w = (rng.standard_normal((out, inp)) * 0.1).astype(np.float32)
+    return w.astype(np.float16) if dtype == "float16" else w
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize(
+    ("rows", "inp", "out"),
+    [(1, 256, 1536), (3, 40, 5), (4, 16, 130), (5, 768, 256), (9, 33, 1), (64, 256, 2048)],
+)
+def test_linear_rows_matches_float64(rows, inp, out, dtype):
+    """Inner sizes off the 16-lane width (40, 33) exercise the tail; 5 and 130 outputs the
+    partial 4-output tile; 1536 x 256 and 64 rows the thread split."""
+    rng = np.random.default_rng(rows * 1000 + inp + out)
+    x = rng.standard_normal((rows, inp)).astype(np.float32)
+    w = _weights(rng, out, inp, dtype)
+    got = np.asarray(jax.jit(cpu_kernels.linear_rows)(jnp.asarray(x), jnp.asarray(w)))
+    expected = x.astype(np.float64) @ w.astype(np.float64).T
+    assert got.dtype == np.float32 and got.shape == (rows, out)
+    np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-5 * np.sqrt(inp))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_a_row_gets_the_same_bits_alone_in_a_batch_and_in_any_order(dtype):
+    """The kernel's stated invariant: decode (1 row), a batch and a verify block give each row
+    identical bits. 3000 outputs make several chunks, so both threads share the work."""
+    rng = np.random.default_rng(1)
+    x = jnp.asarray(rng.standard_normal((37, 256)).astype(np.float32))
+    w = jnp.asarray(_weights(rng, 3000, 256, dtype))
+    f = jax.jit(cpu_kernels.linear_rows)
+    batch = np.asarray(f(x, w))
+    order = rng.permutation(37)
+    shuffled = np.asarray(f(x[order], w))
+    np.testing.assert_array_equal(shuffled, batch[order])
+    for r in (0, 17, 36):
+        np.testing.assert_array_equal(np.asarray(f(x[r : r + 1], w))[0], batch[r])
+    three_d = np.asarray(f(x[:36].reshape(4, 9, 256), w))  # leading dims are rows
+    np.testing.assert_array_equal(three_d.reshape(36, 3000), batch[:36])
+
+
+@needs_kernel
+def test_vmap_over_rows_and_over_weights():
+    rng = np.random.default_rng(2)
+    x = jnp.asarray(rng.standard_normal((3, 2, 48)).astype(np.float32))
+    w = jnp.asarray(_weights(rng, 20, 48, "float16"))
+    over_x = jax.vmap(cpu_kernels.linear_rows, in_axes=(0, None))(x, w)
+    np.testing.assert_array_equal(
+        np.asarray(over_x),
+        np.asarray(cpu_kernels.linear_rows(x.reshape(6, 48), w)).reshape(3, 2, 20),
+    )
+    ws = jnp.stack([w, -w, 2 * w])
+    over_w = jax.vmap(cpu_kernels.linear_rows)(x, ws)
+    expected = np.einsum("bri,boi->bro", np.asarray(x, np.float64), np.asarray(ws, np.float64))
+    np.testing.assert_allclose(np.asarray(over_w), expected, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_kernel_weights_use_float16_only_where_it_is_exact_and_linear_dispatches_by_rows():
+    model = tiny_model(4)
+    params = dict(model.params)
+    exact = jnp.asarray(np.asarray(params["lm_head"]).astype(np.float16).astype(np.float32))
+    params["lm_head"] = exact
+    form = llama.kernel_weights(params)
+    head = form["lm_head"]
+    assert isinstance(head, llama.KernelWeight) and head.rows.dtype == jnp.float16
+    assert head.stored is exact
+    gate_up = form["layers"][0]["w_gate_up"]  # random f32 init: not exact in f16
+    assert gate_up.rows.dtype == jnp.float32 and gate_up.rows is gate_up.stored
+    assert llama.kernel_weights(form)["lm_head"] is head  # idempotent
+
+    rng = np.random.default_rng(3)
+    w = np.asarray(gate_up.stored, np.float64)
+    for rows in (1, cpu_kernels.MAX_ROWS, cpu_kernels.MAX_ROWS + 1):
+        x = rng.standard_normal((rows, w.shape[1])).astype(np.float32)
+        f = jax.jit(lambda x: llama.linear(x, gate_up))
+        uses_kernel = cpu_kernels.TARGET in str(jax.make_jaxpr(f)(x))
+        assert uses_kernel == (rows <= cpu_kernels.MAX_ROWS)
+        np.testing.assert_allclose(np.asarray(f(x)), x @ w.T, rtol=1e-5, atol=1e-5)
+
+
+@needs_kernel
+def test_generation_on_the_kernel_matches_xla_dot_and_the_loop_calls_it():
+    """Greedy tokens, plain and speculative (verify blocks run on the kernel too), equal those
+    on XLA's dot; the compiled loop holds the custom call; without the kernel the decode form
+    is `InputMajor` and the loop has no custom call."""
+    target = tiny_model(4)
+    draft = noisy_copy(target, 0.6)
+    prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
+    spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=3)
+    api._COMPILED.clear()
+    kernel_plain = generate(target, prompts, max_new_tokens=12, n_ctx=64)
+    kernel_spec = generate(target, prompts, max_new_tokens=12, n_ctx=64, spec=spec, draft=draft)
+    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    assert loops and all(cpu_kernels.TARGET in exe.as_text() for exe in loops)
+    assert isinstance(api.decode_params(target.params)["layers"][0]["wqkv"], llama.KernelWeight)
+    stats = kernel_spec.stats.to_dict()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    with cpu_kernels.disabled():
+        api._COMPILED.clear()
+        xla_plain = generate(target, prompts, max_new_tokens=12, n_ctx=64)
+        xla_spec = generate(target, prompts, max_new_tokens=12, n_ctx=64, spec=spec, draft=draft)
+        loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+        assert loops and not any(cpu_kernels.TARGET in exe.as_text() for exe in loops)
+        assert isinstance(api.decode_params(target.params)["layers"][0]["wqkv"], llama.InputMajor)
+    assert kernel_plain.tokens == xla_plain.tokens == kernel_spec.tokens == xla_spec.tokens
+
+
+def test_a_failed_build_warns_once_and_generation_uses_xla_dot(tmp_path):
+    """A compiler that fails leaves `available()` False with the reason, and generation runs
+    (in a fresh process, with an empty kernel cache)."""
+    code = (
+        "import warnings\n"
+        "from specjax import cpu_kernels, api\n"
+        "from specjax.models import llama\n"
+        "from specjax.testing import tiny_model\n"
+        "with warnings.catch_warnings(record=True) as w:\n"
+        "    warnings.simplefilter('always')\n"
+        "    assert not cpu_kernels.available() and not cpu_kernels.available()\n"
+        "assert sum('CPU kernel unavailable' in str(x.message) for x in w) == 1, w\n"
+        "assert 'failed' in cpu_kernels.unavailable_reason()\n"
+        "m = tiny_model(4)\n"
+        "assert isinstance(api.decode_params(m.params)['lm_head'], llama.InputMajor)\n"
+        "print(api.generate(m, [[1, 2, 3]], max_new_tokens=3, n_ctx=32).tokens)\n"
+    )
+    env = {
+        **os.environ,
+        "CXX": "false",
+        "XDG_CACHE_HOME": str(tmp_path),
+        "TMPDIR": str(tmp_path),
+        "PYTHONPATH": str(ROOT),
+        "SPECJAX_COMPILE_CACHE": "0",
+    }
+    env.pop(cpu_kernels.ENV_VAR, None)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.strip().startswith("[[")
+    assert not list(tmp_path.rglob("*.so"))  # nothing half-built left behind
