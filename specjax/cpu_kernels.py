@@ -5,7 +5,9 @@ whole weight matrix for two FLOPs per weight, so its speed is memory bandwidth. 
 runs it on one thread, and reads f16 weights only after converting the whole matrix. The
 kernel in `kernels/linear.cc` reads f16 (or f32) weights in their stored `[out, in]` layout,
 converts them in registers and splits the outputs over XLA's intra-op thread pool; it is
-called from jitted code through the XLA FFI (`jax.ffi.ffi_call`).
+called from jitted code through the XLA FFI (`jax.ffi.ffi_call`). The attention of a few new
+tokens over the KV cache (`attend_cache`, `kernels/attention.cc`) is the other per-step cost
+XLA spreads over many small kernels; it runs there too, reading each used K/V row once.
 
 Invariants:
 - `linear_rows(x, w)` = `x @ w.T` in float32, with each (row, output) sum computed in an order
@@ -40,11 +42,14 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import Array
 
 ENV_VAR = "SPECJAX_CPU_KERNELS"
 TARGET = "specjax_linear"
-_SOURCE = Path(__file__).resolve().parent / "kernels" / "linear.cc"
+ATTEND_TARGET = "specjax_attend_cache"
+_KERNELS = Path(__file__).resolve().parent / "kernels"
+_SOURCES = (_KERNELS / "linear.cc", _KERNELS / "attention.cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
 
@@ -77,7 +82,10 @@ def _build_dir() -> Path:
 
 def _digest(compiler: str) -> str:
     h = hashlib.sha256()
-    h.update(_SOURCE.read_bytes())
+    for path in sorted(_KERNELS.iterdir()):
+        if path.suffix in (".cc", ".h"):
+            h.update(path.name.encode())
+            h.update(path.read_bytes())
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
     for part in (version.stdout, " ".join(_FLAGS), platform.machine(), _cpu_features()):
         h.update(part.encode())
@@ -91,7 +99,7 @@ def _build(compiler: str) -> Path:
     """The library for this source, compiler and CPU: from the cache, else compiled there."""
     digest = _digest(compiler)
     for root in (_build_dir(), Path(tempfile.gettempdir()) / "specjax-kernels"):
-        target = root / digest / "libspecjax_linear.so"
+        target = root / digest / "libspecjax_kernels.so"
         if target.exists():
             return target
         try:
@@ -101,7 +109,8 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            command = [compiler, *_FLAGS, f"-I{jax.ffi.include_dir()}", str(_SOURCE), "-o", tmp]
+            include = f"-I{jax.ffi.include_dir()}"
+            command = [compiler, *_FLAGS, include, *map(str, _SOURCES), "-o", tmp]
             done = subprocess.run(command, capture_output=True, text=True, timeout=300)
             if done.returncode != 0:
                 raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
@@ -122,6 +131,8 @@ def _load() -> ctypes.CDLL | None:
             raise RuntimeError("no C++ compiler (g++ or $CXX) found")
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxLinear), "cpu")
+        capsule = jax.ffi.pycapsule(library.SpecjaxAttendCache)
+        jax.ffi.register_ffi_target(ATTEND_TARGET, capsule, "cpu")
         _state["library"] = library
     except Exception as err:  # no kernel only means XLA's slower dot
         _state["error"] = str(err)
@@ -157,6 +168,39 @@ def disabled() -> Iterator[None]:
 def _call(x: Array, w: Array) -> Array:
     out_type = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
     return jax.ffi.ffi_call(TARGET, out_type)(x, w)
+
+
+def attend_cache(
+    q_BGQE: Array,
+    k_BGSE: Array,
+    v_BGSE: Array,
+    k_pos_BS: Array,
+    q_pos_BT: Array,
+    n_used: Array,
+    window: int,
+) -> tuple[Array, Array, Array]:
+    """The online-softmax state (max, normaliser `[B, G, Q]`, weighted sum `[B, G, Q, E]`) of
+    float32 query rows (`Q = R * T`, token fastest) over the cached cells below `n_used`, by
+    `llama.attention_mask`'s visibility rule; see `kernels/attention.cc`."""
+    B, G, Q, E = q_BGQE.shape
+    f32 = jnp.float32
+    out_types = (
+        jax.ShapeDtypeStruct((B, G, Q), f32),
+        jax.ShapeDtypeStruct((B, G, Q), f32),
+        jax.ShapeDtypeStruct((B, G, Q, E), f32),
+    )
+    call = jax.ffi.ffi_call(ATTEND_TARGET, out_types)
+    used = jnp.asarray(n_used, jnp.int32).reshape(())
+    m, total, acc = call(
+        q_BGQE,
+        k_BGSE,
+        v_BGSE,
+        k_pos_BS.astype(jnp.int32),
+        q_pos_BT.astype(jnp.int32),
+        used,
+        window=np.int64(window),
+    )
+    return m, total, acc
 
 
 @functools.partial(jax.custom_batching.custom_vmap)

@@ -137,7 +137,9 @@ def test_generation_on_the_kernel_matches_xla_dot_and_the_loop_calls_it():
     kernel_plain = generate(target, prompts, max_new_tokens=12, n_ctx=64)
     kernel_spec = generate(target, prompts, max_new_tokens=12, n_ctx=64, spec=spec, draft=draft)
     loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
-    assert len(loops) == 2 and all(cpu_kernels.TARGET in exe.as_text() for exe in loops)
+    assert len(loops) == 2
+    for exe in loops:
+        assert cpu_kernels.TARGET in exe.as_text() and cpu_kernels.ATTEND_TARGET in exe.as_text()
     assert isinstance(api.decode_params(target.params)["layers"][0]["wqkv"], llama.KernelWeight)
     stats = kernel_spec.stats.to_dict()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
@@ -145,9 +147,63 @@ def test_generation_on_the_kernel_matches_xla_dot_and_the_loop_calls_it():
         api._COMPILED.clear()
         xla_plain = generate(target, prompts, max_new_tokens=12, n_ctx=64)
         loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
-        assert len(loops) == 1 and cpu_kernels.TARGET not in loops[0].as_text()
+        assert len(loops) == 1 and "specjax_" not in loops[0].as_text()
         assert isinstance(api.decode_params(target.params)["layers"][0]["wqkv"], llama.InputMajor)
     assert kernel_plain.tokens == xla_plain.tokens == kernel_spec.tokens
+
+
+def _np_attend_state(q, k, v, k_pos, q_pos, n_used, window):
+    """float64 max, normaliser and weighted sum of each query row over cells below n_used."""
+    B, G, Q, E = q.shape
+    T = q_pos.shape[1]
+    m = np.full((B, G, Q), -np.inf)
+    total = np.zeros((B, G, Q))
+    acc = np.zeros((B, G, Q, E))
+    for b in range(B):
+        for g in range(G):
+            for r in range(Q):
+                qp = q_pos[b, r % T]
+                kp = k_pos[b, :n_used]
+                visible = (kp >= 0) & (qp >= 0) & (kp <= qp)
+                if window:
+                    visible &= qp - kp < window
+                if not visible.any():
+                    continue
+                s = k[b, g, :n_used].astype(np.float64) @ q[b, g, r].astype(np.float64)
+                s = s[visible] / np.sqrt(E)
+                m[b, g, r] = s.max()
+                p = np.exp(s - s.max())
+                total[b, g, r] = p.sum()
+                acc[b, g, r] = p @ v[b, g, :n_used][visible].astype(np.float64)
+    return m, total, acc
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("window", [0, 37])
+def test_attend_cache_matches_float64(dtype, window):
+    """A verify block (T = 3 tokens, R = 2 heads per group), F16 and F32 caches, a hole, a row
+    holding fewer cells, a padding token (q_pos = -1: sees nothing), a sliding window, E = 24
+    (off the 16-lane width) and cells at and above n_used that must not be read."""
+    rng = np.random.default_rng(5)
+    B, G, R, T, E, S, n_used = 2, 2, 2, 3, 24, 96, 70
+    k = rng.standard_normal((B, G, S, E)).astype(dtype)
+    v = rng.standard_normal((B, G, S, E)).astype(dtype)
+    k_pos = np.full((B, S), -1, np.int32)
+    k_pos[0, :n_used] = np.arange(n_used)
+    k_pos[0, 11] = -1
+    k_pos[1, :50] = np.arange(50)
+    k_pos[:, n_used:] = 5  # visible if read: the kernel must stop at n_used
+    q_pos = np.array([[70, 71, 72], [50, 51, -1]], np.int32)
+    q = rng.standard_normal((B, G, R * T, E)).astype(np.float32)
+    m, total, acc = jax.jit(cpu_kernels.attend_cache, static_argnums=6)(
+        q, k, v, k_pos, q_pos, jnp.int32(n_used), window
+    )
+    want_m, want_total, want_acc = _np_attend_state(q, k, v, k_pos, q_pos, n_used, window)
+    np.testing.assert_allclose(np.asarray(m), want_m, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(total), want_total, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(acc), want_acc, rtol=1e-4, atol=1e-4)
+    assert np.isneginf(np.asarray(m)[1, :, 2::3]).all()  # the padding token's rows
 
 
 def test_a_failed_build_warns_once_and_generation_uses_xla_dot(tmp_path):

@@ -34,10 +34,14 @@ def _np_attention(q, k, v, q_pos, k_pos):
     return (p / p.sum()) @ v
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["xla_loop", "cpu_kernel"])
 @pytest.mark.parametrize("capacity", [300, 1024])
-def test_chunked_attention_matches_float64_over_every_cell(capacity):
+def test_chunked_attention_matches_float64_over_every_cell(capacity, native):
     """300 used cells: two chunks at capacity 1024; at capacity 300 (not a multiple of the
-    chunk) the last chunk starts early and its overlap must be masked, not counted twice."""
+    chunk) the last chunk starts early and its overlap must be masked, not counted twice.
+    The native kernel's cache state, merged with the new token's, must agree too."""
+    if native and not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
     rng = np.random.default_rng(0)
     B, G, R, E, used = 2, 2, 2, 8, 290
     k_c = np.zeros((B, G, capacity, E), np.float32)
@@ -60,6 +64,7 @@ def test_chunked_attention_matches_float64_over_every_cell(capacity):
         0,
         (jnp.asarray(k_c), jnp.asarray(v_c), jnp.asarray(pos)),
         n_chunks,
+        jnp.asarray(used, jnp.int32) if native else None,
     )
     for b in range(B):
         for g in range(G):

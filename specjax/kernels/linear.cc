@@ -16,27 +16,12 @@
 //
 // Built by specjax.cpu_kernels on first use (g++ -O3 -march=native) and loaded with ctypes.
 
-#include <atomic>
-#include <cstdint>
-#include <cstring>
-#include <memory>
-#include <thread>
-#include <utility>
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
-
-#include "xla/ffi/api/ffi.h"
-
-namespace ffi = xla::ffi;
+#include "common.h"
 
 namespace {
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
+using namespace specjax;
 
-constexpr int kLanes = 16;
 constexpr int kOutputsPerTile = 4;  // outputs sharing one pass over a tile's x rows
 constexpr int kRowsPerTile = 4;     // 4 x 4 accumulators fit the 32 AVX-512 registers
 constexpr int64_t kTilesPerChunk = 16;  // unit of work handed between threads
@@ -46,64 +31,6 @@ constexpr int64_t kSerialWork = int64_t(1) << 16;  // below this many MACs, no t
 // 3x slower at one row on the 2-core AMD EPYC development machine); 4 KiB ahead was best there.
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kLine = 64;
-constexpr int kSpinsBeforeYield = 4096;
-
-inline f32x16 load16(const float* p) {
-  f32x16 v;
-  std::memcpy(&v, p, sizeof v);
-  return v;
-}
-
-inline f32x16 load16(const _Float16* p) {
-#if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-#elif defined(__F16C__)
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  f32x16 v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
-#else
-  f16x16 h;
-  std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, f32x16);
-#endif
-}
-
-inline float to_float(float v) { return v; }
-inline float to_float(_Float16 v) { return static_cast<float>(v); }
-
-// Fixed pairwise tree over the 16 lanes: lane i += lane i + 8, then i + 4, i + 2, i + 1 (the
-// order is part of the invariant above), in vector halves rather than through memory.
-inline float reduce_lanes(f32x16 v) {
-  typedef float f32x8 __attribute__((vector_size(32)));
-  typedef float f32x4 __attribute__((vector_size(16)));
-  typedef float f32x2 __attribute__((vector_size(8)));
-  const f32x8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
-                   __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
-  const f32x4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
-                   __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
-  const f32x2 s2 = __builtin_shufflevector(s4, s4, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3);
-  return s2[0] + s2[1];
-}
-
-// Left alone, GCC folds each x load into every FMA that uses it (4 loads of the same x
-// vector per step); keeping x in a register halves the loads of a 4 x 4 tile, which is what
-// bounds the kernel at 8-32 rows (10-25% faster there on the development machine).
-inline void keep_in_register(f32x16& v) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  asm("" : "+v"(v));
-#else
-  (void)v;
-#endif
-}
-
-inline void cpu_relax() {
-#if defined(__x86_64__) || defined(__i386__)
-  _mm_pause();
-#endif
-}
 
 // Outputs [o0, o0 + n_out) (n_out <= 4) for ROWS consecutive rows of x.
 template <int ROWS, typename W>
@@ -164,49 +91,14 @@ void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, i
   }
 }
 
-// Chunks of output tiles are claimed from a shared counter by the calling thread and by
-// helpers on XLA's pool. The caller never waits for a chunk nobody has claimed (it claims
-// it itself), so a busy or single-threaded pool cannot deadlock it; a helper that starts late
-// finds nothing to claim and only touches the shared counters, which it co-owns.
-struct Progress {
-  std::atomic<int64_t> next{0};
-  std::atomic<int64_t> done{0};
-};
-
 template <typename W>
 void linear(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t rows,
             int64_t in, int64_t out) {
   const int64_t tiles = (out + kOutputsPerTile - 1) / kOutputsPerTile;
   const int64_t chunks = (tiles + kTilesPerChunk - 1) / kTilesPerChunk;
-  const int64_t helpers = std::min<int64_t>(pool.num_threads(), chunks) - 1;
-  if (helpers < 1 || rows * in * out < kSerialWork) {
-    run_tiles(x, w, y, rows, in, out, 0, tiles);
-    return;
-  }
-  auto progress = std::make_shared<Progress>();
-  auto work = [=]() {
-    for (;;) {
-      const int64_t c = progress->next.fetch_add(1, std::memory_order_relaxed);
-      if (c >= chunks) return;
-      const int64_t t1 = std::min(tiles, (c + 1) * kTilesPerChunk);
-      run_tiles(x, w, y, rows, in, out, c * kTilesPerChunk, t1);
-      progress->done.fetch_add(1, std::memory_order_release);
-    }
-  };
-  for (int64_t h = 0; h < helpers; ++h) {
-    auto task = work;
-    pool.Schedule(std::move(task));
-  }
-  work();
-  // Wait only for chunks a helper claimed and is finishing. Spin briefly (a chunk is a few
-  // microseconds); past that the helper was likely preempted on a loaded machine, so give up
-  // the core instead of spinning against it.
-  for (int spins = 0; progress->done.load(std::memory_order_acquire) < chunks; ++spins) {
-    if (spins < kSpinsBeforeYield)
-      cpu_relax();
-    else
-      std::this_thread::yield();
-  }
+  parallel_for(pool, chunks, rows * in * out < kSerialWork, [&](int64_t c) {
+    run_tiles(x, w, y, rows, in, out, c * kTilesPerChunk, std::min(tiles, (c + 1) * kTilesPerChunk));
+  });
 }
 
 ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,

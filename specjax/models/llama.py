@@ -190,13 +190,16 @@ def _attend(
     window: int,
     cache: tuple[Array, Array, Array] | None = None,
     n_chunks: Array | None = None,
+    native_used: Array | None = None,
 ) -> Array:
     """Softmax attention over `own` segments (k, v [B, G, X, E], pos [B, X]) and, optionally,
     the first `n_chunks` chunks of CACHE_CHUNK cached cells (an online softmax: the running
     max, normaliser and weighted sum are rescaled chunk by chunk, as in flash attention).
 
     The loop reads only the chunks below the high-water mark, so cost follows the used
-    context, and it slices in place: nothing of cache size is copied.
+    context, and it slices in place: nothing of cache size is copied. With `native_used` (the
+    high-water mark) the cache part runs on `cpu_kernels.attend_cache` instead, and its state
+    is merged the same way.
     """
     s_own = jnp.concatenate([_scores(q_BGRTE, k, q_pos_BT, pos, window) for k, _, pos in own], -1)
     m = jnp.max(s_own, axis=-1)
@@ -209,7 +212,16 @@ def _attend(
         acc = part if acc is None else acc + part
         start += n
     assert acc is not None
-    if cache is not None:
+    if cache is not None and native_used is not None:
+        B, G, R, T, E = q_BGRTE.shape
+        m_c, total_c, acc_c = cpu_kernels.attend_cache(
+            q_BGRTE.reshape(B, G, R * T, E), *cache, q_pos_BT, native_used, window
+        )
+        m_new = jnp.maximum(m, m_c.reshape(m.shape))  # own scores are finite: no -inf - -inf
+        own_scale, cache_scale = jnp.exp(m - m_new), jnp.exp(m_c.reshape(m.shape) - m_new)
+        total = total * own_scale + total_c.reshape(total.shape) * cache_scale
+        acc = acc * own_scale[..., None] + acc_c.reshape(acc.shape) * cache_scale[..., None]
+    elif cache is not None:
         assert n_chunks is not None
         k_c, v_c, pos_c = cache
         S = pos_c.shape[1]
@@ -246,6 +258,7 @@ def _layer_attention(
     cache: KVCache,
     n_chunks: Array | None,
     extra: ExtraKV | None,
+    native_used: Array | None = None,
 ) -> Array:
     """Attention of the new tokens over the used cached cells, `extra` cells and each other."""
     B, T, H, E = q_BTHE.shape
@@ -258,8 +271,22 @@ def _layer_attention(
     cached = None
     if n_chunks is not None:
         cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
-    out = _attend(q, own, positions_BT, window, cached, n_chunks)
+    native = native_used if native_used is not None and _native_attention(q, cached) else None
+    out = _attend(q, own, positions_BT, window, cached, n_chunks, native)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+
+
+#: Most query rows per KV group (`R * T`) whose cache attention runs on the native kernel;
+#: longer blocks (chunked prefill) keep XLA's chunk loop, whose dots block for the caches.
+NATIVE_ATTENTION_MAX_ROWS = 256
+
+
+def _native_attention(q_BGRTE: Array, cached: tuple[Array, Array, Array] | None) -> bool:
+    if cached is None or q_BGRTE.dtype != jnp.float32:
+        return False
+    rows = q_BGRTE.shape[2] * q_BGRTE.shape[3]
+    cache_dtypes_ok = all(c.dtype in (jnp.float16, jnp.float32) for c in cached[:2])
+    return rows <= NATIVE_ATTENTION_MAX_ROWS and cache_dtypes_ok
 
 
 class ForwardCompute(NamedTuple):
@@ -294,10 +321,14 @@ def forward_compute(
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
     cos, sin = rope_angles(positions_BT, inv_freq)
-    n_chunks = None
+    n_chunks = native_used = None
     if not cache_empty:
         chunk = min(CACHE_CHUNK, cache.capacity)
-        n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
+        used = used_cells(cache.pos)
+        n_chunks = (used + chunk - 1) // chunk
+        # Decode weights in the native kernel's form mean the native kernels are in use.
+        if params["layers"] and isinstance(params["layers"][0].get("wqkv"), KernelWeight):
+            native_used = used
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
@@ -323,7 +354,9 @@ def forward_compute(
         v = v.astype(cache.v[i].dtype)
         new_k.append(k)
         new_v.append(v)
-        attn = _layer_attention(config, i, q, k, v, positions_BT, cache, n_chunks, extra)
+        attn = _layer_attention(
+            config, i, q, k, v, positions_BT, cache, n_chunks, extra, native_used
+        )
         x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
         gate_up = linear(h, layer["w_gate_up"])

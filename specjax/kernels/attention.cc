@@ -1,0 +1,167 @@
+// specjax_attend_cache: the online-softmax state of a few query rows over the cached cells.
+//
+//   q      f32 [B, G, Q, E]      Q = R * T query rows per KV group (R heads of T tokens, t fastest)
+//   k, v   f16 or f32 [B, G, S, E]   the cache, as stored
+//   k_pos  s32 [B, S]            position of each cell, -1 = empty
+//   q_pos  s32 [B, T]            position of each token, -1 = padding
+//   n_used s32 []                cells at and above this index are not read (high-water mark)
+//   attr window (i64)            sliding window (0 = none)
+// returns
+//   m      f32 [B, G, Q]         max scaled score over visible cells (-inf if none)
+//   l      f32 [B, G, Q]         sum of exp(score - m)
+//   acc    f32 [B, G, Q, E]      sum of exp(score - m) * v
+//
+// A cell is visible to a token when k_pos >= 0, q_pos >= 0, k_pos <= q_pos and, with a
+// window, q_pos - k_pos < window: the rule of llama.attention_mask. The caller merges this
+// state with the attention over the new tokens themselves (llama._attend).
+//
+// Why: XLA runs the cache part as a while loop over 256-cell chunks, each a dozen small
+// kernels (slices, F16 converts, dots, exp), ~30 us per chunk and layer on the development
+// machine: most of a decode step once the linear layers ran on specjax_linear. Here a (row,
+// group) pair reads each used K/V row once, for all its query rows.
+
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#include "common.h"
+
+namespace {
+
+using namespace specjax;
+
+constexpr int kBlock = 16;  // cells scored before the running max is updated
+
+template <typename KV>
+void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos,
+                  const int32_t* q_pos, int64_t n_used, int64_t Q, int64_t T, int64_t E,
+                  int64_t window, float* m_out, float* l_out, float* acc_out) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t e_vec = E - E % kLanes;
+  std::vector<float> scores(static_cast<size_t>(Q) * kBlock);
+  std::vector<float> kf(static_cast<size_t>(E)), vf(static_cast<size_t>(E));
+  for (int64_t r = 0; r < Q; ++r) {
+    m_out[r] = neg_inf;
+    l_out[r] = 0.0f;
+  }
+  std::fill(acc_out, acc_out + Q * E, 0.0f);
+  for (int64_t s0 = 0; s0 < n_used; s0 += kBlock) {
+    const int64_t n = std::min<int64_t>(kBlock, n_used - s0);
+    // Scores of the block (masked cells -inf).
+    bool any = false;
+    for (int64_t j = 0; j < n; ++j) {
+      const int64_t s = s0 + j;
+      const int32_t kp = k_pos[s];
+      const KV* k_row = k + s * E;
+      for (int64_t i = 0; i < E; ++i) kf[i] = to_float(k_row[i]);
+      for (int64_t r = 0; r < Q; ++r) {
+        const int32_t qp = q_pos[r % T];
+        const bool visible =
+            kp >= 0 && qp >= 0 && kp <= qp && (window <= 0 || qp - kp < window);
+        float dot = neg_inf;
+        if (visible) {
+          const float* q_row = q + r * E;
+          f32x16 a = f32x16{};
+          for (int64_t i = 0; i < e_vec; i += kLanes) a += load16(kf.data() + i) * load16(q_row + i);
+          dot = reduce_lanes(a);
+          for (int64_t i = e_vec; i < E; ++i) dot += kf[i] * q_row[i];
+          dot *= scale;
+          any = true;
+        }
+        scores[r * kBlock + j] = dot;
+      }
+    }
+    if (!any) continue;
+    // Per query row: new running max, rescale, turn scores into weights.
+    for (int64_t r = 0; r < Q; ++r) {
+      float* sr = scores.data() + r * kBlock;
+      float block_max = neg_inf;
+      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sr[j]);
+      if (block_max == neg_inf) {
+        for (int64_t j = 0; j < n; ++j) sr[j] = 0.0f;
+        continue;
+      }
+      const float m_new = std::max(m_out[r], block_max);
+      if (m_out[r] != neg_inf && m_new != m_out[r]) {
+        const float rescale = std::exp(m_out[r] - m_new);
+        l_out[r] *= rescale;
+        float* acc = acc_out + r * E;
+        for (int64_t i = 0; i < E; ++i) acc[i] *= rescale;
+      }
+      m_out[r] = m_new;
+      for (int64_t j = 0; j < n; ++j) {
+        const float p = sr[j] == neg_inf ? 0.0f : std::exp(sr[j] - m_new);
+        sr[j] = p;
+        l_out[r] += p;
+      }
+    }
+    // Weighted values: each V row read once for all query rows.
+    for (int64_t j = 0; j < n; ++j) {
+      const KV* v_row = v + (s0 + j) * E;
+      for (int64_t i = 0; i < E; ++i) vf[i] = to_float(v_row[i]);
+      for (int64_t r = 0; r < Q; ++r) {
+        const float p = scores[r * kBlock + j];
+        if (p == 0.0f) continue;
+        float* acc = acc_out + r * E;
+        for (int64_t i = 0; i < E; ++i) acc[i] += p * vf[i];
+      }
+    }
+  }
+}
+
+template <typename KV>
+void attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, ffi::AnyBuffer& v,
+            ffi::Buffer<ffi::S32>& k_pos, ffi::Buffer<ffi::S32>& q_pos, int64_t n_used,
+            int64_t window, ffi::Result<ffi::Buffer<ffi::F32>>& m,
+            ffi::Result<ffi::Buffer<ffi::F32>>& l, ffi::Result<ffi::Buffer<ffi::F32>>& acc) {
+  const auto qd = q.dimensions();
+  const int64_t B = qd[0], G = qd[1], Q = qd[2], E = qd[3];
+  const int64_t S = k.dimensions()[2], T = q_pos.dimensions()[1];
+  const KV* kd = static_cast<const KV*>(k.untyped_data());
+  const KV* vd = static_cast<const KV*>(v.untyped_data());
+  n_used = std::max<int64_t>(0, std::min(n_used, S));
+  parallel_for(pool, B * G, n_used * Q * E * B * G < (int64_t(1) << 14), [&](int64_t bg) {
+    const int64_t b = bg / G;
+    attend_group(q.typed_data() + bg * Q * E, kd + bg * S * E, vd + bg * S * E,
+                 k_pos.typed_data() + b * S, q_pos.typed_data() + b * T, n_used, Q, T, E, window,
+                 m->typed_data() + bg * Q, l->typed_data() + bg * Q, acc->typed_data() + bg * Q * E);
+  });
+}
+
+ffi::Error AttendImpl(ffi::Buffer<ffi::F32> q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                      ffi::Buffer<ffi::S32> k_pos, ffi::Buffer<ffi::S32> q_pos,
+                      ffi::Buffer<ffi::S32> n_used, ffi::Result<ffi::Buffer<ffi::F32>> m,
+                      ffi::Result<ffi::Buffer<ffi::F32>> l, ffi::Result<ffi::Buffer<ffi::F32>> acc,
+                      int64_t window, ffi::ThreadPool pool) {
+  const auto kd = k.dimensions(), vd = v.dimensions();
+  if (q.dimensions().size() != 4 || kd.size() != 4 || vd.size() != 4 ||
+      !std::equal(kd.begin(), kd.end(), vd.begin()))
+    return ffi::Error::InvalidArgument("specjax_attend_cache: want q [B,G,Q,E], k = v [B,G,S,E]");
+  if (k.element_type() != v.element_type())
+    return ffi::Error::InvalidArgument("specjax_attend_cache: k and v dtypes differ");
+  const int64_t used = n_used.typed_data()[0];
+  if (k.element_type() == ffi::DataType::F16)
+    attend<_Float16>(pool, q, k, v, k_pos, q_pos, used, window, m, l, acc);
+  else if (k.element_type() == ffi::DataType::F32)
+    attend<float>(pool, q, k, v, k_pos, q_pos, used, window, m, l, acc);
+  else
+    return ffi::Error::InvalidArgument("specjax_attend_cache: cache must be f16 or f32");
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxAttendCache, AttendImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::Buffer<ffi::F32>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("window")
+                                  .Ctx<ffi::ThreadPool>());
