@@ -134,7 +134,7 @@ def _environment_digest() -> str:
     XLA's flags."""
     h = hashlib.sha256()
     package = Path(__file__).resolve().parent
-    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc")]):
+    for path in sorted([*package.rglob("*.py"), *package.rglob("*.cc"), *package.rglob("*.h")]):
         h.update(str(path.relative_to(package)).encode())
         h.update(path.read_bytes())
     config = sorted(

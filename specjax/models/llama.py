@@ -8,7 +8,10 @@ Invariants:
   specjax.cache), in one softmax; `commit_kv` writes the new K/V afterwards. So a token
   attends to itself and to earlier tokens of the same call exactly as if written first.
 * Attention reads the cache in chunks of CACHE_CHUNK cells up to its high-water mark (an
-  online softmax in a loop), so cost follows the used context, not the capacity.
+  online softmax in a loop), so cost follows the used context, not the capacity. With decode
+  weights in the native form (`KernelWeight`, CPU) and at most NATIVE_ATTENTION_MAX_ROWS query
+  rows per KV group, `cpu_kernels.attend_cache` computes the same online-softmax state over
+  the cells below the high-water mark instead; both merge it with the new tokens' part.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
   dtype.
