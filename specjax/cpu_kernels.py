@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -203,7 +202,7 @@ def attend_cache(
     return m, total, acc
 
 
-@functools.partial(jax.custom_batching.custom_vmap)
+@jax.custom_batching.custom_vmap
 def linear_rows(x: Array, w: Array) -> Array:
     """`x @ w.T` (f32 `[..., in]` by f16/f32 `[out, in]`) on the kernel; see the module doc."""
     return _call(x, w)
