@@ -865,7 +865,6 @@ def _streaming_loop(
 
     if rounds < 1:
         raise ValueError(f"stream_rounds must be >= 1, got {rounds}")
-    n = rounds
     exe = _compiled(
         cont.run_rounds_jit,
         engine,
@@ -873,7 +872,7 @@ def _streaming_loop(
         drafter_params,
         state_shape,
         run,
-        jnp.asarray(n, jnp.int32),
+        jnp.asarray(rounds, jnp.int32),
     )
     eog = set(model.eog_ids)
 

@@ -39,8 +39,11 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t e_vec = E - E % kLanes;
-  std::vector<float> scores(static_cast<size_t>(Q) * kBlock);
-  std::vector<float> kf(static_cast<size_t>(E)), vf(static_cast<size_t>(E));
+  // Per-thread scratch, reused across calls (no allocation per layer and step).
+  thread_local std::vector<float> scores, kf, vf;
+  scores.resize(static_cast<size_t>(Q) * kBlock);
+  kf.resize(static_cast<size_t>(E));
+  vf.resize(static_cast<size_t>(E));
   for (int64_t r = 0; r < Q; ++r) {
     m_out[r] = neg_inf;
     l_out[r] = 0.0f;
