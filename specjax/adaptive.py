@@ -15,7 +15,11 @@ simple cost model, from what it measured on earlier rounds:
 
 Plain decoding is k = 0: `sum_r 1 / fwd(B)`. All rows of a batch share one verify width, so
 k is chosen for the batch. Estimates start from an optimistic prior and rounds without
-drafting pull them back towards it, so a turned-off batch probes again after a while.
+drafting pull them back towards it, so a turned-off batch probes again after a while. The
+pull backs off: each asked round in a row that drafted nothing (`miss_streak`) halves it,
+down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps finding nothing
+(ngram lookups over text that does not repeat) is asked about one round in 40 instead of
+one in 4, while one that finds drafts again is back at full speed after a single hit.
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 
@@ -40,6 +44,8 @@ DECAY = 0.9
 #: Per-round pull of unobserved rows towards the prior: slow, so that probing a batch that
 #: does not pay costs little (about one round in 30).
 RELAX = 0.97
+#: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
+MAX_BACKOFF = 4
 
 
 @pytree_dataclass
@@ -67,6 +73,7 @@ class Governor:
     n_rounds: Array  # [] int32 rounds with some budget
     n_throttled: Array  # [] int32 rounds drafted shorter than the budget allowed
     n_off: Array  # [] int32 rounds not drafted although the budget allowed it
+    miss_streak: Array  # [B] int32 asked rounds in a row that drafted nothing (backoff)
 
     @staticmethod
     def create(batch: int) -> Governor:
@@ -80,6 +87,7 @@ class Governor:
             n_rounds=zero,
             n_throttled=zero,
             n_off=zero,
+            miss_streak=jnp.zeros((batch,), jnp.int32),
         )
 
 
@@ -130,12 +138,15 @@ def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Arr
     had = draft_len_B > 0
     trials = n_accepted_B + (had & (n_accepted_B < draft_len_B)).astype(jnp.int32)
 
+    streak = gov.miss_streak
+    pull = (1.0 - RELAX) / (2.0 ** jnp.minimum(streak, MAX_BACKOFF).astype(jnp.float32))
+
     def decayed(num: Array, den: Array, x: Array, n: Array, prior: float, seen: Array):
         num_seen = DECAY * num + x
         den_seen = DECAY * den + n
         # unobserved rows: relax towards the prior (so a turned-off batch probes again)
-        num_prior = RELAX * num + (1.0 - RELAX) * PRIOR_WEIGHT * prior
-        den_prior = RELAX * den + (1.0 - RELAX) * PRIOR_WEIGHT
+        num_prior = (1.0 - pull) * num + pull * PRIOR_WEIGHT * prior
+        den_prior = (1.0 - pull) * den + pull * PRIOR_WEIGHT
         return jnp.where(seen, num_seen, num_prior), jnp.where(seen, den_seen, den_prior)
 
     hit_num, hit_den = decayed(
@@ -154,6 +165,12 @@ def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Arr
         PRIOR_ACCEPT,
         had,
     )
+    streak = jnp.where(asked_B, jnp.where(had, 0, streak + 1), streak)
     return replace(
-        gov, hit_num=hit_num, hit_den=hit_den, acc_num=acc_num, acc_den=jnp.maximum(acc_den, 1e-6)
+        gov,
+        hit_num=hit_num,
+        hit_den=hit_den,
+        acc_num=acc_num,
+        acc_den=jnp.maximum(acc_den, 1e-6),
+        miss_streak=streak,
     )

@@ -237,6 +237,7 @@ def prefill_chunk(
         hit_den=_set_row(gov.hit_den, slot, fresh.hit_den),
         acc_num=_set_row(gov.acc_num, slot, fresh.acc_num),
         acc_den=_set_row(gov.acc_den, slot, fresh.acc_den),
+        miss_streak=_set_row(gov.miss_streak, slot, fresh.miss_streak),
     )
     new_state = replace(
         state,
@@ -293,11 +294,11 @@ def lean_step(
     def wide(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
 
-    idle = all(getattr(d, "idle_noop", False) for d in engine.drafters)
+    idle = eng.idle_rounds_are_plain(engine)
 
     def lean(s: eng.GenState) -> eng.GenState:
         if idle:
-            return idle_step(engine, target_params, s, run, plan)
+            return eng.idle_step(engine, target_params, s, run, plan)
         return eng.spec_step(narrow, target_params, drafter_params, s, run, plan)
 
     # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
@@ -320,29 +321,6 @@ def lean_step(
     state = once(drafting & ~short, wide, state)
     state = once(drafting & short, mid, state)
     return once(~drafting, lean, state)
-
-
-def idle_step(
-    engine: eng.Engine,
-    target_params: Params,
-    state: eng.GenState,
-    run: eng.RunParams,
-    plan: tuple[Array, adaptive.Governor],
-) -> eng.GenState:
-    """A round in which no row drafts (every budget in `plan` is 0), for chains whose drafters
-    all declare `idle_noop`: a plain decoding round (no drafter calls, verify width 1),
-    plus the one thing such a round changes besides the target's: the governor's estimates
-    relax towards the prior (`adaptive.observe` with no row asked). Same state as
-    `spec_step` leaves, bit for bit (tests/test_batch_lean.py)."""
-    budget, governor = plan
-    plain = dataclasses.replace(engine, drafters=(), k_max=0)
-    out = eng.spec_step(
-        plain, target_params, (), replace(state, drafter_states=()), run, (budget, governor)
-    )
-    B = state.length.shape[0]
-    none_B = jnp.zeros((B,), jnp.int32)
-    governor = adaptive.observe(out.governor, jnp.zeros((B,), bool), none_B, none_B)
-    return replace(out, drafter_states=state.drafter_states, governor=governor)
 
 
 def run_segment(
@@ -407,7 +385,7 @@ def run_rounds(
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity) & (s.n_rounds < stop)
 
     def body(s: eng.GenState) -> eng.GenState:
-        return eng.spec_step(engine, target_params, drafter_params, s, run)
+        return eng.governed_step(engine, target_params, drafter_params, s, run)
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -49,7 +49,7 @@ from specjax.drafters.base import (
 )
 from specjax.models.config import ModelConfig
 from specjax.models.llama import commit_kv, forward_compute, new_cache
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
 
 FINISH_NONE, FINISH_EOG, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
@@ -384,27 +384,45 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
     return tokens, valid, q, has_q, winner, tuple(new_states), stats
 
 
-def _verify_forward(
+def _once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
+    """`body(carry)` if `pred`, else `carry`: a while-loop run 0 or 1 times. Not `lax.cond` or
+    `lax.switch`: their branches would copy the KV cache, and every branch must return the
+    same shapes, so a narrow branch pads its logits and K/V to the widest one's."""
+    return jax.lax.while_loop(
+        lambda c: c[0], lambda c: (jnp.zeros((), bool), body(c[1])), (pred, carry)
+    )[1]
+
+
+def _verify_round(
     engine: Engine,
     target_params: Params,
     cache: KVCache,
     v_tokens: Array,
     v_pos: Array,
+    draft: DraftOutput,
     draft_len_B: Array,
-):
-    """Target forward over the verify batch, at the narrowest compiled width that fits.
+    has_q_B: Array,
+    state: GenState,
+    run: RunParams,
+) -> tuple[KVCache, Array, Array, tuple[Array, ...]]:
+    """Steps 3-4: target forward over the verify batch and acceptance, at the narrowest
+    compiled width (`engine.verify_widths()`) that holds every row's draft.
 
-    Returns (logits [B, K+1, V], greedy [B, K+1], cache, hidden). The target's argmax per
-    verify row is taken inside each width's branch, over that width only: the greedy path
-    never reads the padded logits. The branches only read the cache; the new K/V are
-    written once after the switch.
+    Each width is its own loop run 0 or 1 times, holding the forward, the acceptance and the
+    cache write at that width: a round in which no row drafted costs a 1-token forward and
+    nothing of width K + 1 (with ngram-mod's K = 64, padding logits and K/V to 65 columns
+    cost ~25% of a plain round). Returns (cache with the verify batch written, n_accepted [B],
+    next_token [B], hidden: one [B, K + 1, D] per `engine.hidden_layers`, zero past the
+    width).
     """
-    widths = engine.verify_widths()
-    T = v_tokens.shape[1]
+    B, T = v_tokens.shape
+    K = T - 1
+    recent = _recent_tokens(engine, state.history, state.length, state.last_token)
+    D = engine.target.D
 
-    def branch(width: int):
-        def run(operands):
-            cache, v_tokens, v_pos = operands
+    def at_width(width: int) -> Callable[[Any], Any]:
+        def run_width(carry: Any) -> Any:
+            cache, _, _, hidden0 = carry
             out = forward_compute(
                 engine.target,
                 target_params,
@@ -413,33 +431,60 @@ def _verify_forward(
                 cache,
                 engine.hidden_layers,
             )
-
-            def pad(x: Array) -> Array:
-                widths_pad = [(0, 0), (0, T - width)] + [(0, 0)] * (x.ndim - 2)
-                return jnp.pad(x, widths_pad) if width < T else x
-
-            # One padded array for every layer's new K (and one for V): a pad per layer
-            # costs more in per-op overhead than the few kilobytes it moves.
-            pad_kv = [(0, 0), (0, 0), (0, T - width), (0, 0), (0, 0)]
-            return (
-                pad(out.logits),
-                pad(verify.first_argmax(out.logits)),
-                jnp.pad(jnp.stack(out.k), pad_kv),  # [L, B, w, G, E]: layer slices are views
-                jnp.pad(jnp.stack(out.v), pad_kv),
-                tuple(pad(h) for h in out.hidden),
+            logits = out.logits
+            assert logits is not None
+            k = width - 1
+            narrow = DraftOutput(
+                tokens=draft.tokens[:, :k],
+                valid=draft.valid[:, :k],
+                q=None if draft.q is None else draft.q[:, :k],
             )
 
-        return run
+            def sampled(logits: Array) -> verify.VerifyResult:
+                return verify.verify_rows(
+                    logits,
+                    narrow,
+                    run.sampling,
+                    state.length,
+                    has_q_B=has_q_B if draft.q is not None else None,
+                    synth_rates_K=run.synth_rates[:k] if engine.synthetic else None,
+                    eog_V=_eog_mask(engine) if engine.synthetic else None,
+                    recent_BW=recent,
+                    recent_valid_BW=recent >= 0,
+                )
 
+            if engine.synthetic:
+                result = sampled(logits)
+            else:
+                # Greedy batches skip building sampling distributions.
+                all_greedy = jnp.all(run.sampling.temperature <= 0) & jnp.all(
+                    run.sampling.repeat_penalty == 1.0
+                )
+                greedy = verify.first_argmax(logits)
+                result = jax.lax.cond(
+                    all_greedy, lambda _: verify.verify_greedy(greedy, narrow), sampled, logits
+                )
+            cache = commit_kv(cache, v_pos[:, :width], out.k, out.v, after=logits)
+            hidden = tuple(
+                jax.lax.dynamic_update_slice(h0, h.astype(h0.dtype), (0, 0, 0))
+                for h0, h in zip(hidden0, out.hidden)
+            )
+            n_acc = result.n_accepted.astype(jnp.int32)
+            return cache, n_acc, result.next_token.astype(jnp.int32), hidden
+
+        return run_width
+
+    widths = engine.verify_widths()
+    zeros_B = jnp.zeros((B,), jnp.int32)
+    hidden0 = tuple(jnp.zeros((B, T, D), jnp.float32) for _ in engine.hidden_layers)
+    carry = (cache, zeros_B, zeros_B, hidden0)
     if len(widths) == 1:
-        logits, greedy, k, v, hidden = branch(widths[0])((cache, v_tokens, v_pos))
-    else:
-        needed = jnp.max(draft_len_B) + 1
-        index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < needed)
-        logits, greedy, k, v, hidden = jax.lax.switch(
-            index, [branch(w) for w in widths], (cache, v_tokens, v_pos)
-        )
-    return logits, greedy, commit_kv(cache, v_pos, tuple(k), tuple(v), after=logits), hidden
+        return at_width(widths[0])(carry)
+    assert widths[-1] == K + 1
+    index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < jnp.max(draft_len_B) + 1)
+    for i, width in enumerate(widths):
+        carry = _once(index == i, at_width(width), carry)
+    return carry
 
 
 def draft_budget(
@@ -501,60 +546,11 @@ def spec_step(
     v_tokens = jnp.concatenate([state.last_token[:, None], d_tokens], axis=1)  # [B, K+1]
     v_valid = jnp.concatenate([active[:, None], d_valid & active[:, None]], axis=1)
     v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
-    logits, greedy, cache, hidden = _verify_forward(
-        engine, target_params, state.cache, v_tokens, v_pos, draft_len
-    )
     draft = DraftOutput(tokens=d_tokens, valid=d_valid, q=q)
-    recent = _recent_tokens(engine, state.history, state.length, state.last_token)
-
-    def sampled_verify(width: int) -> Callable[[Array], verify.VerifyResult]:
-        """verify_rows over the first `width` verify rows (every row's draft fits in width - 1):
-        the sampling distributions, noise and residuals are built for those rows only, not for
-        all K + 1 (K is the chain's static maximum, e.g. 64 for ngram-mod)."""
-
-        def run_width(logits: Array) -> verify.VerifyResult:
-            k = width - 1
-            narrow = DraftOutput(
-                tokens=d_tokens[:, :k], valid=d_valid[:, :k], q=None if q is None else q[:, :k]
-            )
-            out = verify.verify_rows(
-                logits[:, :width],
-                narrow,
-                run.sampling,
-                state.length,
-                has_q_B=has_q if q is not None else None,
-                synth_rates_K=run.synth_rates[:k] if engine.synthetic else None,
-                eog_V=_eog_mask(engine) if engine.synthetic else None,
-                recent_BW=recent,
-                recent_valid_BW=recent >= 0,
-            )
-            pad = K + 1 - width
-            return dataclasses.replace(
-                out,
-                tokens=jnp.pad(out.tokens, ((0, 0), (0, pad)), constant_values=verify.PAD_TOKEN),
-            )
-
-        return run_width
-
-    def full_verify(logits: Array) -> verify.VerifyResult:
-        widths = engine.verify_widths()
-        if len(widths) == 1:
-            return sampled_verify(widths[0])(logits)
-        index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < draft_len.max() + 1)
-        return jax.lax.switch(index, [sampled_verify(w) for w in widths], logits)
-
-    if engine.synthetic:
-        result = full_verify(logits)
-    else:
-        # Greedy batches skip building sampling distributions.
-        all_greedy = jnp.all(run.sampling.temperature <= 0) & jnp.all(
-            run.sampling.repeat_penalty == 1.0
-        )
-        result = jax.lax.cond(
-            all_greedy, lambda _: verify.verify_greedy(greedy, draft), full_verify, logits
-        )
-    n_acc = jnp.where(active, result.n_accepted, 0).astype(jnp.int32)
-    next_token = result.next_token.astype(jnp.int32)
+    cache, n_acc, next_token, hidden = _verify_round(
+        engine, target_params, state.cache, v_tokens, v_pos, draft, draft_len, has_q, state, run
+    )
+    n_acc = jnp.where(active, n_acc, 0)
 
     # commit: keep id_last + accepted drafts in memory, drop the rejected cells
     keep = state.length + n_acc + 1
@@ -627,6 +623,57 @@ def spec_step(
     )
 
 
+def idle_step(
+    engine: Engine,
+    target_params: Params,
+    state: GenState,
+    run: RunParams,
+    plan: tuple[Array, adaptive.Governor],
+) -> GenState:
+    """A round in which no row drafts (every budget in `plan` is 0), for chains whose drafters
+    all declare `idle_noop`: a plain decoding round (no drafter calls, verify width 1),
+    plus the one thing such a round changes besides the target's: the governor's estimates
+    relax towards the prior (`adaptive.observe` with no row asked). Same state as
+    `spec_step` leaves, bit for bit (tests/test_batch_lean.py)."""
+    budget, governor = plan
+    plain = dataclasses.replace(engine, drafters=(), k_max=0)
+    out = spec_step(
+        plain, target_params, (), replace(state, drafter_states=()), run, (budget, governor)
+    )
+    B = state.length.shape[0]
+    none_B = jnp.zeros((B,), jnp.int32)
+    governor = adaptive.observe(out.governor, jnp.zeros((B,), bool), none_B, none_B)
+    return replace(out, drafter_states=state.drafter_states, governor=governor)
+
+
+def idle_rounds_are_plain(engine: Engine) -> bool:
+    """Whether a round the governor turns off may run as a plain round (`idle_step`): every
+    drafter of the chain declares `idle_noop` (a round in which it drafts nothing leaves its
+    state as it is)."""
+    return bool(engine.drafters) and all(getattr(d, "idle_noop", False) for d in engine.drafters)
+
+
+def governed_step(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+) -> GenState:
+    """The round every generation loop runs: `spec_step`, except that a round in which the
+    governor lets no row draft runs as a plain round (`idle_step`) when the chain allows it,
+    so a drafter the governor turned off costs nothing but the governor's own bookkeeping.
+    Same state as `spec_step`, bit for bit."""
+    if not idle_rounds_are_plain(engine):
+        return spec_step(engine, target_params, drafter_params, state, run)
+    plan = draft_budget(engine, state, run)
+    drafting = jnp.max(plan[0]) > 0
+    state = _once(
+        drafting, lambda s: spec_step(engine, target_params, drafter_params, s, run, plan), state
+    )
+    return _once(~drafting, lambda s: idle_step(engine, target_params, s, run, plan), state)
+
+
 def generate_loop(
     engine: Engine,
     target_params: Params,
@@ -634,13 +681,13 @@ def generate_loop(
     state: GenState,
     run: RunParams,
 ) -> GenState:
-    """Run `spec_step` until every row is done, entirely on device."""
+    """Run `governed_step` until every row is done, entirely on device."""
 
     def cond(s: GenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
 
     def body(s: GenState) -> GenState:
-        return spec_step(engine, target_params, drafter_params, s, run)
+        return governed_step(engine, target_params, drafter_params, s, run)
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -113,6 +113,27 @@ def test_generation_loop_copies_no_kv_buffer(types):
     assert _cache_copies(hlo, capacity) == []  # ... and never copied
 
 
+def test_round_without_a_draft_pads_nothing_to_the_widest_verify():
+    """ngram-mod's chain is 64 long (verify widths 1, 5, 17, 65): each width runs its own
+    forward, acceptance and cache write, so no logits or K/V are padded to 65 columns (a
+    round in which nothing was drafted used to pay for them), and the cache is still updated
+    in place."""
+    capacity = 320
+    target = tiny_model(4)
+    spec = SpecConfig(types=("ngram-mod",))
+    api._COMPILED.clear()
+    generate(target, [[1, 2, 3]], max_new_tokens=8, n_ctx=capacity, spec=spec)
+    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    assert len(loops) == 1
+    hlo = loops[0].as_text()
+    V = target.config.V
+    wide = rf"f32\[1,65,{V}\]"
+    assert re.search(wide, hlo)  # the widest verify is in the program ...
+    assert not re.findall(wide + r"\{[0-9,]+\} pad\(", hlo)  # ... and nothing is padded to it
+    assert not re.findall(r"\[\d+,1,65,\d+,\d+\]\{[0-9,]+\} pad\(", hlo)
+    assert _cache_copies(hlo, capacity) == []
+
+
 # -------------------------------------------------------------------- input-major weights
 
 
@@ -215,6 +236,7 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
         n_rounds=jnp.zeros((), jnp.int32),
         n_throttled=jnp.zeros((), jnp.int32),
         n_off=jnp.zeros((), jnp.int32),
+        miss_streak=jnp.zeros((B,), jnp.int32),
     )
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
@@ -233,6 +255,71 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
     off = adaptive.CostModel.off()
     full, _ = adaptive.choose_budget(gov, off, jnp.asarray(budget), jnp.asarray(active), K)
     assert np.asarray(full).tolist() == budget.tolist()
+
+
+def _python_probes(rounds, hit_from, k_max, verify):
+    """Transcription of the module docstring's estimates for one row whose relay drafts (one
+    token, accepted) only the first time it is asked at or after round `hit_from`: the
+    rounds it is asked."""
+    num, den, streak, asked, seen = 2 * 0.9, 2.0, 0, [], False
+    a_num, a_den = 2 * 0.8, 2.0
+    for t in range(rounds):
+        h, a = num / den, a_num / a_den
+        value = [
+            (1 + h * sum(a**j for j in range(1, k + 1))) / (1 + k * verify)
+            for k in range(k_max + 1)
+        ]
+        k = max(range(k_max + 1), key=lambda i: (value[i], -i))
+        if k > 0:
+            asked.append(t)
+            hit = t >= hit_from and not seen
+            seen = seen or hit
+            num, den = 0.9 * num + hit, 0.9 * den + 1
+            if hit:  # one accepted of a 1-token draft: a full trial
+                a_num, a_den = 0.9 * a_num + 1, 0.9 * a_den + 1
+            else:
+                pull = 0.03 / 2 ** min(streak, 4)
+                a_num, a_den = (1 - pull) * a_num + pull * 2 * 0.8, (1 - pull) * a_den + pull * 2
+            streak = 0 if hit else streak + 1
+        else:
+            pull = 0.03 / 2 ** min(streak, 4)
+            num, den = (1 - pull) * num + pull * 2 * 0.9, (1 - pull) * den + pull * 2
+            a_num, a_den = (1 - pull) * a_num + pull * 2 * 0.8, (1 - pull) * a_den + pull * 2
+    return asked
+
+
+def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
+    """A drafter that never drafts is asked less and less often (the pull towards the prior
+    halves with every miss in a row), a single hit restores the fast pull, and the rounds
+    asked are those of the rule's plain-Python transcription."""
+    K, verify, rounds, hit_from = 4, 0.12, 256, 150
+    cost = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(verify, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(0.0, jnp.float32),
+    )
+
+    @jax.jit
+    def round_(gov, t, seen):
+        budget, gov = adaptive.choose_budget(gov, cost, jnp.asarray([K]), jnp.asarray([True]), K)
+        asked = budget > 0
+        hit = asked & (t >= hit_from) & ~seen
+        gov = adaptive.observe(gov, asked, hit.astype(jnp.int32), hit.astype(jnp.int32))
+        return gov, asked[0], seen | hit[0]
+
+    gov, asked, seen = adaptive.Governor.create(1), [], jnp.asarray(False)
+    for t in range(rounds):
+        gov, a, seen = round_(gov, jnp.asarray(t), seen)
+        if bool(a):
+            asked.append(t)
+    assert asked == _python_probes(rounds, hit_from, K, verify)
+    hit = min(t for t in asked if t >= hit_from)
+    gaps = np.diff([t for t in asked if t < hit])
+    assert gaps[-1] >= 4 * gaps[0] and gaps[-1] >= 30  # backed off ...
+    after = [t for t in asked if t > hit]
+    assert after and after[0] - hit < gaps[-1] / 2  # ... and a hit brings the probes back
+    assert len(asked) <= rounds // 12  # without backoff: about one round in 4
 
 
 def test_governor_turns_off_a_draft_that_cannot_pay_and_output_is_unchanged():

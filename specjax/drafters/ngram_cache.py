@@ -256,6 +256,11 @@ class NgramCache(ModelFreeDrafter):
     """
 
     name: ClassVar[str] = "ngram-cache"
+    #: A round in which no row drafts leaves the state as it is (only drafting rows ingest
+    #: or look up; a row catches up from the history when it drafts again; the feedback
+    #: methods are no-ops), so a round the governor turns off may skip the call
+    #: (`engine.idle_step`).
+    idle_noop: ClassVar[bool] = True
     n_draft: int = N_DRAFT
     table_size: int = 0
     max_load: float = 0.75
