@@ -13,11 +13,11 @@ points, all of fixed shapes, so a whole job compiles each once:
     run_segment     `engine.spec_step` rounds (speculation per row, every drafter) until a
                     busy slot finishes, every row is done, or `max_rounds` rounds ran; the
                     host then collects finished rows and prefills the next requests into them.
-                    A round in which the governor lets no row draft runs at width 2, not
-                    K + 1 (`lean_step`; the same state as `spec_step`), or, when every
-                    drafter of the chain declares `idle_noop`, as a plain round with no
-                    drafter calls at all (`idle_step`); one whose budgets are all <= MID_K
-                    at width MID_K + 1.
+                    A round in which the governor lets no row draft is a plain round with
+                    no drafter calls when every drafter of the chain declares `idle_noop`
+                    (`engine.spec_step` does that), else runs its drafters at width 2, not
+                    K + 1 (`lean_step`; the same state as `spec_step`); one whose budgets
+                    are all <= MID_K at width MID_K + 1.
 
 Invariants:
 * A row being prefilled is `done`, so decode rounds skip it; it becomes active only with
@@ -277,14 +277,15 @@ def lean_step(
     state: eng.GenState,
     run: eng.RunParams,
 ) -> eng.GenState:
-    """`engine.spec_step`, with rounds in which no row may draft run at width K' = 1.
+    """`engine.spec_step`, with narrower drafter calls in rounds the governor restricts.
 
-    The budget (and the governor's choice) is planned first; when every row's budget is 0
-    the round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback
-    and statistics, a verify batch of width 2 instead of K + 1, so a round the governor
-    turned off costs about what a plain round costs instead of padding logits, K/V and the
-    commit to K + 1 columns. Likewise a round whose budgets are all <= MID_K (the governor
-    throttled it) runs at K' = MID_K. Same state out, bit for bit (tests/test_batch_lean.py).
+    The budget (and the governor's choice) is planned first. When every row's budget is 0
+    and the chain is not one `spec_step` skips by itself in such rounds (a drafter without
+    `idle_noop`, e.g. EAGLE-3, whose `process` runs its head over every verify batch), the
+    round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback and
+    statistics, over a verify batch of width 2 instead of K + 1. A round whose budgets are
+    all <= MID_K (the governor throttled it) runs at K' = MID_K. Same state out, bit for bit
+    (tests/test_batch_lean.py).
     """
     plan = eng.draft_budget(engine, state, run)
     if not engine.drafters or engine.k_max <= 1:
@@ -294,11 +295,10 @@ def lean_step(
     def wide(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
 
+    # spec_step runs a round nobody may draft in as a plain round for such chains
     idle = eng.idle_rounds_are_plain(engine)
 
     def lean(s: eng.GenState) -> eng.GenState:
-        if idle:
-            return eng.idle_step(engine, target_params, s, run, plan)
         return eng.spec_step(narrow, target_params, drafter_params, s, run, plan)
 
     # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
@@ -311,13 +311,15 @@ def lean_step(
     need = jnp.max(plan[0])
     drafting = need > 0
     if engine.k_max <= MID_K:
-        return once(~drafting, lean, once(drafting, wide, state))
+        return wide(state) if idle else once(~drafting, lean, once(drafting, wide, state))
     medium = dataclasses.replace(engine, k_max=MID_K)
 
     def mid(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(medium, target_params, drafter_params, s, run, plan)
 
     short = need <= MID_K
+    if idle:
+        return once(drafting & short, mid, once(~(drafting & short), wide, state))
     state = once(drafting & ~short, wide, state)
     state = once(drafting & short, mid, state)
     return once(~drafting, lean, state)
@@ -385,7 +387,7 @@ def run_rounds(
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity) & (s.n_rounds < stop)
 
     def body(s: eng.GenState) -> eng.GenState:
-        return eng.governed_step(engine, target_params, drafter_params, s, run)
+        return eng.spec_step(engine, target_params, drafter_params, s, run)
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -378,10 +378,7 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
         winner = jnp.where(won, i, winner)
         remaining = remaining & ~won
         new_states.append(s)
-    stats = stats_mod.record_draft(
-        state.stats, winner, jnp.sum(valid, axis=1).astype(jnp.int32), budget_B > 0
-    )
-    return tokens, valid, q, has_q, winner, tuple(new_states), stats
+    return tokens, valid, q, has_q, winner, tuple(new_states)
 
 
 def _once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
@@ -526,9 +523,33 @@ def spec_step(
     remaining_new = run.max_new - state.out_len
     budget, governor = draft_budget(engine, state, run) if plan is None else plan
 
+    # A chain of `idle_noop` drafters is not called in a round in which no row may draft
+    # (the governor turned it off, or every row is at its end): the round then costs what a
+    # plain round costs. Loops run 0 or 1 times keep the drafter states in place.
+    skip_idle = idle_rounds_are_plain(engine)
+    asking = jnp.any(budget > 0)
     if engine.drafters:
-        d_tokens, d_valid, q, has_q, winner, dstates, stats = _relay(
-            engine, drafter_params, state, budget, run
+
+        def relay(dstates: tuple[Any, ...]) -> Any:
+            asked = replace(state, drafter_states=dstates)
+            return _relay(engine, drafter_params, asked, budget, run)
+
+        if skip_idle:
+            V = engine.target.V
+            nobody = (
+                jnp.zeros((B, K), jnp.int32),
+                jnp.zeros((B, K), bool),
+                jnp.zeros((B, K, V), jnp.float32) if engine.probabilistic else None,
+                jnp.zeros((B,), bool),
+                jnp.full((B,), -1, jnp.int32),
+                state.drafter_states,
+            )
+            relayed = _once(asking, lambda c: relay(c[-1]), nobody)
+        else:
+            relayed = relay(state.drafter_states)
+        d_tokens, d_valid, q, has_q, winner, dstates = relayed
+        stats = stats_mod.record_draft(
+            state.stats, winner, jnp.sum(d_valid, axis=1).astype(jnp.int32), budget > 0
         )
     else:
         d_tokens = jnp.zeros((B, K), jnp.int32)
@@ -591,13 +612,17 @@ def spec_step(
         batch = TargetBatch(
             tokens=v_tokens, positions=v_pos, hidden=hidden_by_layer(engine.hidden_layers, hidden)
         )
-        new_states = []
-        for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
-            s = d.process(p, s, batch)
-            s = d.accept(s, n_acc, winner != i, had_draft & active)
-            s = d.rollback(s, jnp.where(active, keep, state.length))
-            new_states.append(s)
-        dstates = tuple(new_states)
+
+        def feedback(dstates: tuple[Any, ...]) -> tuple[Any, ...]:
+            new_states = []
+            for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
+                s = d.process(p, s, batch)
+                s = d.accept(s, n_acc, winner != i, had_draft & active)
+                s = d.rollback(s, jnp.where(active, keep, state.length))
+                new_states.append(s)
+            return tuple(new_states)
+
+        dstates = _once(asking, feedback, dstates) if skip_idle else feedback(dstates)
         stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
         stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
         governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
@@ -623,55 +648,11 @@ def spec_step(
     )
 
 
-def idle_step(
-    engine: Engine,
-    target_params: Params,
-    state: GenState,
-    run: RunParams,
-    plan: tuple[Array, adaptive.Governor],
-) -> GenState:
-    """A round in which no row drafts (every budget in `plan` is 0), for chains whose drafters
-    all declare `idle_noop`: a plain decoding round (no drafter calls, verify width 1),
-    plus the one thing such a round changes besides the target's: the governor's estimates
-    relax towards the prior (`adaptive.observe` with no row asked). Same state as
-    `spec_step` leaves, bit for bit (tests/test_batch_lean.py)."""
-    budget, governor = plan
-    plain = dataclasses.replace(engine, drafters=(), k_max=0)
-    out = spec_step(
-        plain, target_params, (), replace(state, drafter_states=()), run, (budget, governor)
-    )
-    B = state.length.shape[0]
-    none_B = jnp.zeros((B,), jnp.int32)
-    governor = adaptive.observe(out.governor, jnp.zeros((B,), bool), none_B, none_B)
-    return replace(out, drafter_states=state.drafter_states, governor=governor)
-
-
 def idle_rounds_are_plain(engine: Engine) -> bool:
-    """Whether a round the governor turns off may run as a plain round (`idle_step`): every
-    drafter of the chain declares `idle_noop` (a round in which it drafts nothing leaves its
-    state as it is)."""
+    """Whether `spec_step` may skip the drafter calls in a round in which no row may draft:
+    every drafter of the chain declares `idle_noop` (a round in which it drafts nothing
+    leaves its state as it is)."""
     return bool(engine.drafters) and all(getattr(d, "idle_noop", False) for d in engine.drafters)
-
-
-def governed_step(
-    engine: Engine,
-    target_params: Params,
-    drafter_params: tuple[Any, ...],
-    state: GenState,
-    run: RunParams,
-) -> GenState:
-    """The round every generation loop runs: `spec_step`, except that a round in which the
-    governor lets no row draft runs as a plain round (`idle_step`) when the chain allows it,
-    so a drafter the governor turned off costs nothing but the governor's own bookkeeping.
-    Same state as `spec_step`, bit for bit."""
-    if not idle_rounds_are_plain(engine):
-        return spec_step(engine, target_params, drafter_params, state, run)
-    plan = draft_budget(engine, state, run)
-    drafting = jnp.max(plan[0]) > 0
-    state = _once(
-        drafting, lambda s: spec_step(engine, target_params, drafter_params, s, run, plan), state
-    )
-    return _once(~drafting, lambda s: idle_step(engine, target_params, s, run, plan), state)
 
 
 def generate_loop(
@@ -681,13 +662,13 @@ def generate_loop(
     state: GenState,
     run: RunParams,
 ) -> GenState:
-    """Run `governed_step` until every row is done, entirely on device."""
+    """Run `spec_step` until every row is done, entirely on device."""
 
     def cond(s: GenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
 
     def body(s: GenState) -> GenState:
-        return governed_step(engine, target_params, drafter_params, s, run)
+        return spec_step(engine, target_params, drafter_params, s, run)
 
     return jax.lax.while_loop(cond, body, state)
 

@@ -1,17 +1,20 @@
-"""`continuous.lean_step`: rounds in which the governor lets no row draft run at width 2
-instead of K + 1 (or, for chains of `idle_noop` drafters, as plain rounds without drafter
-calls: `engine.idle_step`, which `engine.governed_step`, the generation loops' round, takes
-too), and must leave exactly the state `engine.spec_step` leaves.
+"""Rounds in which the governor lets no row draft: `engine.spec_step` runs them as plain
+rounds without drafter calls for chains of `idle_noop` drafters, and `continuous.lean_step`
+runs the other chains' drafters at width 2 instead of K + 1; both must leave exactly the
+state of the wide round that calls every drafter.
 
-The independent source is `engine.spec_step` itself (the wide round every path of a job
-used before): after the same rounds from the same state, every leaf of the two states
-(KV cache, history, outputs, drafter states, statistics, governor) must be bit-identical.
+The independent source is that wide round: `engine.spec_step` with the same drafters marked
+not `idle_noop` (every drafter is called every round, as before the skip existed). After the
+same rounds from the same state, every leaf of the two states (KV cache, history, outputs,
+drafter states, statistics, governor) must be bit-identical.
 Chains: ngram-mod + draft-simple (the benchmark's), and draft-eagle3, whose `process` reads
 every verify batch's hidden states, so a lean round that skipped or mangled the drafter
 feedback would show in its state.
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import jax
 import jax.numpy as jnp
@@ -92,11 +95,18 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-STEPS = {
-    eng.spec_step: eng.step_jit,
-    cont.lean_step: jax.jit(cont.lean_step, static_argnums=0),
-    eng.governed_step: jax.jit(eng.governed_step, static_argnums=0),
-}
+STEPS = {eng.spec_step: eng.step_jit, cont.lean_step: jax.jit(cont.lean_step, static_argnums=0)}
+
+
+def eager(engine: eng.Engine) -> eng.Engine:
+    """The engine with its drafters marked not `idle_noop`: called in every round."""
+    drafters = []
+    for d in engine.drafters:
+        cls = type(f"Eager{type(d).__name__}", (type(d),), {"idle_noop": False})
+        clone = object.__new__(cls)
+        clone.__dict__.update(d.__dict__)
+        drafters.append(clone)
+    return dataclasses.replace(engine, drafters=tuple(drafters))
 
 
 def rounds(step, engine, params, dparams, state, run):
@@ -167,6 +177,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     for b, p in enumerate(PROMPTS):
         tokens[b, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    reference = eager(engine)  # calls every drafter every round
     run = run_params(never_pays(), temperature)
     on = run_params(adaptive.CostModel.off(), temperature)
     state = eng.prefill_jit(engine, target.params, dparams, jnp.asarray(tokens), lengths, run)
@@ -179,20 +190,21 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
             break
     assert not np.allclose(np.asarray(gov.acc_num / gov.acc_den), adaptive.PRIOR_ACCEPT)
 
-    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
+    want = rounds(eng.spec_step, reference, target.params, dparams, _copy(state), run)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), run)
     # the governor turned every round off, and the rounds did run
     n_off = int(want.governor.n_off) - int(gov.n_off)
     assert n_off == int(want.governor.n_rounds) - int(gov.n_rounds) > 0
     assert int(jnp.sum(want.out_len)) > int(jnp.sum(state.out_len))
     assert_same_state(got, want)
-    # the generation loops' round (plain rounds when the governor is off): the same state
+    # the generation loops' round, which skips the drafters of idle_noop chains
     assert eng.idle_rounds_are_plain(engine) == ("draft-eagle3" not in chain)
-    got = rounds(eng.governed_step, engine, target.params, dparams, _copy(state), run)
+    assert not eng.idle_rounds_are_plain(reference)
+    got = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
     assert_same_state(got, want)
 
     # a chain that drafts every round goes the wide way: the same state as spec_step too
-    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), on)
+    want = rounds(eng.spec_step, reference, target.params, dparams, _copy(state), on)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), on)
     assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
     assert_same_state(got, want)
@@ -201,7 +213,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
         return
     # a governor that throttles drafts to <= MID_K tokens (the middle path, width MID_K + 1)
     mid = run_params(throttles(), temperature)
-    want = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), mid)
+    want = rounds(eng.spec_step, reference, target.params, dparams, _copy(state), mid)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), mid)
     assert int(want.governor.n_throttled) > int(state.governor.n_throttled)
     assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))

@@ -67,7 +67,7 @@ class DraftSimple:
     lazy_prompt: ClassVar[bool] = True
     #: A round in which no row drafts leaves the state as it is (`draft` skips, `process`
     #: ignores verify batches, `accept` is a no-op, `rollback` to length + 1 >= n_past keeps
-    #: every cell), so a round the governor turns off may skip the calls (`engine.idle_step`).
+    #: every cell), so a round the governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
 
     config: ModelConfig

@@ -259,7 +259,7 @@ class NgramCache(ModelFreeDrafter):
     #: A round in which no row drafts leaves the state as it is (only drafting rows ingest
     #: or look up; a row catches up from the history when it drafts again; the feedback
     #: methods are no-ops), so a round the governor turns off may skip the call
-    #: (`engine.idle_step`).
+    #: (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     n_draft: int = N_DRAFT
     table_size: int = 0

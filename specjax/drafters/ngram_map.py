@@ -141,7 +141,7 @@ class NgramMap(ModelFreeDrafter):
     name: ClassVar[str] = "ngram-map"
     #: A round in which no row drafts leaves the state as it is (every update of `draft` is
     #: gated by the row drafting; `accept` applies only to a row's own verified draft), so a
-    #: round the governor turns off may skip the calls (`engine.idle_step`).
+    #: round the governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     key_only: bool = True
     size_n: int = 12

@@ -182,7 +182,7 @@ class NgramMod(ModelFreeDrafter):
     name: ClassVar[str] = "ngram-mod"
     #: A round in which no row drafts leaves the state as it is (no row ingests or looks up;
     #: `accept` applies only to rows whose verified draft was its own), so a round the
-    #: governor turns off may skip the calls (`engine.idle_step`).
+    #: governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     n_match: int = 24
     n_min: int = 48

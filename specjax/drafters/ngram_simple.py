@@ -95,7 +95,7 @@ class NgramSimple(ModelFreeDrafter):
     """llama.cpp `ngram-simple` (`--spec-ngram-simple-size-n/-size-m`)."""
 
     name: ClassVar[str] = "ngram-simple"
-    #: No state: a round the governor turns off may skip the call (`engine.idle_step`).
+    #: No state: a round the governor turns off may skip the call (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     size_n: int = 12
     size_m: int = 48
