@@ -42,7 +42,7 @@ PRIOR_ACCEPT = 0.8
 #: Per-round decay of the counts (older rounds weigh less).
 DECAY = 0.9
 #: Per-round pull of unobserved rows towards the prior: slow, so that probing a batch that
-#: does not pay costs little (about one round in 30).
+#: does not pay costs little (halved by every miss in a row, see MAX_BACKOFF).
 RELAX = 0.97
 #: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
 MAX_BACKOFF = 4

@@ -8,10 +8,13 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
     1 budget   n_draft_max = min(S - length - 2, remaining - 1), clipped to [0, K] (each
                drafter stops at its own n_max); the draft governor (specjax.adaptive) may
                shorten it, or set it to 0, when drafting does not pay under its cost model
-    2 relay    drafters in llama.cpp's fixed priority; the first with a draft wins the row
+    2 relay    drafters in llama.cpp's fixed priority; the first with a draft wins the row.
+               A chain whose drafters all declare `idle_noop` is not called at all in a round
+               in which no row may draft (the governor turned it off)
     3 verify   target forward on [id_last, d_1..d_K] at positions length + 0..K; invalid
-               slots are padding (-1). Width is bucketed (lax.switch) so rounds without
-               drafts cost a 1-token forward.
+               slots are padding (-1). Width is bucketed (`Engine.verify_widths`, one loop
+               run 0 or 1 times per width, holding that width's forward, acceptance and cache
+               write), so a round without drafts costs a 1-token forward and nothing wider.
     4 accept   per row: synthetic -> rejection (temp > 0, q present) -> match (the replay
                branch of specjax.verify is not taken: there are no checkpoints yet)
     5 commit   keep positions < length + n_acc + 1 (seq_rm on target and drafter memory),
@@ -93,7 +96,7 @@ class Engine:
         return any(getattr(d, "probabilistic", False) for d in self.drafters)
 
     def verify_widths(self) -> tuple[int, ...]:
-        """Verify-batch widths compiled as lax.switch branches (1 = no draft in any row)."""
+        """Verify-batch widths, each compiled once (1 = no draft in any row)."""
         widths = {1, self.k_max + 1}
         j = 4
         while j < self.k_max:
