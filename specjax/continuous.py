@@ -303,10 +303,7 @@ def lean_step(
 
     # Loops run 0 or 1 times, not lax.cond: a cond's branches would copy the KV caches and
     # ngram-mod's pool every round instead of updating them in place.
-    def once(pred: Array, step: Any, s: eng.GenState) -> eng.GenState:
-        return jax.lax.while_loop(
-            lambda c: c[0], lambda c: (jnp.zeros((), bool), step(c[1])), (pred, s)
-        )[1]
+    once = eng.run_once
 
     need = jnp.max(plan[0])
     drafting = need > 0

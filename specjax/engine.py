@@ -384,7 +384,7 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
     return tokens, valid, q, has_q, winner, tuple(new_states)
 
 
-def _once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
+def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
     """`body(carry)` if `pred`, else `carry`: a while-loop run 0 or 1 times. Not `lax.cond` or
     `lax.switch`: their branches would copy the KV cache, and every branch must return the
     same shapes, so a narrow branch pads its logits and K/V to the widest one's."""
@@ -483,7 +483,7 @@ def _verify_round(
     assert widths[-1] == K + 1
     index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < jnp.max(draft_len_B) + 1)
     for i, width in enumerate(widths):
-        carry = _once(index == i, at_width(width), carry)
+        carry = run_once(index == i, at_width(width), carry)
     return carry
 
 
@@ -547,7 +547,7 @@ def spec_step(
                 jnp.full((B,), -1, jnp.int32),
                 state.drafter_states,
             )
-            relayed = _once(asking, lambda c: relay(c[-1]), nobody)
+            relayed = run_once(asking, lambda c: relay(c[-1]), nobody)
         else:
             relayed = relay(state.drafter_states)
         d_tokens, d_valid, q, has_q, winner, dstates = relayed
@@ -625,7 +625,7 @@ def spec_step(
                 new_states.append(s)
             return tuple(new_states)
 
-        dstates = _once(asking, feedback, dstates) if skip_idle else feedback(dstates)
+        dstates = run_once(asking, feedback, dstates) if skip_idle else feedback(dstates)
         stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
         stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
         governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
