@@ -347,15 +347,23 @@ def _eog_mask(engine: Engine) -> Array:
     return mask
 
 
+def _no_draft(engine: Engine, B: int) -> tuple[Any, ...]:
+    """The relay's result when no drafter wins a row: (tokens, valid, q, has_q, winner)."""
+    K = engine.k_max
+    return (
+        jnp.zeros((B, K), jnp.int32),
+        jnp.zeros((B, K), bool),
+        jnp.zeros((B, K, engine.target.V), jnp.float32) if engine.probabilistic else None,
+        jnp.zeros((B,), bool),
+        jnp.full((B,), -1, jnp.int32),
+    )
+
+
 def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run: RunParams):
     """llama.cpp's `common_speculative_draft`: fixed priority, first non-empty draft wins."""
     B, K = state.length.shape[0], engine.k_max
     hist = TokenHistory(tokens=state.history, length=state.length)
-    tokens = jnp.zeros((B, K), jnp.int32)
-    valid = jnp.zeros((B, K), bool)
-    q = jnp.zeros((B, K, engine.target.V), jnp.float32) if engine.probabilistic else None
-    has_q = jnp.zeros((B,), bool)
-    winner = jnp.full((B,), -1, jnp.int32)
+    tokens, valid, q, has_q, winner = _no_draft(engine, B)
     remaining = budget_B > 0
     new_states = []
     for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, state.drafter_states)):
@@ -538,15 +546,7 @@ def spec_step(
             return _relay(engine, drafter_params, asked, budget, run)
 
         if skip_idle:
-            V = engine.target.V
-            nobody = (
-                jnp.zeros((B, K), jnp.int32),
-                jnp.zeros((B, K), bool),
-                jnp.zeros((B, K, V), jnp.float32) if engine.probabilistic else None,
-                jnp.zeros((B,), bool),
-                jnp.full((B,), -1, jnp.int32),
-                state.drafter_states,
-            )
+            nobody = (*_no_draft(engine, B), state.drafter_states)
             relayed = run_once(asking, lambda c: relay(c[-1]), nobody)
         else:
             relayed = relay(state.drafter_states)
