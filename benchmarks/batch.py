@@ -1,6 +1,7 @@
 """Offline batch throughput: continuous batching vs static batches, with and without speculation.
 
     python benchmarks/batch.py [--requests 256] [--parallel 16] [--repeats 2]
+                               [--configs static,continuous,spec] [--n-ctx 512]
                                [--out benchmarks/results/batch.json]
 
 Workload: `--requests` requests of mixed prompt and output lengths built from held-out
@@ -20,7 +21,10 @@ Prints JSON (tokens/s and CPU seconds of this process, ratios continuous/static 
 spec/continuous by tokens/s and by CPU seconds, acceptance) and writes it
 to `--out`, with the requests whose tokens differ from the continuous run's (speculation:
 none, checked; static batches prefill whole prompts at batch 16, whose float rounding can
-flip a near-tie greedy token).
+flip a near-tie greedy token). `--parallel 1,8,32,128` measures each slot count in turn
+(on an accelerator: the batch issue's throughput at N = 1, 8, 32, 128 with and without
+speculation, `--configs continuous,spec`); the JSON then keys each result by N under
+`by_parallel`.
 """
 
 from __future__ import annotations
@@ -104,56 +108,42 @@ def run_continuous(model, reqs, parallel, n_ctx, spec=None, draft=None):
     return summary, {r["id"]: r["tokens"] for r in recs}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=str(DEFAULT_TARGET))
-    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
-    ap.add_argument("--requests", type=int, default=256)
-    ap.add_argument("--parallel", type=int, default=16)
-    ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--n-ctx", type=int, default=512)
-    ap.add_argument("--configs", default="static,continuous,spec")
-    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
-    args = ap.parse_args()
-
-    model, model_name = load_or_random(args.model)
-    draft, draft_name = load_or_random(args.draft)
-    spec = SpecConfig(types=("ngram-mod", "draft-simple"), draft_n_max=4)
-    reqs = make_requests(model, args.requests)
-    configs = args.configs.split(",")
-    total_new = sum(r["n_predict"] for r in reqs)
-
+def measure(
+    model: specjax.Model,
+    draft: specjax.Model,
+    spec: SpecConfig,
+    reqs: list[dict[str, Any]],
+    parallel: int,
+    n_ctx: int,
+    repeats: int,
+    configs: list[str],
+) -> dict[str, Any]:
+    """Every configuration at `parallel` slots, interleaved over `repeats` rounds."""
     # warm-up: compile every program the measured runs use
     t = time.perf_counter()
     longest = max(reqs, key=lambda r: r["n_predict"])
-    warm = [dict(r, id=f"w{i}") for i, r in enumerate(reqs[: args.parallel])] + [
-        dict(longest, id="wl")
-    ]
+    warm = [dict(r, id=f"w{i}") for i, r in enumerate(reqs[:parallel])] + [dict(longest, id="wl")]
     if "static" in configs:
-        run_static(model, reqs, args.parallel, args.n_ctx)
+        run_static(model, reqs, parallel, n_ctx)
     if "continuous" in configs:
-        run_continuous(model, warm, args.parallel, args.n_ctx)
+        run_continuous(model, warm, parallel, n_ctx)
     if "spec" in configs:
-        run_continuous(model, warm, args.parallel, args.n_ctx, spec, draft)
+        run_continuous(model, warm, parallel, n_ctx, spec, draft)
     warmup_seconds = time.perf_counter() - t
 
     best: dict[str, dict[str, Any]] = {}
     runs: dict[str, list[float]] = {}  # tokens/s of every repeat, in order
     cpu_runs: dict[str, list[float]] = {}  # CPU seconds of every repeat, in order
     tokens: dict[str, dict[Any, list[int]]] = {}
-    for _ in range(args.repeats):
+    for _ in range(repeats):
         for name in configs:
             cpu0 = time.process_time()
             if name == "static":
-                seconds, toks = run_static(model, reqs, args.parallel, args.n_ctx)
+                seconds, toks = run_static(model, reqs, parallel, n_ctx)
                 entry: dict[str, Any] = {"seconds": seconds}
             else:
                 summary, toks = run_continuous(
-                    model,
-                    reqs,
-                    args.parallel,
-                    args.n_ctx,
-                    *((spec, draft) if name == "spec" else ()),
+                    model, reqs, parallel, n_ctx, *((spec, draft) if name == "spec" else ())
                 )
                 entry = {"seconds": summary.seconds}
                 if summary.stats is not None:
@@ -174,26 +164,18 @@ def main() -> None:
             if name not in best or entry["seconds"] < best[name]["seconds"]:
                 best[name] = entry
             tokens[name] = toks
-            print(f"{name}: {entry['tokens_per_second']:.1f} tok/s", file=sys.stderr)
+            print(f"N={parallel} {name}: {entry['tokens_per_second']:.1f} tok/s", file=sys.stderr)
 
     # requests whose tokens differ from the continuous run's (speculation must give none;
     # static batches prefill whole prompts at batch 16, other float rounding, rare flips)
     base = tokens.get("continuous") or next(iter(tokens.values()))
     differ = {n: sorted(str(k) for k in base if tokens[n].get(k) != base[k]) for n in tokens}
     result: dict[str, Any] = {
-        "model": model_name,
-        "draft": draft_name,
-        "requests": args.requests,
-        "parallel": args.parallel,
-        "n_ctx": args.n_ctx,
-        "max_new_tokens_total": total_new,
-        "prompt_tokens_total": sum(len(r["tokens"]) for r in reqs),
+        "parallel": parallel,
         "configs": best,
         "requests_differing_from_continuous": {n: len(v) for n, v in differ.items()},
         "differing_ids": differ,
         "warmup_seconds": warmup_seconds,
-        "machine": machine(),
-        **peak_memory(),
     }
     if "static" in best and "continuous" in best:
         result["continuous_over_static"] = (
@@ -221,6 +203,44 @@ def main() -> None:
         paired_cpu = [c / s for s, c in zip(cpu_runs["spec"], cpu_runs["continuous"])]
         result["spec_over_continuous_cpu_per_repeat"] = paired_cpu
         result["spec_over_continuous_cpu_median"] = float(np.median(paired_cpu))
+    return result
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=str(DEFAULT_TARGET))
+    ap.add_argument("--draft", default=str(DEFAULT_DRAFT))
+    ap.add_argument("--requests", type=int, default=256)
+    ap.add_argument("--parallel", default="16", help="slots; a comma list runs each in turn")
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--n-ctx", type=int, default=512)
+    ap.add_argument("--configs", default="static,continuous,spec")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
+    args = ap.parse_args()
+
+    model, model_name = load_or_random(args.model)
+    draft, draft_name = load_or_random(args.draft)
+    spec = SpecConfig(types=("ngram-mod", "draft-simple"), draft_n_max=4)
+    reqs = make_requests(model, args.requests)
+    configs = args.configs.split(",")
+    parallels = [int(n) for n in args.parallel.split(",")]
+    by_parallel = [
+        measure(model, draft, spec, reqs, n, args.n_ctx, args.repeats, configs) for n in parallels
+    ]
+    result: dict[str, Any] = {
+        "model": model_name,
+        "draft": draft_name,
+        "requests": args.requests,
+        "n_ctx": args.n_ctx,
+        "max_new_tokens_total": sum(r["n_predict"] for r in reqs),
+        "prompt_tokens_total": sum(len(r["tokens"]) for r in reqs),
+        "machine": machine(),
+        **peak_memory(),
+    }
+    if len(by_parallel) == 1:
+        result.update(by_parallel[0])  # one slot count: the flat layout of earlier results
+    else:
+        result["by_parallel"] = {str(r["parallel"]): r for r in by_parallel}
     text = json.dumps(result, indent=2)
     print(text)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)

@@ -1,0 +1,256 @@
+"""Decode of a ~1B random-init Llama GGUF on an accelerator, against its memory bandwidth.
+
+    python benchmarks/gpu.py [--size 1b|tiny] [--dir DIR] [--tokens 256] [--prompt 128]
+                             [--batches 1,32] [--out benchmarks/results/gpu.json]
+
+The speed issue's accelerator goal, as one prepared script. It:
+
+1. writes a random-init Llama GGUF (F16; `--size 1b`: L=16, D=2048, 32 heads / 8 KV heads,
+   F=8192, V=32000, ~1.1B parameters) and a small random draft GGUF with the same
+   vocabulary into `--dir` (default: a temporary directory, deleted at the end; these
+   files are never committed), both with the shipped tokenizer;
+2. loads them with `specjax.load`, as a user would (the file's dtype on accelerators);
+3. measures the device's memory bandwidth in the same run: a jitted sum over a 2 GiB
+   buffer and `x + 1` over it, bytes moved / seconds (the best of 20; the higher of the two);
+4. decodes greedily at each batch size (`--batches`, default 1 and 32; random prompts of
+   `--prompt` tokens, `--tokens` new tokens, end-of-generation ids off so every row runs to
+   the end) and reports tokens/s, the step time (decode seconds / rounds) and the fraction
+   of the measured bandwidth the step reaches: bytes per step = every weight matrix read
+   once (the embedding: one row per token) + the K/V cells in use, read once per row
+   (averaged over the run), over the step time;
+5. decodes speculatively with draft-simple, K=4 (`draft_n_max=4`, `draft_n_min=0`,
+   `draft_p_min=0`, so every round drafts 4 tokens) and synthetic acceptance length 3.5
+   (llama.cpp's `--spec-synthetic-acceptance-length`: acceptance is drawn, not checked, so
+   the tokens are not the model's), and reports its speed-up over plain decoding at the
+   same batch size, with the mean acceptance length it reached, plus the verify forward's
+   cost (K+1 tokens) against a 1-token step, measured alone.
+
+Goals (issue 8): >= 70% of bandwidth at B=1 and >= 2x speed-up. On a CPU, `--size tiny`
+runs the same steps on a small model in seconds (a smoke run; its numbers mean nothing).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import json
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import ROOT, best_of, machine, peak_memory
+
+import specjax
+from specjax import api
+from specjax.config import SpecConfig
+from specjax.io.gguf_io import save_gguf
+from specjax.models.config import ModelConfig
+from specjax.models.llama import forward_fn, init_params
+from specjax.tokenizer import Tokenizer
+
+SIZES: dict[str, tuple[ModelConfig, ModelConfig]] = {
+    "1b": (
+        ModelConfig(
+            vocab_size=32000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192
+        ),
+        ModelConfig(vocab_size=32000, dim=256, n_layers=2, n_heads=4, n_kv_heads=4, ffn_dim=768),
+    ),
+    "tiny": (
+        ModelConfig(vocab_size=4096, dim=256, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=768),
+        ModelConfig(vocab_size=4096, dim=64, n_layers=1, n_heads=2, n_kv_heads=2, ffn_dim=128),
+    ),
+}
+ACCEPTANCE_LENGTH = 3.5
+K = 4
+
+
+def write_gguf(path: Path, config: ModelConfig, tokenizer: Tokenizer, seed: int) -> float:
+    """Random-init weights (`init_params`) saved as an F16 GGUF; returns the seconds taken."""
+    t = time.perf_counter()
+    params = jax.device_get(init_params(config, jax.random.PRNGKey(seed)))
+    save_gguf(path, config, params, tokenizer, dtype="f16")
+    return time.perf_counter() - t
+
+
+def memory_bandwidth(n_bytes: int = 2 << 30) -> dict[str, float]:
+    """Bytes/s moved by a jitted sum over an `n_bytes` float32 buffer (reads) and by `x + 1`
+    (reads and writes), the best of 20 each; `best` is the higher, the one fractions use."""
+    x = jnp.ones((n_bytes // 4,), jnp.float32)
+    out = {}
+    for name, fn, moved in (("sum", jnp.sum, n_bytes), ("add", lambda a: a + 1, 2 * n_bytes)):
+        f = jax.jit(fn)
+        jax.block_until_ready(f(x))
+        seconds, _ = best_of(lambda f=f: f(x), 20)
+        out[name] = moved / seconds
+    out["best"] = max(out["sum"], out["add"])
+    return out
+
+
+def weight_bytes_per_step(model: specjax.Model, batch: int) -> int:
+    """Bytes of the weights one decode step reads: every matrix once, one embedding row per
+    token (a tied embedding is read whole by the LM head)."""
+    total = 0
+    for layer in model.params["layers"]:
+        total += sum(int(w.nbytes) for w in layer.values())
+    total += int(model.params["final_norm"].nbytes)
+    embed = model.params["embed"]
+    if model.config.tie_embeddings:
+        total += int(embed.nbytes)
+    else:
+        total += int(model.params["lm_head"].nbytes)
+        total += batch * int(embed.nbytes) // embed.shape[0]
+    return total
+
+
+def kv_bytes_per_cell(model: specjax.Model) -> int:
+    """K and V bytes of one cell over all layers (F16 cache, the default)."""
+    c = model.config
+    return c.L * 2 * c.G * c.E * 2
+
+
+@contextlib.contextmanager
+def model_dir(path: str | None) -> Iterator[Path]:
+    if path:
+        Path(path).mkdir(parents=True, exist_ok=True)
+        yield Path(path)
+    else:
+        with tempfile.TemporaryDirectory(prefix="specjax-gpu-") as d:
+            yield Path(d)
+
+
+def decode(
+    model: specjax.Model,
+    prompts: list[list[int]],
+    n_tokens: int,
+    n_ctx: int,
+    spec: SpecConfig | None = None,
+    draft: specjax.Model | None = None,
+    repeats: int = 3,
+) -> dict[str, Any]:
+    """The median of `repeats` runs after one that compiles."""
+    kw: dict[str, Any] = dict(max_new_tokens=n_tokens, n_ctx=n_ctx, spec=spec, draft=draft)
+    first = specjax.generate(model, prompts, **kw)
+    runs = [specjax.generate(model, prompts, **kw) for _ in range(repeats)]
+    runs.sort(key=lambda r: r.timings["decode_seconds"])
+    mid = runs[len(runs) // 2]
+    out: dict[str, Any] = {
+        "tokens_per_second": mid.timings["tokens_per_second"],
+        "tokens_per_second_runs": [r.timings["tokens_per_second"] for r in runs],
+        "decode_seconds": mid.timings["decode_seconds"],
+        "rounds": mid.timings["n_rounds"],
+        "step_seconds": mid.timings["decode_seconds"] / max(mid.timings["n_rounds"], 1),
+        "generated_tokens": mid.timings["generated_tokens"],
+        "compile_seconds": first.timings["compile_seconds"],
+    }
+    if mid.stats is not None:
+        s = mid.stats.to_dict()
+        out["mean_acceptance_length"] = s["mean_acceptance_length"]
+        out["acceptance_rate"] = s["acceptance_rate"]
+    return out
+
+
+def verify_over_step(model: specjax.Model, n_ctx: int, prompt: int) -> dict[str, float]:
+    """Wall time of a (K+1)-token target forward over a 1-token step, same cache (jitted)."""
+    fwd = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
+    params = api.decode_params(model.params)
+    cache = model.new_cache(1, n_ctx, "f16", "f16")
+    toks = jnp.arange(prompt, dtype=jnp.int32)[None] % model.config.V
+    _, cache, _ = fwd(model.config, params, toks, jnp.arange(prompt)[None], cache)
+    seconds = {}
+    for width in (1, K + 1):
+        t = jnp.ones((1, width), jnp.int32)
+        pos = prompt + jnp.arange(width)[None]
+        jax.block_until_ready(fwd(model.config, params, t, pos, cache))
+        seconds[width], _ = best_of(
+            lambda t=t, pos=pos: fwd(model.config, params, t, pos, cache)[0], 20
+        )
+    return {
+        "step_seconds_T1": seconds[1],
+        f"step_seconds_T{K + 1}": seconds[K + 1],
+        f"verify_K{K}_over_step": seconds[K + 1] / seconds[1],
+    }
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--size", choices=sorted(SIZES), default="1b")
+    ap.add_argument("--dir", default=None, help="where to write the GGUFs (default: a temp dir)")
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--prompt", type=int, default=128)
+    ap.add_argument("--batches", default="1,32")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu.json"))
+    args = ap.parse_args()
+    batches = [int(b) for b in args.batches.split(",")]
+    target_config, draft_config = SIZES[args.size]
+    tokenizer = Tokenizer.from_file(ROOT / "models" / "tokenizer")
+    n_ctx = 1 << (args.prompt + args.tokens + K + 1).bit_length()  # a power of two above it
+
+    result: dict[str, Any] = {"benchmark": "gpu", "size": args.size, "machine": machine()}
+    with model_dir(args.dir) as d:
+        target_path, draft_path = d / "target-f16.gguf", d / "draft-f16.gguf"
+        result["write_seconds"] = write_gguf(target_path, target_config, tokenizer, seed=0)
+        write_gguf(draft_path, draft_config, tokenizer, seed=1)
+        # random weights: no end-of-generation, so every row decodes --tokens tokens
+        target = dataclasses.replace(specjax.load(str(target_path)), eog=())
+        draft = dataclasses.replace(specjax.load(str(draft_path)), eog=())
+        file_bytes = target_path.stat().st_size
+    result["target"] = {
+        "params_millions": target.config.num_params() / 1e6,
+        "dtype": target.config.dtype,
+        "file_bytes": file_bytes,
+    }
+    result["draft_params_millions"] = draft.config.num_params() / 1e6
+    measured = memory_bandwidth()
+    result["memory_bandwidth_bytes_per_second"] = measured
+    bandwidth = measured["best"]
+    result["n_ctx"] = n_ctx
+    result["verify"] = verify_over_step(target, n_ctx, args.prompt)
+    spec = SpecConfig(
+        types=("draft-simple",),
+        draft_n_max=K,
+        draft_n_min=0,
+        draft_p_min=0.0,
+        synth_len=ACCEPTANCE_LENGTH,
+    )
+    rng = np.random.default_rng(0)
+    cell = kv_bytes_per_cell(target)
+    for batch in batches:
+        prompts = [
+            rng.integers(3, tokenizer.vocab_size, args.prompt).tolist() for _ in range(batch)
+        ]
+        plain = decode(target, prompts, args.tokens, n_ctx, repeats=args.repeats)
+        # cells read per row: the prompt plus the tokens written before each step, on average
+        mean_cells = args.prompt + (args.tokens - 1) / 2
+        step_bytes = weight_bytes_per_step(target, batch) + batch * mean_cells * cell
+        plain["bytes_per_step"] = step_bytes
+        plain["bandwidth_fraction"] = step_bytes / plain["step_seconds"] / bandwidth
+        speculative = decode(target, prompts, args.tokens, n_ctx, spec, draft, args.repeats)
+        speculative["speedup_over_plain"] = (
+            speculative["tokens_per_second"] / plain["tokens_per_second"]
+        )
+        result[f"B{batch}"] = {"plain": plain, "speculative": speculative}
+        print(
+            f"B={batch}: plain {plain['tokens_per_second']:.0f} tok/s "
+            f"({plain['bandwidth_fraction']:.0%} of bandwidth), speculative x"
+            f"{speculative['speedup_over_plain']:.2f}",
+            file=sys.stderr,
+        )
+    result.update(peak_memory())
+    text = json.dumps(result, indent=2)
+    print(text)
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
