@@ -8,18 +8,28 @@ simple cost model, from what it measured on earlier rounds:
     per row r   h_r  P(the relay returns a non-empty draft | asked)   (decayed counts)
                 a_r  P(a drafted token is accepted | the previous one was) (decayed counts)
     E_r(k)    = 1 + h_r * (a_r + a_r^2 + ... + a_r^k)         expected tokens emitted
-    cost(k)   = fwd(B * (k + 1)) + k * draft_step * fwd_d(B) + call * [k > 0]
+    p         = 1 - prod_r (1 - h_r)             P(some row drafts) over the active rows
+    cost(k)   = p * fwd(B * w(k)) + (1 - p) * fwd(B)        expected verify forward
+                + k * draft_step * fwd_d(B) + call * [k > 0]
+    w(k)      = the narrowest compiled verify width >= k + 1 (`Engine.verify_widths`)
     fwd(n)    = 1 + (n - 1) * verify_token        (a forward of n tokens, in 1-token steps)
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
+
+The verify runs at the width of the longest draft the relay returned, so a round in which no
+row found a draft costs a 1-token forward whatever k allowed: the verify is charged in
+proportion to the chance that some row drafts. A drafter that often finds nothing but whose
+drafts are accepted (n-gram lookups over text that repeats in places) keeps being asked;
+only its per-round `call` cost is charged when it misses.
 
 Plain decoding is k = 0: `sum_r 1 / fwd(B)`. All rows of a batch share one verify width, so
 k is chosen for the batch. Estimates start from an optimistic prior and rounds without
 drafting pull them back towards it, so a turned-off batch probes again after a while. The
 pull backs off: each asked round in a row that drafted nothing (`miss_streak`) halves it,
 down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps finding nothing
-(ngram lookups over text that does not repeat) is asked about one round in 40 instead of
-one in 4, while one that finds drafts again is back at full speed after a single hit.
+(ngram lookups over text that does not repeat) is asked in its first ~25 rounds, then about
+one round in 13 (most rounds without the backoff, with the default `call`), while one that finds
+drafts again is back at full speed after a single hit.
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 
@@ -45,7 +55,7 @@ DECAY = 0.9
 #: does not pay costs little (halved by every miss in a row, see MAX_BACKOFF).
 RELAX = 0.97
 #: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
-MAX_BACKOFF = 4
+MAX_BACKOFF = 6
 
 
 @pytree_dataclass
@@ -99,9 +109,16 @@ def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
 
 
 def choose_budget(
-    gov: Governor, cost: CostModel, budget_B: Array, active_B: Array, k_max: int
+    gov: Governor,
+    cost: CostModel,
+    budget_B: Array,
+    active_B: Array,
+    k_max: int,
+    widths: tuple[int, ...] | None = None,
 ) -> tuple[Array, Governor]:
-    """The governed budget [B] (<= budget_B) and the governor with its counters updated."""
+    """The governed budget [B] (<= budget_B) and the governor with its counters updated.
+
+    `widths`: the compiled verify widths (static; None = every width 1..k_max + 1)."""
     hit = gov.hit_num / gov.hit_den
     accept = gov.acc_num / gov.acc_den
     k = jnp.arange(k_max + 1, dtype=jnp.int32)
@@ -112,8 +129,15 @@ def choose_budget(
     tokens_k = jnp.sum(jnp.where(active_B[:, None], e_Bk, 0.0), axis=0)
     n_rows = jnp.sum(active_B).astype(jnp.float32)
     kf = k.astype(jnp.float32)
-    verify = 1.0 + (n_rows * (kf + 1.0) - 1.0) * cost.verify_token
-    draft = kf * cost.draft_step * (1.0 + (n_rows - 1.0) * cost.verify_token)
+    widths = widths or tuple(range(1, k_max + 2))
+    width_k = jnp.asarray([min(w for w in widths if w >= j + 1) for j in range(k_max + 1)])
+    p_some = 1.0 - jnp.prod(jnp.where(active_B, 1.0 - hit, 1.0))
+
+    def fwd(n: Array) -> Array:
+        return 1.0 + (n - 1.0) * cost.verify_token
+
+    verify = p_some * fwd(n_rows * width_k.astype(jnp.float32)) + (1.0 - p_some) * fwd(n_rows)
+    draft = kf * cost.draft_step * fwd(n_rows)
     total = verify + draft + jnp.where(k > 0, cost.call, 0.0)
     best = jnp.argmax(tokens_k / total).astype(jnp.int32)
     best = jnp.where(cost.enabled, best, k_max)

@@ -511,7 +511,9 @@ def draft_budget(
         # The governor weighs lengths the chain can really draft (upstream's n_max, traced;
         # K is only the static width); when it does not shorten, the budget stays as it was.
         reachable = jnp.minimum(budget, run.chain_n_max)
-        governed, governor = adaptive.choose_budget(governor, run.cost, reachable, active, K)
+        governed, governor = adaptive.choose_budget(
+            governor, run.cost, reachable, active, K, engine.verify_widths()
+        )
         budget = jnp.where(governed < reachable, governed, budget)
     return budget, governor
 

@@ -9,6 +9,7 @@ of the governor's rule, and the engine's own greedy output at another capacity.
 from __future__ import annotations
 
 import contextlib
+import math
 import re
 
 import jax
@@ -199,18 +200,24 @@ def _loop_on_decode_weights(kernel):
 # -------------------------------------------------------------------- draft governor
 
 
-def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call):
+def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call, widths):
     """Transcription of specjax.adaptive's rule (module docstring)."""
     rows = [r for r in range(len(hit)) if active[r]]
+    p_some = 1.0 - math.prod(1.0 - hit[r] for r in rows)
+    n = len(rows)
+
+    def fwd(tokens):
+        return 1 + (tokens - 1) * verify
+
     best, best_value = 0, -1.0
     for k in range(k_max + 1):
         tokens = sum(
             1 + hit[r] * sum(accept[r] ** j for j in range(1, min(k, budget[r]) + 1)) for r in rows
         )
-        n = len(rows)
-        cost = 1 + (n * (k + 1) - 1) * verify + k * draft_step * (1 + (n - 1) * verify)
+        width = min(w for w in widths if w >= k + 1)
+        cost = p_some * fwd(n * width) + (1 - p_some) * fwd(n) + k * draft_step * fwd(n)
         cost += call if k > 0 else 0.0
-        if tokens / cost > best_value + 1e-9:
+        if tokens / cost > best_value + 1e-6:
             best, best_value = k, tokens / cost
     return [min(b, best) for b in budget]
 
@@ -222,9 +229,11 @@ def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call)
         ([0.9, 0.9, 0.9], [0.2, 0.1, 0.3], 0.12, 0.25),  # does not pay: off
         ([0.5, 0.95, 0.9], [0.6, 0.9, 0.7], 0.3, 0.0),  # in between: shortened
         ([0.0, 0.0, 0.0], [0.9, 0.9, 0.9], 0.01, 0.0),  # never drafts anything: off
+        ([0.1, 0.05, 0.9], [0.9, 0.9, 0.9], 0.3, 0.0),  # rarely finds, accepted: drafts
     ],
 )
-def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step):
+@pytest.mark.parametrize("widths", [None, (1, 3, 7)])
+def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step, widths):
     B, K = 3, 6
     budget = np.array([6, 3, 6], np.int32)
     active = np.array([True, True, False])
@@ -244,10 +253,11 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
         draft_step=jnp.asarray(draft_step, jnp.float32),
         call=jnp.asarray(0.02, jnp.float32),
     )
-    got, gov2 = jax.jit(adaptive.choose_budget, static_argnums=4)(
-        gov, cost, jnp.asarray(budget), jnp.asarray(active), K
+    got, gov2 = jax.jit(adaptive.choose_budget, static_argnums=(4, 5))(
+        gov, cost, jnp.asarray(budget), jnp.asarray(active), K, widths
     )
-    want = _python_choice(hit, accept, budget, active, K, verify, draft_step, 0.02)
+    all_widths = widths or tuple(range(1, K + 2))
+    want = _python_choice(hit, accept, budget, active, K, verify, draft_step, 0.02, all_widths)
     assert np.asarray(got).tolist() == want
     assert int(gov2.n_rounds) == 1
     assert int(gov2.n_off) == (max(want) == 0)
@@ -257,7 +267,7 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
     assert np.asarray(full).tolist() == budget.tolist()
 
 
-def _python_probes(rounds, hit_from, k_max, verify):
+def _python_probes(rounds, hit_from, k_max, verify, call):
     """Transcription of the module docstring's estimates for one row whose relay drafts (one
     token, accepted) only the first time it is asked at or after round `hit_from`: the
     rounds it is asked."""
@@ -265,8 +275,10 @@ def _python_probes(rounds, hit_from, k_max, verify):
     a_num, a_den = 2 * 0.8, 2.0
     for t in range(rounds):
         h, a = num / den, a_num / a_den
+        # one row: P(some row drafts) = h; the verify of k + 1 tokens only when it drafts
         value = [
-            (1 + h * sum(a**j for j in range(1, k + 1))) / (1 + k * verify)
+            (1 + h * sum(a**j for j in range(1, k + 1)))
+            / (h * (1 + k * verify) + (1 - h) + (call if k > 0 else 0.0))
             for k in range(k_max + 1)
         ]
         k = max(range(k_max + 1), key=lambda i: (value[i], -i))
@@ -278,11 +290,11 @@ def _python_probes(rounds, hit_from, k_max, verify):
             if hit:  # one accepted of a 1-token draft: a full trial
                 a_num, a_den = 0.9 * a_num + 1, 0.9 * a_den + 1
             else:
-                pull = 0.03 / 2 ** min(streak, 4)
+                pull = 0.03 / 2 ** min(streak, 6)
                 a_num, a_den = (1 - pull) * a_num + pull * 2 * 0.8, (1 - pull) * a_den + pull * 2
             streak = 0 if hit else streak + 1
         else:
-            pull = 0.03 / 2 ** min(streak, 4)
+            pull = 0.03 / 2 ** min(streak, 6)
             num, den = (1 - pull) * num + pull * 2 * 0.9, (1 - pull) * den + pull * 2
             a_num, a_den = (1 - pull) * a_num + pull * 2 * 0.8, (1 - pull) * a_den + pull * 2
     return asked
@@ -292,12 +304,12 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
     """A drafter that never drafts is asked less and less often (the pull towards the prior
     halves with every miss in a row), a single hit restores the fast pull, and the rounds
     asked are those of the rule's plain-Python transcription."""
-    K, verify, rounds, hit_from = 4, 0.12, 256, 150
+    K, verify, call, rounds, hit_from = 4, 0.12, 0.02, 256, 150
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),
         draft_step=jnp.asarray(0.0, jnp.float32),
-        call=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(call, jnp.float32),
     )
 
     @jax.jit
@@ -313,13 +325,13 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
         gov, a, seen = round_(gov, jnp.asarray(t), seen)
         if bool(a):
             asked.append(t)
-    assert asked == _python_probes(rounds, hit_from, K, verify)
+    assert asked == _python_probes(rounds, hit_from, K, verify, call)
     hit = min(t for t in asked if t >= hit_from)
     gaps = np.diff([t for t in asked if t < hit])
-    assert gaps[-1] >= 4 * gaps[0] and gaps[-1] >= 30  # backed off ...
+    assert gaps[0] == 1 and gaps[-1] >= 10  # asked at first, then backed off ...
     after = [t for t in asked if t > hit]
-    assert after and after[0] - hit < gaps[-1] / 2  # ... and a hit brings the probes back
-    assert len(asked) <= rounds // 12  # without backoff: about one round in 4
+    assert after[:3] == [hit + 1, hit + 2, hit + 3]  # ... and a hit brings the probes back
+    assert len(asked) <= rounds // 3  # without the backoff: 208 of 256 rounds
 
 
 def test_governor_turns_off_a_draft_that_cannot_pay_and_output_is_unchanged():
