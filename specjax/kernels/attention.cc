@@ -32,6 +32,45 @@ using namespace specjax;
 
 constexpr int kBlock = 16;  // cells scored before the running max is updated
 
+static_assert(kBlock == kLanes, "a block of scores is one vector");
+
+// exp(x) for x <= 0 (x - running max), 16 lanes: Cephes' expf polynomial on the remainder
+// after 2^n, within ~2 ulp of expf; -inf (masked cells) and x < -87.3 give 0.
+inline f32x16 exp_nonpositive(f32x16 x) {
+  typedef int32_t i32x16 __attribute__((vector_size(64)));
+  const f32x16 xc = x < -87.3f ? f32x16{} - 87.3f : x;
+  const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const f32x16 t = xc * 1.44269504088896341f + magic;
+  const f32x16 n = t - magic;
+  const f32x16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  f32x16 p = f32x16{} + 1.9875691500e-4f;
+  p = p * r + 1.3981999507e-3f;
+  p = p * r + 8.3334519073e-3f;
+  p = p * r + 4.1665795894e-2f;
+  p = p * r + 1.6666665459e-1f;
+  p = p * r + 5.0000001201e-1f;
+  const f32x16 y = p * r * r + r + 1.0f;
+  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
+  f32x16 two_n;
+  std::memcpy(&two_n, &bits, sizeof two_n);
+  return x < -87.3f ? f32x16{} : y * two_n;
+}
+
+inline float reduce_max(f32x16 v) {
+  float m = v[0];
+  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
+  return m;
+}
+
+// acc[0:E] *= c: 16-lane vectors, then the tail.
+inline void scale_in_place(float* acc, float c, int64_t e_vec, int64_t E) {
+  for (int64_t i = 0; i < e_vec; i += kLanes) {
+    const f32x16 y = load16(acc + i) * c;
+    std::memcpy(acc + i, &y, sizeof y);
+  }
+  for (int64_t i = e_vec; i < E; ++i) acc[i] *= c;
+}
+
 // acc[0:E] += p * x[0:E]: 16-lane vectors, then the tail.
 inline void axpy(float* acc, float p, const float* x, int64_t e_vec, int64_t E) {
   for (int64_t i = 0; i < e_vec; i += kLanes) {
@@ -87,28 +126,27 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
       }
     }
     if (!any) continue;
-    // Per query row: new running max, rescale, turn scores into weights.
+    // Per query row: new running max, rescale, turn scores into weights, 16 cells at once
+    // (scalar expf per score was half of the kernel's time).
     for (int64_t r = 0; r < Q; ++r) {
       float* sr = scores + r * kBlock;
-      float block_max = neg_inf;
-      for (int64_t j = 0; j < n; ++j) block_max = std::max(block_max, sr[j]);
+      for (int64_t j = n; j < kBlock; ++j) sr[j] = neg_inf;
+      const f32x16 s = load16(sr);
+      const float block_max = reduce_max(s);
       if (block_max == neg_inf) {
-        for (int64_t j = 0; j < n; ++j) sr[j] = 0.0f;
+        std::memset(sr, 0, sizeof(float) * kBlock);
         continue;
       }
       const float m_new = std::max(m_out[r], block_max);
       if (m_out[r] != neg_inf && m_new != m_out[r]) {
         const float rescale = std::exp(m_out[r] - m_new);
         l_out[r] *= rescale;
-        float* acc = acc_out + r * E;
-        for (int64_t i = 0; i < E; ++i) acc[i] *= rescale;
+        scale_in_place(acc_out + r * E, rescale, e_vec, E);
       }
       m_out[r] = m_new;
-      for (int64_t j = 0; j < n; ++j) {
-        const float p = sr[j] == neg_inf ? 0.0f : std::exp(sr[j] - m_new);
-        sr[j] = p;
-        l_out[r] += p;
-      }
+      const f32x16 w = exp_nonpositive(s - m_new);
+      std::memcpy(sr, &w, sizeof w);
+      l_out[r] += reduce_lanes(w);
     }
     // Weighted values: each V row converted once for all query rows.
     for (int64_t j = 0; j < n; ++j) {

@@ -24,6 +24,7 @@ from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import cpu_kernels
 from specjax.cache import KVCache, used_cells, write_layer, write_positions
@@ -101,25 +102,32 @@ def _decode_form(params: Params, make: Any) -> Params:
         }
         for layer in params["layers"]
     ]
-    if isinstance(params.get("lm_head"), jax.Array):
-        out["lm_head"] = make(params["lm_head"])
+    # A tied model's head is its embedding: the decode form gives it its own `lm_head` entry
+    # so the LM head runs on the same path as the other matrices (the embedding lookup keeps
+    # reading `embed`).
+    head = params["lm_head"] if "lm_head" in params else params.get("embed")
+    if isinstance(head, jax.Array):
+        out["lm_head"] = make(head)
     return out
 
 
 def input_major(params: Params) -> Params:
-    """`params` with every layer's linear weights and an untied LM head as `InputMajor`."""
+    """`params` with every layer's linear weights and the LM head as `InputMajor`."""
     return _decode_form(params, lambda w: InputMajor(t=w.T))
 
 
 def kernel_weights(params: Params) -> Params:
-    """`params` with every layer's linear weights and an untied LM head as `KernelWeight`
+    """`params` with every layer's linear weights and the LM head as `KernelWeight`
     (host-side: decides per matrix whether float16 holds it exactly)."""
 
     def make(w: Array) -> KernelWeight:
         if w.dtype == jnp.float32:
-            half = w.astype(jnp.float16)
-            if bool(jnp.array_equal(half.astype(jnp.float32), w)):
-                return KernelWeight(rows=half, stored=w)
+            # on the host: eager device ops here cost a dispatch (and a compile or a
+            # compilation-cache read) per distinct shape, ~0.3-0.7 s of every CLI start
+            host = np.asarray(w)
+            half = host.astype(np.float16)
+            if np.array_equal(half.astype(np.float32), host):
+                return KernelWeight(rows=jax.device_put(half, w.sharding), stored=w)
         return KernelWeight(rows=w, stored=w)
 
     return _decode_form(params, make)
@@ -372,7 +380,8 @@ def forward_compute(
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)
         x = rms_norm(x, params["final_norm"], config.norm_eps)
-        head = params["embed"] if config.tie_embeddings else params["lm_head"]
+        # a decode form (`kernel_weights`, `input_major`) has an `lm_head` even when tied
+        head = params["lm_head"] if "lm_head" in params else params["embed"]
         out_logits = linear(x, head, preferred_element_type=jnp.float32)
     return ForwardCompute(
         out_logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
