@@ -34,10 +34,11 @@ constexpr int kBlock = 16;  // cells scored before the running max is updated
 
 static_assert(kBlock == kLanes, "a block of scores is one vector");
 
+typedef int32_t i32x16 __attribute__((vector_size(64)));
+
 // exp(x) for x <= 0 (x - running max), 16 lanes: Cephes' expf polynomial on the remainder
 // after 2^n, within ~2 ulp of expf; -inf (masked cells) and x < -87.3 give 0.
 inline f32x16 exp_nonpositive(f32x16 x) {
-  typedef int32_t i32x16 __attribute__((vector_size(64)));
   const f32x16 xc = x < -87.3f ? f32x16{} - 87.3f : x;
   const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
   const f32x16 t = xc * 1.44269504088896341f + magic;
@@ -56,10 +57,24 @@ inline f32x16 exp_nonpositive(f32x16 x) {
   return x < -87.3f ? f32x16{} : y * two_n;
 }
 
+inline bool any_lane(i32x16 mask) {
+  int32_t lanes[kLanes];
+  std::memcpy(lanes, &mask, sizeof lanes);
+  int32_t any = 0;
+  for (int i = 0; i < kLanes; ++i) any |= lanes[i];
+  return any != 0;
+}
+
 inline float reduce_max(f32x16 v) {
-  float m = v[0];
-  for (int i = 1; i < kLanes; ++i) m = std::max(m, v[i]);
-  return m;
+  typedef float f32x8 __attribute__((vector_size(32)));
+  typedef float f32x4 __attribute__((vector_size(16)));
+  const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
+  const f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+  const f32x8 m8 = a > b ? a : b;
+  const f32x4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
+  const f32x4 d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
+  const f32x4 m4 = c > d ? c : d;
+  return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
 }
 
 // acc[0:E] *= c: 16-lane vectors, then the tail.
@@ -71,13 +86,68 @@ inline void scale_in_place(float* acc, float c, int64_t e_vec, int64_t E) {
   for (int64_t i = e_vec; i < E; ++i) acc[i] *= c;
 }
 
-// acc[0:E] += p * x[0:E]: 16-lane vectors, then the tail.
-inline void axpy(float* acc, float p, const float* x, int64_t e_vec, int64_t E) {
-  for (int64_t i = 0; i < e_vec; i += kLanes) {
-    const f32x16 y = load16(acc + i) + p * load16(x + i);
-    std::memcpy(acc + i, &y, sizeof y);
+// One vector of 16 dot products from 16 vectors of partial sums: lane j of the result is
+// the sum of v[j]'s lanes. A fixed tree of shuffles and adds (lanes i and i + 8 first, then
+// i + 4, i + 2, i + 1, as in reduce_lanes), ~3 operations per cell instead of a horizontal
+// reduction each.
+inline f32x16 transpose_reduce(const f32x16* v) {
+  f32x16 l1[8], l2[4], l3[2];
+  for (int i = 0; i < 8; ++i) {
+    const f32x16 a = v[2 * i], b = v[2 * i + 1];
+    // lanes 0-7: a's 8 pair sums, lanes 8-15: b's
+    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
+            __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
+                                    30, 31);
   }
-  for (int64_t i = e_vec; i < E; ++i) acc[i] += p * x[i];
+  for (int i = 0; i < 4; ++i) {
+    const f32x16 a = l1[2 * i], b = l1[2 * i + 1];
+    // groups of 4 lanes: cells 4i, 4i+2, 4i+1, 4i+3
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
+                                    27) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 20, 21, 22, 23, 12, 13, 14, 15, 28, 29, 30,
+                                    31);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const f32x16 a = l2[2 * i], b = l2[2 * i + 1];
+    l3[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
+                                    29) +
+            __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
+                                    31);
+  }
+  const f32x16 a = l3[0], b = l3[1];
+  const f32x16 r = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                           28, 14, 30) +
+                   __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                           29, 15, 31);
+  // r's lanes hold the cells in bit-reversed order
+  return __builtin_shufflevector(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+}
+
+// acc[0 : 16 NC] += sum_j w[j] * vb[j E : j E + 16 NC] over the block's n cells: NC
+// chunks side by side and even / odd cells in separate sums, so the FMAs do not wait on
+// each other (one chain of n dependent FMAs per chunk made this loop latency-bound).
+template <int NC>
+inline void weigh_values(float* acc, const float* vb, int64_t E, f32x16 w, int64_t n) {
+  f32x16 a[NC], b[NC];
+  for (int c = 0; c < NC; ++c) {
+    a[c] = load16(acc + c * kLanes);
+    b[c] = f32x16{};
+  }
+  int64_t j = 0;
+  for (; j + 1 < n; j += 2) {
+    const float* x = vb + j * E;
+    const float* y = x + E;
+    for (int c = 0; c < NC; ++c) {
+      a[c] += w[j] * load16(x + c * kLanes);
+      b[c] += w[j + 1] * load16(y + c * kLanes);
+    }
+  }
+  if (j < n)
+    for (int c = 0; c < NC; ++c) a[c] += w[j] * load16(vb + j * E + c * kLanes);
+  for (int c = 0; c < NC; ++c) {
+    const f32x16 t = a[c] + b[c];
+    std::memcpy(acc + c * kLanes, &t, sizeof t);
+  }
 }
 
 template <typename KV>
@@ -87,13 +157,13 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));
   const float neg_inf = -std::numeric_limits<float>::infinity();
   const int64_t e_vec = E - E % kLanes;
-  // Per-thread scratch, reused across calls (no allocation per layer and step). Raw
-  // pointers: the loops below must not re-read the vectors' internals.
-  thread_local std::vector<float> scores_buf, v_buf;
-  scores_buf.resize(static_cast<size_t>(Q) * kBlock);
-  v_buf.resize(static_cast<size_t>(E));
-  float* const scores = scores_buf.data();
-  float* const vf = v_buf.data();
+  // Per-thread scratch, reused across calls (no allocation per layer and step): the block's
+  // K and V converted to float once for all query rows. Raw pointers below.
+  thread_local std::vector<float> k_buf, v_buf;
+  k_buf.resize(static_cast<size_t>(kBlock) * E);
+  v_buf.resize(static_cast<size_t>(kBlock) * E);
+  float* const kb = k_buf.data();
+  float* const vb = v_buf.data();
   for (int64_t r = 0; r < Q; ++r) {
     m_out[r] = neg_inf;
     l_out[r] = 0.0f;
@@ -101,65 +171,71 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
   std::fill(acc_out, acc_out + Q * E, 0.0f);
   for (int64_t s0 = 0; s0 < n_used; s0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, n_used - s0);
-    // Scores of the block (masked cells -inf). K is converted 16 lanes at a time as it is
-    // read (scalar F16 conversions of every element made this loop ~7x slower).
-    bool any = false;
-    for (int64_t j = 0; j < n; ++j) {
-      const int64_t s = s0 + j;
-      const int32_t kp = k_pos[s];
-      const KV* k_row = k + s * E;
-      for (int64_t r = 0; r < Q; ++r) {
-        const int32_t qp = q_pos[r % T];
-        const bool visible =
-            kp >= 0 && qp >= 0 && kp <= qp && (window <= 0 || qp - kp < window);
-        float dot = neg_inf;
-        if (visible) {
-          const float* q_row = q + r * E;
-          f32x16 a = f32x16{};
-          for (int64_t i = 0; i < e_vec; i += kLanes) a += load16(k_row + i) * load16(q_row + i);
-          dot = reduce_lanes(a);
-          for (int64_t i = e_vec; i < E; ++i) dot += to_float(k_row[i]) * q_row[i];
-          dot *= scale;
-          any = true;
-        }
-        scores[r * kBlock + j] = dot;
-      }
-    }
-    if (!any) continue;
-    // Per query row: new running max, rescale, turn scores into weights, 16 cells at once
-    // (scalar expf per score was half of the kernel's time).
-    for (int64_t r = 0; r < Q; ++r) {
-      float* sr = scores + r * kBlock;
-      for (int64_t j = n; j < kBlock; ++j) sr[j] = neg_inf;
-      const f32x16 s = load16(sr);
-      const float block_max = reduce_max(s);
-      if (block_max == neg_inf) {
-        std::memset(sr, 0, sizeof(float) * kBlock);
+    i32x16 kpv = i32x16{} - 1;
+    for (int64_t j = 0; j < n; ++j) kpv[j] = k_pos[s0 + j];
+    if (!any_lane(kpv >= 0)) continue;
+    // Convert the block's K and V rows 16 lanes at a time (cells past n: zeros, masked).
+    for (int64_t j = 0; j < kBlock; ++j) {
+      float* kr = kb + j * E;
+      float* vr = vb + j * E;
+      if (j >= n) {
+        std::fill(kr, kr + E, 0.0f);
+        std::fill(vr, vr + E, 0.0f);
         continue;
       }
+      const KV* ks = k + (s0 + j) * E;
+      const KV* vs = v + (s0 + j) * E;
+      for (int64_t i = 0; i < e_vec; i += kLanes) {
+        const f32x16 x = load16(ks + i), y = load16(vs + i);
+        std::memcpy(kr + i, &x, sizeof x);
+        std::memcpy(vr + i, &y, sizeof y);
+      }
+      for (int64_t i = e_vec; i < E; ++i) {
+        kr[i] = to_float(ks[i]);
+        vr[i] = to_float(vs[i]);
+      }
+    }
+    for (int64_t r = 0; r < Q; ++r) {
+      const int32_t qp = q_pos[r % T];
+      const float* q_row = q + r * E;
+      // Scores of the 16 cells (masked cells -inf).
+      // 16 independent partial sums, one per cell (a chain of dependent FMAs per cell made
+      // this loop latency-bound).
+      f32x16 part[kBlock];
+      for (int64_t j = 0; j < kBlock; ++j) part[j] = f32x16{};
+      for (int64_t i = 0; i < e_vec; i += kLanes) {
+        const f32x16 qv = load16(q_row + i);
+        for (int64_t j = 0; j < kBlock; ++j) part[j] += load16(kb + j * E + i) * qv;
+      }
+      f32x16 s = transpose_reduce(part);
+      if (e_vec < E)
+        for (int64_t j = 0; j < kBlock; ++j)
+          for (int64_t i = e_vec; i < E; ++i) s[j] += kb[j * E + i] * q_row[i];
+      // visible: k_pos >= 0, q_pos >= 0, k_pos <= q_pos, inside the window (lane masks)
+      i32x16 visible = (kpv >= 0) & (kpv <= qp);
+      if (qp < 0) visible = i32x16{};
+      if (window > 0) visible &= (qp - kpv) < static_cast<int32_t>(window);
+      if (!any_lane(visible)) continue;
+      s = visible ? s * scale : f32x16{} + neg_inf;
+      // New running max, rescale, weights (16 cells at once: a scalar expf per score was
+      // half of the kernel's time).
+      const float block_max = reduce_max(s);
       const float m_new = std::max(m_out[r], block_max);
+      float* acc = acc_out + r * E;
       if (m_out[r] != neg_inf && m_new != m_out[r]) {
         const float rescale = std::exp(m_out[r] - m_new);
         l_out[r] *= rescale;
-        scale_in_place(acc_out + r * E, rescale, e_vec, E);
+        scale_in_place(acc, rescale, e_vec, E);
       }
       m_out[r] = m_new;
       const f32x16 w = exp_nonpositive(s - m_new);
-      std::memcpy(sr, &w, sizeof w);
       l_out[r] += reduce_lanes(w);
-    }
-    // Weighted values: each V row converted once for all query rows.
-    for (int64_t j = 0; j < n; ++j) {
-      const KV* v_row = v + (s0 + j) * E;
-      for (int64_t i = 0; i < e_vec; i += kLanes) {
-        const f32x16 x = load16(v_row + i);
-        std::memcpy(vf + i, &x, sizeof x);
-      }
-      for (int64_t i = e_vec; i < E; ++i) vf[i] = to_float(v_row[i]);
-      for (int64_t r = 0; r < Q; ++r) {
-        const float p = scores[r * kBlock + j];
-        if (p != 0.0f) axpy(acc_out + r * E, p, vf, e_vec, E);
-      }
+      // Weighted values, the accumulators held in registers across the block's cells.
+      int64_t i = 0;
+      for (; i + 4 * kLanes <= e_vec; i += 4 * kLanes) weigh_values<4>(acc + i, vb + i, E, w, n);
+      for (; i < e_vec; i += kLanes) weigh_values<1>(acc + i, vb + i, E, w, n);
+      for (int64_t i = e_vec; i < E; ++i)
+        for (int64_t j = 0; j < n; ++j) acc[i] += w[j] * vb[j * E + i];
     }
   }
 }
