@@ -36,6 +36,9 @@ Measured (sections of the JSON):
   no_draft      drafters that run every round and propose nothing (lookup n-gram of 1024
                 tokens, longer than prompt + output) on a prompt with little repetition:
                 spec tok/s / plain tok/s;
+  draft_simple_round  specjax's draft-simple round (governor off, 4 tokens drafted every
+                round) over its parts timed alone: one 5-token target forward + 4 draft-model
+                steps (jitted loops of forwards on the decode weights);
   cli           wall time of one whole `specjax generate` (cold compilation cache, then the
                 second run) vs llama-completion; startup = wall - decode time;
   memory        host peak RSS of each CLI process, KV cache bytes at -c 2048 / 8192.
@@ -357,6 +360,67 @@ class Specjax:
         return out
 
 
+def forward_seconds(model: specjax.Model, prompt: list[int], width: int, n_ctx: int) -> float:
+    """Seconds of one `width`-token forward after `prompt`, on the weights and F16 cache the
+    engine decodes with: the median over 5 timings of a jitted loop of 32 forwards, each
+    fed the previous one's argmax (one dispatch, so host overhead is not counted)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax import api
+    from specjax.models.llama import forward_fn
+
+    config, params = model.config, api.decode_params(model.params)
+    cache = model.new_cache(1, n_ctx, "f16", "f16")
+    n = len(prompt)
+    fwd = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
+    out = fwd(config, params, jnp.asarray([prompt]), jnp.arange(n)[None], cache)
+    cache = out.cache
+    positions = n + jnp.arange(width)[None]
+
+    @jax.jit
+    def loop(params, cache, token):
+        def body(_, tok):
+            logits = forward_fn(config, params, jnp.full((1, width), tok), positions, cache).logits
+            return jnp.argmax(logits[0, -1]).astype(jnp.int32)
+
+        return jax.lax.fori_loop(0, 32, body, token)
+
+    token = jnp.asarray(prompt[-1], jnp.int32)
+    jax.block_until_ready(loop(params, cache, token))
+    times = []
+    for _ in range(5):
+        t = time.perf_counter()
+        jax.block_until_ready(loop(params, cache, token))
+        times.append((time.perf_counter() - t) / 32)
+    return statistics.median(times)
+
+
+def draft_simple_round(sj: Specjax, prompt: list[int], k: int, repeats: int) -> dict[str, Any]:
+    """The wall time of a draft-simple round against its parts timed alone (the speed issue:
+    at most 1.1x one verify forward of k + 1 tokens + k draft-model steps). The round: the
+    governor off and p_min 0, so every round drafts k tokens; decode seconds / rounds, the
+    median of `repeats` runs."""
+    cfg = specjax.SpecConfig(
+        types=("draft-simple",), draft_n_max=k, draft_n_min=0, draft_p_min=0.0, adaptive=False
+    )
+    runs = [sj.run("round/draft-simple", prompt, 2048, cfg) for _ in range(repeats)]
+    round_s = statistics.median(r["decode_s"] / max(r["n_rounds"], 1) for r in runs)
+    verify_s = forward_seconds(sj.model, prompt, k + 1, 2048)
+    step_s = forward_seconds(sj.draft, prompt, 1, 2048)
+    parts = verify_s + k * step_s
+    return {
+        "k": k,
+        "round_seconds": round_s,
+        "verify_seconds": verify_s,
+        "draft_step_seconds": step_s,
+        "parts_seconds": parts,
+        "round_over_parts": round_s / parts,
+        "target_step_seconds": forward_seconds(sj.model, prompt, 1, 2048),
+        "tokens_per_round": statistics.median(r["tokens_per_forward"] for r in runs),
+    }
+
+
 # --------------------------------------------------------------------------------------------
 # cases, interleaved repeats, medians
 
@@ -630,6 +694,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if r["drafter"] in ("draft-dflash", "draft-dspark")
     ]
     report["no_draft"] = [r for r in spec_rows if r["kind"] == "nodraft"]
+    if not args.spec_types or "draft-simple" in spec_types:
+        report["draft_simple_round"] = draft_simple_round(sj, ids["main"], 4, args.repeats)
     report["cli"] = measure_cli(args, llama) if not args.no_cli else {}
     report["memory"] = {
         "kv_cache_bytes": {
