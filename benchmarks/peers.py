@@ -360,10 +360,12 @@ class Specjax:
         return out
 
 
-def forward_seconds(model: specjax.Model, prompt: list[int], width: int, n_ctx: int) -> float:
-    """Seconds of one `width`-token forward after `prompt`, on the weights and F16 cache the
-    engine decodes with: the median over 5 timings of a jitted loop of 32 forwards, each
-    fed the previous one's argmax (one dispatch, so host overhead is not counted)."""
+def forward_timer(
+    model: specjax.Model, prompt: list[int], width: int, n_ctx: int
+) -> Callable[[], float]:
+    """A thunk timing one `width`-token forward after `prompt`, on the weights and F16 cache
+    the engine decodes with: a jitted loop of 32 forwards, each fed the previous one's argmax
+    (one dispatch, so host overhead is not counted); seconds per forward. Compiled here."""
     import jax
     import jax.numpy as jnp
 
@@ -374,8 +376,7 @@ def forward_seconds(model: specjax.Model, prompt: list[int], width: int, n_ctx: 
     cache = model.new_cache(1, n_ctx, "f16", "f16")
     n = len(prompt)
     fwd = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
-    out = fwd(config, params, jnp.asarray([prompt]), jnp.arange(n)[None], cache)
-    cache = out.cache
+    cache = fwd(config, params, jnp.asarray([prompt]), jnp.arange(n)[None], cache).cache
     positions = n + jnp.arange(width)[None]
 
     @jax.jit
@@ -388,36 +389,43 @@ def forward_seconds(model: specjax.Model, prompt: list[int], width: int, n_ctx: 
 
     token = jnp.asarray(prompt[-1], jnp.int32)
     jax.block_until_ready(loop(params, cache, token))
-    times = []
-    for _ in range(5):
+
+    def seconds() -> float:
         t = time.perf_counter()
         jax.block_until_ready(loop(params, cache, token))
-        times.append((time.perf_counter() - t) / 32)
-    return statistics.median(times)
+        return (time.perf_counter() - t) / 32
+
+    return seconds
 
 
 def draft_simple_round(sj: Specjax, prompt: list[int], k: int, repeats: int) -> dict[str, Any]:
     """The wall time of a draft-simple round against its parts timed alone (the speed issue:
     at most 1.1x one verify forward of k + 1 tokens + k draft-model steps). The round: the
-    governor off and p_min 0, so every round drafts k tokens; decode seconds / rounds, the
-    median of `repeats` runs."""
+    governor off and p_min 0, so every round drafts k tokens; decode seconds / rounds. Each
+    repeat times a run and then its parts right after it (this machine's speed drifts); the
+    ratio is the median of the per-repeat ratios."""
     cfg = specjax.SpecConfig(
         types=("draft-simple",), draft_n_max=k, draft_n_min=0, draft_p_min=0.0, adaptive=False
     )
-    runs = [sj.run("round/draft-simple", prompt, 2048, cfg) for _ in range(repeats)]
-    round_s = statistics.median(r["decode_s"] / max(r["n_rounds"], 1) for r in runs)
-    verify_s = forward_seconds(sj.model, prompt, k + 1, 2048)
-    step_s = forward_seconds(sj.draft, prompt, 1, 2048)
-    parts = verify_s + k * step_s
+    verify = forward_timer(sj.model, prompt, k + 1, 2048)
+    step = forward_timer(sj.draft, prompt, 1, 2048)
+    target_step = forward_timer(sj.model, prompt, 1, 2048)
+    rows = []
+    for _ in range(max(repeats, 3)):
+        r = sj.run("round/draft-simple", prompt, 2048, cfg)
+        round_s = r["decode_s"] / max(r["n_rounds"], 1)
+        verify_s, step_s = verify(), step()
+        rows.append((round_s, verify_s, step_s, round_s / (verify_s + k * step_s), r))
+    med = statistics.median
     return {
         "k": k,
-        "round_seconds": round_s,
-        "verify_seconds": verify_s,
-        "draft_step_seconds": step_s,
-        "parts_seconds": parts,
-        "round_over_parts": round_s / parts,
-        "target_step_seconds": forward_seconds(sj.model, prompt, 1, 2048),
-        "tokens_per_round": statistics.median(r["tokens_per_forward"] for r in runs),
+        "round_seconds": med(x[0] for x in rows),
+        "verify_seconds": med(x[1] for x in rows),
+        "draft_step_seconds": med(x[2] for x in rows),
+        "target_step_seconds": target_step(),
+        "round_over_parts": med(x[3] for x in rows),
+        "round_over_parts_runs": [x[3] for x in rows],
+        "tokens_per_round": med(x[4]["tokens_per_forward"] for x in rows),
     }
 
 
