@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import time
@@ -54,6 +55,14 @@ def peak_memory() -> dict[str, Any]:
     except Exception:
         pass
     return out
+
+
+def emit(result: dict[str, Any], out: str | os.PathLike[str]) -> None:
+    """Print `result` as JSON and write it to `out` (its folder created if needed)."""
+    text = json.dumps(result, indent=2)
+    print(text)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    Path(out).write_text(text + "\n")
 
 
 def machine() -> dict[str, Any]:

@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, load_or_random, machine, peak_memory
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, load_or_random, machine, peak_memory
 
 import specjax
 from specjax.config import SpecConfig
@@ -241,10 +241,7 @@ def main() -> None:
         result.update(by_parallel[0])  # one slot count: the flat layout of earlier results
     else:
         result["by_parallel"] = {str(r["parallel"]): r for r in by_parallel}
-    text = json.dumps(result, indent=2)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

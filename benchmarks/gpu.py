@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
-import json
 import sys
 import tempfile
 import time
@@ -47,7 +46,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, best_of, machine, peak_memory
+from _common import ROOT, best_of, emit, machine, peak_memory
 
 import specjax
 from specjax import api
@@ -246,10 +245,7 @@ def main() -> None:
             file=sys.stderr,
         )
     result.update(peak_memory())
-    text = json.dumps(result, indent=2)
-    print(text)
-    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(text + "\n")
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
