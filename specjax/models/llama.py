@@ -123,7 +123,8 @@ def kernel_weights(params: Params) -> Params:
     def make(w: Array) -> KernelWeight:
         if w.dtype == jnp.float32:
             # on the host: eager device ops here cost a dispatch (and a compile or a
-            # compilation-cache read) per distinct shape, ~0.3-0.7 s of every CLI start
+            # compilation-cache read) per distinct shape: 0.7 s of a CLI start (cProfile, on
+            # a loaded machine)
             host = np.asarray(w)
             half = host.astype(np.float16)
             if np.array_equal(half.astype(np.float32), host):
@@ -381,7 +382,8 @@ def forward_compute(
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)
         x = rms_norm(x, params["final_norm"], config.norm_eps)
         # a decode form (`kernel_weights`, `input_major`) has an `lm_head` even when tied
-        head = params["lm_head"] if "lm_head" in params else params["embed"]
+        tied = config.tie_embeddings and "lm_head" not in params
+        head = params["embed"] if tied else params["lm_head"]
         out_logits = linear(x, head, preferred_element_type=jnp.float32)
     return ForwardCompute(
         out_logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
