@@ -34,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import statistics
 import sys
 import tempfile
 import time
@@ -46,14 +47,13 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, best_of, emit, machine, peak_memory
+from _common import ROOT, best_of, emit, forward_timer, machine, peak_memory
 
 import specjax
-from specjax import api
 from specjax.config import SpecConfig
 from specjax.io.gguf_io import save_gguf
 from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, init_params
+from specjax.models.llama import init_params
 from specjax.tokenizer import Tokenizer
 
 SIZES: dict[str, tuple[ModelConfig, ModelConfig]] = {
@@ -158,20 +158,12 @@ def decode(
 
 
 def verify_over_step(model: specjax.Model, n_ctx: int, prompt: int) -> dict[str, float]:
-    """Wall time of a (K+1)-token target forward over a 1-token step, same cache (jitted)."""
-    fwd = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
-    params = api.decode_params(model.params)
-    cache = model.new_cache(1, n_ctx, "f16", "f16")
-    toks = jnp.arange(prompt, dtype=jnp.int32)[None] % model.config.V
-    _, cache, _ = fwd(model.config, params, toks, jnp.arange(prompt)[None], cache)
+    """Wall time of a (K+1)-token target forward over a 1-token step, same cache."""
+    ids = [t % model.config.V for t in range(prompt)]
     seconds = {}
     for width in (1, K + 1):
-        t = jnp.ones((1, width), jnp.int32)
-        pos = prompt + jnp.arange(width)[None]
-        jax.block_until_ready(fwd(model.config, params, t, pos, cache))
-        seconds[width], _ = best_of(
-            lambda t=t, pos=pos: fwd(model.config, params, t, pos, cache)[0], 20
-        )
+        timer = forward_timer(model, ids, width, n_ctx)
+        seconds[width] = statistics.median(timer() for _ in range(5))
     return {
         "step_seconds_T1": seconds[1],
         f"step_seconds_T{K + 1}": seconds[K + 1],

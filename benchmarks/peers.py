@@ -61,7 +61,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, machine, peak_memory
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, forward_timer, machine, peak_memory
 
 import specjax
 
@@ -358,44 +358,6 @@ class Specjax:
             out["num_draft_tokens"] = s.get("num_draft_tokens")
             out["num_accepted_tokens"] = s.get("num_accepted_tokens")
         return out
-
-
-def forward_timer(
-    model: specjax.Model, prompt: list[int], width: int, n_ctx: int
-) -> Callable[[], float]:
-    """A thunk timing one `width`-token forward after `prompt`, on the weights and F16 cache
-    the engine decodes with: a jitted loop of 32 forwards, each fed the previous one's argmax
-    (one dispatch, so host overhead is not counted); seconds per forward. Compiled here."""
-    import jax
-    import jax.numpy as jnp
-
-    from specjax import api
-    from specjax.models.llama import forward_fn
-
-    config, params = model.config, api.decode_params(model.params)
-    cache = model.new_cache(1, n_ctx, "f16", "f16")
-    n = len(prompt)
-    fwd = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
-    cache = fwd(config, params, jnp.asarray([prompt]), jnp.arange(n)[None], cache).cache
-    positions = n + jnp.arange(width)[None]
-
-    @jax.jit
-    def loop(params, cache, token):
-        def body(_, tok):
-            logits = forward_fn(config, params, jnp.full((1, width), tok), positions, cache).logits
-            return jnp.argmax(logits[0, -1]).astype(jnp.int32)
-
-        return jax.lax.fori_loop(0, 32, body, token)
-
-    token = jnp.asarray(prompt[-1], jnp.int32)
-    jax.block_until_ready(loop(params, cache, token))
-
-    def seconds() -> float:
-        t = time.perf_counter()
-        jax.block_until_ready(loop(params, cache, token))
-        return (time.perf_counter() - t) / 32
-
-    return seconds
 
 
 def draft_simple_round(sj: Specjax, prompt: list[int], k: int, repeats: int) -> dict[str, Any]:

@@ -18,7 +18,8 @@
 // Why: XLA runs the cache part as a while loop over 256-cell chunks, each a dozen small
 // kernels (slices, F16 converts, dots, exp), ~30 us per chunk and layer on the development
 // machine: most of a decode step once the linear layers ran on specjax_linear. Here a (row,
-// group) pair reads each used K/V row once, for all its query rows.
+// group) pair converts each used K/V row once, for all its query rows, and scores, softmax
+// weights and value sums run 16 cells at a time.
 
 #include <cmath>
 #include <limits>
@@ -198,9 +199,8 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
     for (int64_t r = 0; r < Q; ++r) {
       const int32_t qp = q_pos[r % T];
       const float* q_row = q + r * E;
-      // Scores of the 16 cells (masked cells -inf).
-      // 16 independent partial sums, one per cell (a chain of dependent FMAs per cell made
-      // this loop latency-bound).
+      // Scores of the 16 cells (masked cells -inf): 16 independent partial sums, one per
+      // cell (a chain of dependent FMAs per cell made this loop latency-bound).
       f32x16 part[kBlock];
       for (int64_t j = 0; j < kBlock; ++j) part[j] = f32x16{};
       for (int64_t i = 0; i < e_vec; i += kLanes) {
