@@ -303,7 +303,9 @@ def _open_reader(path: str) -> gguf.GGUFReader:
     return reader
 
 
-def _tensor_to_numpy(path: str, t: Any) -> np.ndarray:
+def _tensor_to_numpy(path: str, t: Any, *, keep_f16: bool = False) -> np.ndarray:
+    """The tensor's values in numpy order as float32, or as the stored float16 values when
+    `keep_f16` and the tensor is F16 (no round trip through float32 for float16 params)."""
     qtype = QT(int(t.tensor_type))
     shape = tuple(int(d) for d in reversed(t.shape.tolist()))
     if qtype in _INT_TYPES:
@@ -314,6 +316,8 @@ def _tensor_to_numpy(path: str, t: Any) -> np.ndarray:
     try:
         if qtype == QT.F32:
             arr = np.array(t.data, np.float32)
+        elif qtype == QT.F16 and keep_f16:
+            return np.array(t.data, np.float16).reshape(shape)
         elif qtype == QT.F16:
             arr = np.asarray(t.data).astype(np.float32)
         else:
@@ -429,12 +433,13 @@ def load_gguf(
         raise ModelFileError(f"{path}: invalid model hyper-parameters: {e}") from e
 
     used: set[str] = set()
+    half_params = False
 
     def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
         if name not in tensors:
             raise ModelFileError(f"{path}: missing tensor {name}")
         used.add(name)
-        arr = _tensor_to_numpy(path, tensors[name])
+        arr = _tensor_to_numpy(path, tensors[name], keep_f16=half_params)
         if arr.shape != shape:
             raise ModelFileError(
                 f"{path}: tensor {name} has shape {arr.shape} (numpy order), expected {shape}"
@@ -460,6 +465,7 @@ def load_gguf(
         config = _replace_scaling(config, scaling)
 
     np_dtype = jnp.dtype(config.dtype)
+    half_params = np_dtype == np.float16  # from here on, F16 tensors stay as stored
     H_E, G_E = H * E, G * E
     permute = arch == "llama"
     layers = []
