@@ -148,9 +148,11 @@ def _environment_digest() -> str:
     return h.hexdigest()
 
 
-def executable_key(fn: Any, static: Any, args: Any) -> str | None:
-    """Stable key of the executable `fn.lower(static, *args).compile()` would produce, or None
-    when some part has no stable text (an object printed by address)."""
+def executable_key(
+    fn: Any, static: Any, args: Any, options: dict[str, str] | None = None
+) -> str | None:
+    """Stable key of the executable `fn.lower(static, *args).compile(options)` would produce,
+    or None when some part has no stable text (an object printed by address)."""
     leaves, treedef = jax.tree.flatten(args)
     text = repr(
         (
@@ -159,6 +161,7 @@ def executable_key(fn: Any, static: Any, args: Any) -> str | None:
             static,
             str(treedef),
             [(tuple(x.shape), str(x.dtype), str(getattr(x, "sharding", None))) for x in leaves],
+            sorted((options or {}).items()),
         )
     )
     if " at 0x" in text or getattr(fn, "__qualname__", None) is None:
@@ -214,17 +217,20 @@ def _bypassing_jax_cache() -> Any:
         _reset_jax_cache()
 
 
-def compile_or_load(fn: Any, static: Any, args: tuple[Any, ...]) -> tuple[Any, bool]:
-    """`fn.lower(static, *args).compile()`, or the executable an earlier process stored for
-    the same key. Returns (executable, whether XLA compiled it here)."""
-    key = executable_key(fn, static, args) if _store_dir() is not None else None
+def compile_or_load(
+    fn: Any, static: Any, args: tuple[Any, ...], options: dict[str, str] | None = None
+) -> tuple[Any, bool]:
+    """`fn.lower(static, *args).compile(options)` (XLA compiler options), or the executable an
+    earlier process stored for the same key. Returns (executable, whether XLA compiled it
+    here)."""
+    key = executable_key(fn, static, args, options) if _store_dir() is not None else None
     if key is None:
-        return fn.lower(static, *args).compile(), True
+        return fn.lower(static, *args).compile(compiler_options=options), True
     exe = load_executable(key)
     if exe is not None:
         return exe, False
     with _bypassing_jax_cache():
-        exe = fn.lower(static, *args).compile()
+        exe = fn.lower(static, *args).compile(compiler_options=options)
     save_executable(key, exe)
     return exe, True
 

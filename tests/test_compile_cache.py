@@ -167,3 +167,22 @@ def test_cli_options(argv, expected):
 def test_cli_options_are_exclusive():
     with pytest.raises(SystemExit):
         cli._load_options(["-m", "m.gguf", "--no-compile-cache", "--compile-cache", "/tmp/x"])
+
+
+def test_stored_executables_are_keyed_by_their_compiler_options():
+    """The prefill is compiled with its own XLA options on CPU (`api._CPU_PREFILL_OPTIONS`):
+    an executable stored with other options must never be loaded in its place."""
+    import jax.numpy as jnp
+
+    from specjax import compile_cache
+
+    args = (jnp.zeros((2, 3), jnp.float32),)
+    plain = compile_cache.executable_key(test_cli_options, "static", args)
+    with_options = compile_cache.executable_key(
+        test_cli_options, "static", args, {"xla_cpu_experimental_ynn_fusion_type": ""}
+    )
+    assert plain is not None and with_options is not None
+    assert plain != with_options
+    assert with_options == compile_cache.executable_key(
+        test_cli_options, "static", args, {"xla_cpu_experimental_ynn_fusion_type": ""}
+    )
