@@ -84,3 +84,39 @@ def test_deferred_prompt_catches_up_to_the_eager_cache_and_drafts():
     np.testing.assert_array_equal(np.asarray(s_lazy.n_past), np.asarray(s_eager.n_past))
     # the cache layout (cells in position order) is the new_cache's
     assert caught.cache.k[0].shape == new_cache(draft.config, B, S).k[0].shape
+
+
+def test_catch_up_of_one_token_equals_the_eager_cache():
+    """The usual catch-up (a round after every draft was accepted: one token behind) takes
+    a 1-wide forward; rows 0, 1 and 3 behind in one call take the CATCH_UP-wide one. Both
+    must leave the cache the whole prompt's `process` leaves."""
+    target = tiny_model(0)
+    draft = noisy_copy(target, 0.3)
+    d = ds.DraftSimple(config=draft.config, target_vocab=target.config.V)
+    lengths = [9, 14, 6]
+    B, V = len(lengths), target.config.V
+    tokens_BS = np.zeros((B, S), np.int32)
+    tokens_BS[:, :16] = np.random.default_rng(1).integers(3, V, (B, 16))
+    hist = TokenHistory(tokens=jnp.asarray(tokens_BS), length=jnp.asarray(lengths, jnp.int32))
+
+    def processed(n_B: list[int]) -> ds.DraftSimpleState:
+        T = max(n_B)
+        pos = np.where(np.arange(T)[None, :] < np.asarray(n_B)[:, None], np.arange(T), -1)
+        batch = TargetBatch(
+            tokens=jnp.asarray(tokens_BS[:, :T]),
+            positions=jnp.asarray(pos, jnp.int32),
+            hidden=(),
+            is_prompt=True,
+        )
+        return d.process(draft.params, d.init(B, S), batch)
+
+    full = processed(lengths)
+    step = jax.jit(lambda s: d._catch_up(draft.params, s, hist, jnp.ones((B,), bool)))
+    for behind in ([1, 1, 1], [0, 1, 3]):
+        caught = step(processed([n - k for n, k in zip(lengths, behind)]))
+        np.testing.assert_array_equal(np.asarray(caught.n_past), lengths)
+        np.testing.assert_array_equal(np.asarray(caught.cache.pos), np.asarray(full.cache.pos))
+        mask = (np.asarray(full.cache.pos) >= 0)[:, None, :, None]
+        for a, b in zip(caught.cache.k + caught.cache.v, full.cache.k + full.cache.v):
+            a, b = np.asarray(a, np.float32), np.asarray(b, np.float32)
+            np.testing.assert_allclose(np.where(mask, a, 0), np.where(mask, b, 0), atol=2e-2)

@@ -4,9 +4,10 @@ Invariants:
 * The draft cache holds the target's memory prefix positions 0..n_past[b]-1 of every row
   (`n_past <= length`). `process` evaluates the prompt; verify batches are not re-evaluated:
   like llama.cpp's draft-simple, `draft` first catches up from the token history (usually
-  none or one token: the last accepted draft token; a row further behind, e.g. whose prompt
-  continuous batching did not evaluate (`lazy_prompt`), alone in batch-1 chunks of
-  CATCH_UP_ROW), then drafts.
+  none or one token, the last accepted draft token, in a 1-wide forward; up to CATCH_UP
+  tokens in CATCH_UP-wide ones; a row further behind, e.g. whose prompt continuous
+  batching did not evaluate (`lazy_prompt`), alone in batch-1 chunks of CATCH_UP_ROW),
+  then drafts.
 * The k-step loop runs on device and reads the draft cache without writing it: each step's
   K/V go to a small scratch ([B, G, K, E] per layer) that later steps attend to. After the
   loop the scratch (id_last, d_1, ... as fed) is committed at its real positions, and
@@ -25,6 +26,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, ClassVar
 
 import jax
@@ -164,11 +166,14 @@ class DraftSimple:
 
         state = jax.lax.while_loop(far_cond, far_body, state)
 
-        def cond(st: DraftSimpleState) -> Array:
+        def behind(st: DraftSimpleState) -> Array:
             return jnp.any(st.n_past < target_B)
 
-        def body(st: DraftSimpleState) -> DraftSimpleState:
-            idx_BT = st.n_past[:, None] + jnp.arange(CATCH_UP, dtype=jnp.int32)[None, :]
+        def one_behind(st: DraftSimpleState) -> Array:
+            return behind(st) & jnp.all(target_B - st.n_past <= 1)
+
+        def body(width: int, st: DraftSimpleState) -> DraftSimpleState:
+            idx_BT = st.n_past[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
             ok_BT = idx_BT < target_B[:, None]
             tokens = jnp.take_along_axis(history.tokens, jnp.clip(idx_BT, 0, S - 1), axis=1)
             positions = jnp.where(ok_BT, idx_BT, -1)
@@ -176,7 +181,10 @@ class DraftSimple:
             n_past = st.n_past + jnp.sum(ok_BT, axis=1).astype(jnp.int32)
             return DraftSimpleState(cache=cache, n_past=n_past)
 
-        return jax.lax.while_loop(cond, body, state)
+        # The usual case, a round after all k drafts were accepted (d_k was never fed), is
+        # one token behind: a 1-wide forward (runs 0 or 1 times) instead of a CATCH_UP-wide.
+        state = jax.lax.while_loop(one_behind, functools.partial(body, 1), state)
+        return jax.lax.while_loop(behind, functools.partial(body, CATCH_UP), state)
 
     def draft(
         self, params: Params, state: DraftSimpleState, inp: DraftInput, k_max: int
