@@ -23,6 +23,18 @@ S, K = 192, 4
 LENGTHS = [2 * ds.CATCH_UP_ROW + ds.CATCH_UP + 3, ds.CATCH_UP + 5, 5]
 
 
+def _prompt_batch(tokens_BS: np.ndarray, lengths: list[int]) -> TargetBatch:
+    """The first `lengths[b]` tokens of each row as one prompt batch (padding at -1)."""
+    T = max(lengths)
+    pos_BT = np.where(np.arange(T)[None, :] < np.asarray(lengths)[:, None], np.arange(T), -1)
+    return TargetBatch(
+        tokens=jnp.asarray(tokens_BS[:, :T]),
+        positions=jnp.asarray(pos_BT, jnp.int32),
+        hidden=(),
+        is_prompt=True,
+    )
+
+
 def test_deferred_prompt_catches_up_to_the_eager_cache_and_drafts():
     target = tiny_model(0)
     draft = noisy_copy(target, 0.3)
@@ -38,15 +50,7 @@ def test_deferred_prompt_catches_up_to_the_eager_cache_and_drafts():
     last = jnp.asarray(tokens_BS[:, 0])  # id_last: the first generated token, at `length`
 
     # eager: the whole prompt through `process`, as a prefill does
-    T = max(LENGTHS)
-    pos_BT = np.where(np.arange(T)[None, :] < np.asarray(LENGTHS)[:, None], np.arange(T), -1)
-    batch = TargetBatch(
-        tokens=jnp.asarray(tokens_BS[:, :T]),
-        positions=jnp.asarray(pos_BT, jnp.int32),
-        hidden=(),
-        is_prompt=True,
-    )
-    eager = d.process(draft.params, d.init(B, S), batch)
+    eager = d.process(draft.params, d.init(B, S), _prompt_batch(tokens_BS, LENGTHS))
     lazy = d.init(B, S)
     assert int(jnp.max(lazy.n_past)) == 0
 
@@ -100,15 +104,7 @@ def test_catch_up_of_one_token_equals_the_eager_cache():
     hist = TokenHistory(tokens=jnp.asarray(tokens_BS), length=jnp.asarray(lengths, jnp.int32))
 
     def processed(n_B: list[int]) -> ds.DraftSimpleState:
-        T = max(n_B)
-        pos = np.where(np.arange(T)[None, :] < np.asarray(n_B)[:, None], np.arange(T), -1)
-        batch = TargetBatch(
-            tokens=jnp.asarray(tokens_BS[:, :T]),
-            positions=jnp.asarray(pos, jnp.int32),
-            hidden=(),
-            is_prompt=True,
-        )
-        return d.process(draft.params, d.init(B, S), batch)
+        return d.process(draft.params, d.init(B, S), _prompt_batch(tokens_BS, n_B))
 
     full = processed(lengths)
     step = jax.jit(lambda s: d._catch_up(draft.params, s, hist, jnp.ones((B,), bool)))
