@@ -97,22 +97,40 @@ def test_full_path_rolls_back_by_checkpoint_and_replay_only() -> None:
     assert d["num_accepted_tokens"] > 0
 
 
+MOD = SpecConfig(
+    types=("ngram-mod",),
+    ngram_mod_n_match=2,
+    ngram_mod_n_min=2,
+    ngram_mod_n_max=8,
+    ngram_mod_pool_size=4096,
+    k_max=8,
+)
+
+
 @pytest.mark.slow
 def test_ngram_mod_rs_path_equals_plain_greedy() -> None:
-    spec = SpecConfig(
-        types=("ngram-mod",),
-        ngram_mod_n_match=2,
-        ngram_mod_n_min=2,
-        ngram_mod_n_max=8,
-        ngram_mod_pool_size=4096,
-        k_max=8,
-    )
     res = generate_hybrid(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=4
+        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=MOD, n_rs_seq=4
     )
     assert res.tokens == _plain()
     paths = res.stats.to_dict()["rollback"]
     assert paths["rs_plane"] > 0 and paths["checkpoint"] > 0
+
+
+@pytest.mark.slow
+def test_ngram_mod_full_path_equals_plain_greedy() -> None:
+    """ngram-mod with n_rs_seq = 0 (FULL): every rejection restores the checkpoint and replays
+    the accepted list; no RS plane is used."""
+    res = generate_hybrid(
+        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=MOD, n_rs_seq=0
+    )
+    assert res.tokens == _plain()
+    d = res.stats.to_dict()
+    paths = d["rollback"]
+    assert d["seq_rm_type"] == "FULL" and d["drafters"] == ["ngram-mod"]
+    assert paths["rs_plane"] == 0 and paths["seq_rm_failed"] == 0
+    assert paths["checkpoint"] > 0 and paths["replay"] == paths["checkpoint"]
+    assert d["num_accepted_tokens"] > 0
 
 
 def test_target_of_type_no_disables_speculation_with_a_warning(monkeypatch) -> None:

@@ -5,14 +5,18 @@ report has the same keys (`to_dict()["rollback"]`, what `specjax generate --out`
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
 from specjax import api
 from specjax.config import SpecConfig
 from specjax.models.config import ModelConfig
 from specjax.stats import ROLLBACK_PATHS, SpecStats, record_rollback
+from specjax.testing import noisy_copy
 
 
 def test_record_rollback_counts_rows_as_the_spec_says() -> None:
@@ -57,3 +61,71 @@ def test_hybrid_report_uses_the_same_schema() -> None:
     assert list(rb) == list(ROLLBACK_PATHS) and rb["seq_rm"] == 0
     assert all(rb[name] == paths[name] for name in PATHS)
     assert rep.lines()[-1].startswith("rollback: 0 by seq_rm, 2 by RS plane, 3 by checkpoint")
+
+
+# ------------------------------------------------ PART: speculative == plain greedy, B = 4
+PART_PROMPT_LENGTHS = (7, 13, 22, 30)
+PART_N_NEW = 40
+
+
+@functools.lru_cache(maxsize=1)
+def _part_target() -> api.Model:
+    # seed 3: its greedy text repeats with breaks, so both n-gram drafters have drafts rejected
+    return api.init_model(
+        ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64), seed=3
+    )
+
+
+def _part_prompts() -> list[list[int]]:
+    """Four rows of different lengths, each a repeated random unit (n-gram drafts find
+    matches in the prompt) with a random tail (not every draft is accepted)."""
+    rng = np.random.RandomState(1)
+    prompts = []
+    for n in PART_PROMPT_LENGTHS:
+        unit = rng.randint(0, 16, size=rng.randint(3, 6))
+        row = np.resize(unit, n)
+        row[-2:] = rng.randint(0, 16, size=2)
+        prompts.append([int(t) for t in row])
+    return prompts
+
+
+@functools.lru_cache(maxsize=1)
+def _part_plain() -> list[list[int]]:
+    return api.generate(_part_target(), _part_prompts(), max_new_tokens=PART_N_NEW).tokens
+
+
+def _part_spec(kind: str) -> tuple[SpecConfig, api.Model | None]:
+    if kind == "ngram-simple":
+        spec = SpecConfig(types=("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=6,
+                          adaptive=False)  # fmt: skip
+        return spec, None
+    if kind == "ngram-mod":
+        spec = SpecConfig(types=("ngram-mod",), ngram_mod_n_match=2, ngram_mod_n_min=2,
+                          ngram_mod_n_max=6, ngram_mod_pool_size=4096, adaptive=False)  # fmt: skip
+        return spec, None
+    # a draft that agrees with the target often but not always: partial acceptance
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=5, adaptive=False)
+    return spec, noisy_copy(_part_target(), 0.3)
+
+
+@pytest.mark.parametrize(
+    "kind",
+    [
+        "ngram-simple",
+        pytest.param("ngram-mod", marks=pytest.mark.slow),
+        pytest.param("draft-simple", marks=pytest.mark.slow),
+    ],
+)
+def test_part_path_equals_plain_greedy_for_rows_of_different_lengths(kind: str) -> None:
+    """An attention-only target (seq_rm type PART): speculative decoding of 4 rows of different
+    prompt lengths gives plain greedy decoding's tokens, and its rejected drafts were rolled back
+    by seq_rm (the KV cells beyond the accepted prefix dropped), never by a plane or checkpoint."""
+    spec, draft = _part_spec(kind)
+    out = api.generate(
+        _part_target(), _part_prompts(), max_new_tokens=PART_N_NEW, spec=spec, draft=draft
+    )
+    assert out.tokens == _part_plain()
+    d = out.stats.to_dict()
+    rb = d["rollback"]
+    assert rb["seq_rm"] > 0 and 0 < d["num_accepted_tokens"] < d["num_draft_tokens"]
+    assert rb["rs_plane"] == rb["checkpoint"] == rb["replay"] == rb["seq_rm_failed"] == 0
