@@ -165,6 +165,10 @@ def attention_mask(q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
     return visible
 
 
+#: Most (new tokens x own cells) whose scores `_attend` computes as a fused multiply-sum
+#: instead of a dot (decode and draft steps, verifies of up to 11 tokens).
+FUSED_OWN_MAX = 128
+
 #: Cells per step of the loop over cached cells (llama.cpp pads its `n_kv` to 256 too).
 CACHE_CHUNK = 256
 
@@ -226,10 +230,12 @@ def _attend(
     high-water mark) the cache part runs on `cpu_kernels.attend_cache` instead, and its state
     is merged the same way.
     """
-    # Beside the native kernel, the own cells are a decode step's few tokens: XLA's dot
-    # thunk costs ~18 us per call at such sizes (a fifth of a plain step's time in a
-    # profile, 8 layers), a fused multiply-sum a few.
-    fused = native_used is not None
+    # Beside the native kernel, a decode step's or a short verify's own cells are few: an
+    # XLA dot and its transpose cost ~14 us per layer at such sizes (~110 us of a ~1.35 ms
+    # plain step in a profile), a fused multiply-sum a few. Wide verify batches (T * X in
+    # the thousands) keep the dot, which a loop fusion would not match.
+    n_own = sum(pos.shape[1] for _, _, pos in own)
+    fused = native_used is not None and q_BGRTE.shape[3] * n_own <= FUSED_OWN_MAX
     s_own = jnp.concatenate(
         [_scores(q_BGRTE, k, q_pos_BT, pos, window, fused=fused) for k, _, pos in own], -1
     )
