@@ -348,10 +348,11 @@ def _lru_put(cache: dict[Any, Any], key: Any, value: Any, over: Any) -> None:
 
 #: XLA CPU options of the prefill executable. XLA hands the prefill's large dots, softmax and
 #: reductions to YNNPACK, whose pipelines (slinky) are built on the executable's first run:
-#: ~0.2 s of a warm CLI start's 0.35 s first prefill on 2 cores (perf), for ~15% faster
+#: ~0.2 s of a warm CLI start's 0.35 s first prefill on 2 cores (perf), for ~15-25% faster
 #: prefills after it. A `generate` call prefills once, so the one-off cost is what it pays;
-#: without those fusions the first prefill takes ~0.15 s. The decode loop keeps the default
-#: (its products run on `specjax.cpu_kernels`).
+#: without those fusions the first prefill takes ~0.15 s (benchmarks/peers.py's prefill, a
+#: later call, read 0.53-0.62x of llama.cpp after this, 0.70-0.76x before). The decode loop
+#: keeps the default (its products run on `specjax.cpu_kernels`).
 _CPU_PREFILL_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
