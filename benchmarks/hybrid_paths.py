@@ -1,6 +1,7 @@
 """Hybrid (qwen35) target: PARTIAL_ONLY checkpoint bytes vs the full memory, and speculative
 decoding per rollback path (RS planes, FULL checkpoint + replay) vs plain decoding, in one
-interleaved run. Prints one JSON object (never collected as a test).
+interleaved run. Prints one JSON object and writes it to --out (default
+benchmarks/results/hybrid_paths.json); never collected as a test.
 
     python benchmarks/hybrid_paths.py [--model GGUF | --random] [--ctx 2048] [--new 128]
                                       [--repeats 3] [--out FILE.json]
@@ -23,15 +24,18 @@ hardware-independent measure.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
+import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import jax
 import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_DRAFT, ROOT, emit
 
 import specjax
 from specjax import api, slot_checkpoint
@@ -72,9 +76,7 @@ def state_bytes(config: q.Qwen35Config, ctx: int) -> dict[str, Any]:
     return {"full_state_bytes": full, "checkpoint_bytes": part, "ratio": part / full}
 
 
-ROOT = Path(__file__).resolve().parents[1]
 HYBRID_GGUF = ROOT / "models" / "code-hybrid" / "code-hybrid-f16.gguf"
-DRAFT_GGUF = ROOT / "models" / "code-draft" / "code-draft-f16.gguf"
 #: (file under benchmarks/prompts, prompt length in tokens): rows of different lengths
 CODE_ROWS = (("humaneval_main.py", 120), ("repetitive.py", 200))
 N_MAX = 6  # drafts longer and shorter than the 4 RS planes
@@ -92,7 +94,7 @@ def _drafters(shipped: bool) -> dict[str, tuple[SpecConfig, Any]]:
         "ngram-mod": (mod, None),
         "draft-simple": (
             SpecConfig(types=("draft-simple",), draft_n_max=N_MAX, k_max=N_MAX),
-            specjax.load(str(DRAFT_GGUF)),
+            specjax.load(str(DEFAULT_DRAFT)),
         ),
     }
 
@@ -154,7 +156,7 @@ def main() -> None:
     ap.add_argument("--ctx", type=int, default=2048, help="context of the bytes comparison")
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
-    ap.add_argument("--out", default=None, help="also write the JSON here")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hybrid_paths.json"))
     args = ap.parse_args()
     if args.random:
         model = api.Model(config=SMALL, params=q.init_params(SMALL, jax.random.PRNGKey(1), std=0.2))
@@ -182,10 +184,7 @@ def main() -> None:
         "backend": jax.default_backend(),
         "cpu_count": os.cpu_count(),
     }
-    text = json.dumps(report, indent=2)
-    print(text)
-    if args.out:
-        Path(args.out).write_text(text + "\n")
+    emit(report, args.out)
 
 
 if __name__ == "__main__":
