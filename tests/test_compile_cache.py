@@ -174,15 +174,13 @@ def test_stored_executables_are_keyed_by_their_compiler_options():
     an executable stored with other options must never be loaded in its place."""
     import jax.numpy as jnp
 
-    from specjax import compile_cache
+    from specjax import api, compile_cache
+    from specjax.engine import prefill_jit
 
     args = (jnp.zeros((2, 3), jnp.float32),)
-    plain = compile_cache.executable_key(test_cli_options, "static", args)
-    with_options = compile_cache.executable_key(
-        test_cli_options, "static", args, {"xla_cpu_experimental_ynn_fusion_type": ""}
-    )
+    options = api._CPU_PREFILL_OPTIONS
+    plain = compile_cache.executable_key(prefill_jit, "static", args)
+    with_options = compile_cache.executable_key(prefill_jit, "static", args, options)
     assert plain is not None and with_options is not None
     assert plain != with_options
-    assert with_options == compile_cache.executable_key(
-        test_cli_options, "static", args, {"xla_cpu_experimental_ynn_fusion_type": ""}
-    )
+    assert with_options == compile_cache.executable_key(prefill_jit, "static", args, dict(options))
