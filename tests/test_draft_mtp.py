@@ -233,8 +233,9 @@ def _run_rounds(cfg, drafter: MtpDrafter, n_nextn: int) -> None:
         assert got == want, (b, got, want)
         ref_h[b] = hv
     # a checkpointed round: verify [nxt, 1, 2] (no accept), restore to lengths + 2, replay
-    # [nxt, 4] and accept it; the replay's first row pairs with h@lengths+1 again (seed_h).
-    # The drafter only pairs rows, so the h rows here are arbitrary.
+    # [nxt, 4] and accept it. As the engine does, the checkpoint's data_spec (spec_state,
+    # taken before the round) is loaded back, so the replay's first row pairs with h@lengths+1
+    # again. The drafter only pairs rows, so the h rows here are arbitrary.
     rng = np.random.RandomState(5)
     hA = rng.standard_normal((2, 3, cfg.D)).astype(np.float32)
     hB = rng.standard_normal((2, 2, cfg.D)).astype(np.float32)
@@ -242,9 +243,11 @@ def _run_rounds(cfg, drafter: MtpDrafter, n_nextn: int) -> None:
     for rows, hx, n_acc in (([nxt, [1] * 2, [2] * 2], hA, None), ([nxt, [4] * 2], hB, 1)):
         t = np.stack([np.asarray(r) for r in rows], axis=1).astype(np.int32)
         p = L2[:, None] + np.arange(t.shape[1])[None]
+        saved = drafter.spec_state(ds)
         ds = _process(drafter, params, ds, t, p, hx)
         if n_acc is None:  # upstream skips accept() for a restored round
             ds = _accept_rollback(drafter, ds, np.asarray([0, 0]), L2, False)
+            ds = drafter.set_spec_state(ds, saved, jnp.ones(2, bool))
         else:
             ds = _accept_rollback(drafter, ds, np.asarray([n_acc] * 2), L2 + n_acc + 1)
     last = np.asarray([6, 2])
@@ -295,6 +298,11 @@ def test_state_blob_round_trip_and_bad_sizes() -> None:
     st2 = d.set_state(st, 1, blob)
     assert d.get_state(st2, 1) == blob and d.get_state(st2, 0) is None
     assert d.set_state(st, 1, blob[:-1]) is st  # a wrong-sized blob is ignored
+    # the traced form (a checkpoint's data_spec) restores exactly the selected rows
+    saved = d.spec_state(st2)
+    back = d.set_spec_state(st, saved, jnp.asarray([False, True]))
+    assert d.get_state(back, 1) == blob and d.get_state(back, 0) is None
+    assert d.get_state(d.set_spec_state(st, saved, jnp.asarray([False, False])), 1) is None
 
 
 def test_bad_models_are_refused_with_the_numbers() -> None:

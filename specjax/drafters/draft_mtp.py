@@ -7,15 +7,11 @@ the target forward under `TargetBatch.hidden[H_NEXTN]`). The last h of a batch p
 first token of the NEXT batch, so it is carried as explicit per-row state:
 
     pending_h [B, D], pending_pos [B]   h of the row at pending_pos (-1 = none yet)
-    seed_h [B, D], seed_pos [B]         the h the last `process` paired its first token with
     verify_h [B, S, D], verify_pos_first [B], verify_rows [B]
                                          the target's h rows of the last `process`
 
 * `process(batch)`: per row with evaluated tokens `[beg, end]`: the first token is paired with
-  `pending_h` (upstream), except when `pending_pos + 1 != pos[beg]` and `seed_pos + 1 ==
-  pos[beg]` -- a batch restarting at the same position as the last one, i.e. the replay of a
-  checkpointed round, whose `accept` never came -- then with `seed_h` (upstream would pair the
-  rejected last row here); token k > beg is paired with the target h of row k - 1. Every head
+  `pending_h` (upstream); token k > beg is paired with the target h of row k - 1. Every head
   runs the batch and its K/V is written at the batch positions (chain heads: each head its own
   layer, as upstream's per-head `seq_rm` + decode). Then `verify_h = h[beg..end]`,
   `pending_h = h[end]`, `pending_pos = pos[end]`.
@@ -32,9 +28,13 @@ first token of the NEXT batch, so it is carried as explicit per-row state:
   `[pending_h, h'_1..h'_i]` (h'_j from step j - 1) and reads the logits of its last row.
 * `rollback(keep)`: `seq_rm(row, keep, -1)` on the block cache (the pending pair stays).
 * `get_state` / `set_state`: a per-row blob, little-endian int32 `pending_pos` followed by D
-  float32 of `pending_h` (the layout of EAGLE-3's blob; upstream's MTP has no blob and its
-  checkpoints lose the pairing, see `process`); `get_state` returns None when
-  `pending_pos < 0`, `set_state` ignores a blob of the wrong size.
+  float32 of `pending_h` (the layout of EAGLE-3's blob); `get_state` returns None when
+  `pending_pos < 0`, `set_state` ignores a blob of the wrong size. `spec_state` /
+  `set_spec_state` are their traced form for every row: a checkpoint's `data_spec`. A
+  checkpointed round (its `process` ran, its `accept` never comes) is undone by restoring the
+  pre-round pairing from it, so the replay batch pairs its first token with the h it was paired
+  with before. (Upstream's MTP keeps no blob: after a checkpoint restore it pairs the replay
+  with the rejected round's last h, and drafts worse until the next accept.)
 
 Greedy only: drafts are the argmax of the top-10 (the draft sampler upstream uses at any
 temperature is top_k(10) then the argmax at p_min 0). Pure functions over the state pytree.
@@ -77,8 +77,6 @@ class MtpState:
     cache: KVCache  # one layer per head
     pending_h: Array  # [B, D] float32
     pending_pos: Array  # [B] int32, -1 = none yet
-    seed_h: Array  # [B, D] float32
-    seed_pos: Array  # [B] int32
     verify_h: Array  # [B, S, D] float32, rows 0..verify_rows-1 valid
     verify_pos_first: Array  # [B] int32
     verify_rows: Array  # [B] int32
@@ -122,8 +120,6 @@ class MtpDrafter:
             cache=new_nextn_cache(self.config, batch, capacity),
             pending_h=jnp.zeros((batch, D), jnp.float32),
             pending_pos=jnp.full((batch,), -1, jnp.int32),
-            seed_h=jnp.zeros((batch, D), jnp.float32),
-            seed_pos=jnp.full((batch,), -1, jnp.int32),
             verify_h=jnp.zeros((batch, capacity, D), jnp.float32),
             verify_pos_first=jnp.full((batch,), -1, jnp.int32),
             verify_rows=jnp.zeros((batch,), jnp.int32),
@@ -145,8 +141,7 @@ class MtpDrafter:
         end = (T - 1 - jnp.argmax(valid[:, ::-1], axis=1)).astype(jnp.int32)
         pos_beg = jnp.take_along_axis(pos, beg[:, None], axis=1)[:, 0]
         pos_end = jnp.take_along_axis(pos, end[:, None], axis=1)[:, 0]
-        replay = (state.pending_pos + 1 != pos_beg) & (state.seed_pos + 1 == pos_beg)
-        first_h = jnp.where(replay[:, None], state.seed_h, state.pending_h)
+        first_h = state.pending_h
         shifted = jnp.concatenate([first_h[:, None], h[:, :-1]], axis=1)
         col = jnp.arange(T)[None, :]
         h_in = jnp.where((col == beg[:, None])[..., None], first_h[:, None], shifted)
@@ -169,8 +164,6 @@ class MtpDrafter:
             cache=cache,
             pending_h=jnp.where(has[:, None], h_end, state.pending_h),
             pending_pos=jnp.where(has, pos_end, state.pending_pos).astype(jnp.int32),
-            seed_h=jnp.where(has[:, None], first_h, state.seed_h),
-            seed_pos=jnp.where(has, pos_beg - 1, state.seed_pos).astype(jnp.int32),
             verify_h=jnp.where(has[:, None, None], new_vh, state.verify_h),
             verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
             verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
@@ -307,6 +300,18 @@ class MtpDrafter:
         """One row's pairing: int32 pending_pos + D float32 pending_h (None: none yet)."""
         return boundary_blob(
             int(np.asarray(state.pending_pos)[row]), np.asarray(state.pending_h)[row]
+        )
+
+    def spec_state(self, state: MtpState) -> dict[str, Array]:
+        """Every row's pairing (the traced form of `get_state`: a checkpoint's data_spec)."""
+        return {"pending_pos": state.pending_pos, "pending_h": state.pending_h}
+
+    def set_spec_state(self, state: MtpState, saved: dict[str, Array], rows_B: Array) -> MtpState:
+        """Restore the pairing of the rows `rows_B` from `spec_state`'s data."""
+        return replace(
+            state,
+            pending_pos=jnp.where(rows_B, saved["pending_pos"], state.pending_pos),
+            pending_h=jnp.where(rows_B[:, None], saved["pending_h"], state.pending_h),
         )
 
     def set_state(self, state: MtpState, row: int, blob: bytes) -> MtpState:
