@@ -288,6 +288,22 @@ class RecurrentMemory:
         )
 
 
+def select_recurrent(mask_B: Array, new: RecurrentMemory, old: RecurrentMemory) -> RecurrentMemory:
+    """Per-row choice between two recurrent memories (planes carry rows on axis 1)."""
+
+    def planes(n: Array, o: Array) -> Array:
+        m = mask_B.reshape((1, -1) + (1,) * (n.ndim - 2))
+        return jnp.where(m, n, o)
+
+    return replace(
+        new,
+        conv=tuple(planes(n, o) for n, o in zip(new.conv, old.conv)),
+        ssm=tuple(planes(n, o) for n, o in zip(new.ssm, old.ssm)),
+        pos=jnp.where(mask_B, new.pos, old.pos),
+        rs_idx=jnp.where(mask_B, new.rs_idx, old.rs_idx),
+    )
+
+
 def _check_seq(batch: int, seq: IntLike, name: str = "seq", allow_all: bool = False) -> None:
     s = kv_memory._static_int(seq)
     if s is None:

@@ -56,7 +56,11 @@ from specjax.drafters.base import (
     load_spec_state,
     take_spec_state,
 )
-from specjax.hybrid_memory import HybridMemory, RecurrentMemory, forward_memory_hidden
+from specjax.hybrid_memory import (
+    HybridMemory,
+    forward_memory_hidden,
+    select_recurrent,
+)
 from specjax.models import qwen35
 from specjax.pytree import pytree_dataclass, replace
 from specjax.sampling import SamplingParams
@@ -110,22 +114,6 @@ def _is_eog(engine: HybridEngine, tokens: Array) -> Array:
         return jnp.zeros(tokens.shape, bool)
     ids = jnp.asarray(engine.eog_ids, jnp.int32).reshape((1,) * tokens.ndim + (-1,))
     return jnp.any(tokens[..., None] == ids, axis=-1)
-
-
-def select_recurrent(mask_B: Array, new: RecurrentMemory, old: RecurrentMemory) -> RecurrentMemory:
-    """Per-row choice between two recurrent memories (planes carry rows on axis 1)."""
-
-    def planes(n: Array, o: Array) -> Array:
-        m = mask_B.reshape((1, -1) + (1,) * (n.ndim - 2))
-        return jnp.where(m, n, o)
-
-    return replace(
-        new,
-        conv=tuple(planes(n, o) for n, o in zip(new.conv, old.conv)),
-        ssm=tuple(planes(n, o) for n, o in zip(new.ssm, old.ssm)),
-        pos=jnp.where(mask_B, new.pos, old.pos),
-        rs_idx=jnp.where(mask_B, new.rs_idx, old.rs_idx),
-    )
 
 
 def prefill(

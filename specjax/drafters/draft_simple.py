@@ -38,7 +38,7 @@ from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHis
 from specjax.errors import VocabMismatchError
 from specjax.models.config import ModelConfig
 from specjax.models.llama import ExtraKV, commit_kv, forward_compute, new_cache
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
 
 #: llama.cpp's constants in `common_speculative_are_compatible`.
@@ -82,13 +82,79 @@ class DraftSimple:
             cache=new_cache(self.config, batch, capacity), n_past=jnp.zeros((batch,), jnp.int32)
         )
 
+    # -- the draft model's memory: `DraftSimpleRecurrent` overrides these for a qwen35 draft
+    def _row(self, cache: Any, r: Array) -> Any:
+        """Row r of the draft memory as a one-row memory."""
+
+        def row(x: Array) -> Array:
+            return jax.lax.dynamic_slice_in_dim(x, r, 1, 0)
+
+        return KVCache(
+            k=tuple(row(x) for x in cache.k),
+            v=tuple(row(x) for x in cache.v),
+            pos=row(cache.pos),
+            overflow=row(cache.overflow),
+            inv_freq=cache.inv_freq,
+        )
+
+    def _put_row(self, cache: Any, row_cache: Any, r: Array) -> Any:
+        """The draft memory with row r replaced by the one-row memory `row_cache`."""
+
+        def put(x: Array, y: Array) -> Array:
+            return jax.lax.dynamic_update_slice_in_dim(x, y, r, 0)
+
+        return KVCache(
+            k=tuple(put(x, y) for x, y in zip(cache.k, row_cache.k)),
+            v=tuple(put(x, y) for x, y in zip(cache.v, row_cache.v)),
+            pos=put(cache.pos, row_cache.pos),
+            overflow=put(cache.overflow, row_cache.overflow),
+            inv_freq=cache.inv_freq,
+        )
+
+    def _loop_start(self, state: Any, batch: int, k_max: int) -> Any:
+        """The draft loop's model carry: a [B, G, K, E] scratch per layer for the K/V of the
+        fed tokens (the cache itself is only read inside the loop)."""
+        cfg = self.config
+        shape = (batch, cfg.G, k_max, cfg.E)
+        return ExtraKV(
+            k=tuple(jnp.zeros(shape, c.dtype) for c in state.cache.k),
+            v=tuple(jnp.zeros(shape, c.dtype) for c in state.cache.v),
+            pos=jnp.full((batch, k_max), -1, jnp.int32),
+        )
+
+    def _loop_step(
+        self, params: Params, state: Any, carry: Any, tok_B: Array, pos_B: Array, i: Array
+    ) -> tuple[Array, Any]:
+        """Feed one token per row (pos -1: none): (logits [B, V], carry)."""
+        out = forward_compute(
+            self.config, params, tok_B[:, None], pos_B[:, None], state.cache, extra=carry
+        )
+        carry = ExtraKV(
+            k=tuple(_put(s, i, x) for s, x in zip(carry.k, out.k)),
+            v=tuple(_put(s, i, x) for s, x in zip(carry.v, out.v)),
+            pos=jax.lax.dynamic_update_slice_in_dim(carry.pos, pos_B[:, None], i, 1),
+        )
+        assert out.logits is not None
+        return out.logits[:, 0], carry
+
+    def _loop_end(self, state: Any, carry: Any, reads: Array) -> Any:
+        """The state after the loop: what was fed (id_last, d_1, ...) is kept, and `rollback`
+        trims the part verification rejects."""
+        cache = commit_kv(
+            state.cache,
+            carry.pos,
+            tuple(x.transpose(0, 2, 1, 3) for x in carry.k),
+            tuple(x.transpose(0, 2, 1, 3) for x in carry.v),
+            after=reads,
+        )
+        fed = jnp.sum(carry.pos >= 0, axis=1).astype(jnp.int32)
+        return replace(state, cache=cache, n_past=state.n_past + fed)
+
     def begin(self, state: DraftSimpleState, history: TokenHistory) -> DraftSimpleState:
         del history
         return state
 
-    def _evaluate(
-        self, params: Params, cache: KVCache, tokens_BT: Array, positions_BT: Array
-    ) -> KVCache:
+    def _evaluate(self, params: Params, cache: Any, tokens_BT: Array, positions_BT: Array) -> Any:
         """Write the K/V of `tokens` into the draft cache (no LM head)."""
         out = forward_compute(
             self.config, params, tokens_BT, positions_BT, cache, (self.config.L,), logits=False
@@ -102,7 +168,7 @@ class DraftSimple:
             return state  # verify rows: `draft` catches up from the history when needed
         cache = self._evaluate(params, state.cache, batch.tokens, batch.positions)
         n_past = jnp.maximum(state.n_past, jnp.max(batch.positions, axis=1) + 1)
-        return DraftSimpleState(cache=cache, n_past=n_past.astype(jnp.int32))
+        return replace(state, cache=cache, n_past=n_past.astype(jnp.int32))
 
     def accept(
         self, state: DraftSimpleState, n_accepted: Array, is_other: Array, active: Array
@@ -128,58 +194,37 @@ class DraftSimple:
         target_B = jnp.where(rows_B, history.length, state.n_past)
         W = CATCH_UP_ROW
 
-        def far_cond(st: DraftSimpleState) -> Array:
+        def far_cond(st: Any) -> Array:
             return jnp.any(target_B - st.n_past > CATCH_UP)
 
-        def far_body(st: DraftSimpleState) -> DraftSimpleState:
+        def far_body(st: Any) -> Any:
             r = jnp.argmax(target_B - st.n_past).astype(jnp.int32)
             start = st.n_past[r]
             idx_T = start + jnp.arange(W, dtype=jnp.int32)
             ok_T = idx_T < target_B[r]
             tokens_1T = history.tokens[r, jnp.clip(idx_T, 0, S - 1)][None, :]
             positions_1T = jnp.where(ok_T, idx_T, -1)[None, :]
-            c = st.cache
-
-            def row(x: Array) -> Array:
-                return jax.lax.dynamic_slice_in_dim(x, r, 1, 0)
-
-            def put(x: Array, y: Array) -> Array:
-                return jax.lax.dynamic_update_slice_in_dim(x, y, r, 0)
-
-            row_cache = KVCache(
-                k=tuple(row(x) for x in c.k),
-                v=tuple(row(x) for x in c.v),
-                pos=row(c.pos),
-                overflow=row(c.overflow),
-                inv_freq=c.inv_freq,
-            )
-            row_cache = self._evaluate(params, row_cache, tokens_1T, positions_1T)
-            cache = KVCache(
-                k=tuple(put(x, y) for x, y in zip(c.k, row_cache.k)),
-                v=tuple(put(x, y) for x, y in zip(c.v, row_cache.v)),
-                pos=put(c.pos, row_cache.pos),
-                overflow=put(c.overflow, row_cache.overflow),
-                inv_freq=c.inv_freq,
-            )
+            row_cache = self._evaluate(params, self._row(st.cache, r), tokens_1T, positions_1T)
+            cache = self._put_row(st.cache, row_cache, r)
             n_past = st.n_past.at[r].add(jnp.sum(ok_T).astype(jnp.int32))
-            return DraftSimpleState(cache=cache, n_past=n_past)
+            return replace(st, cache=cache, n_past=n_past)
 
         state = jax.lax.while_loop(far_cond, far_body, state)
 
-        def behind(st: DraftSimpleState) -> Array:
+        def behind(st: Any) -> Array:
             return jnp.any(st.n_past < target_B)
 
-        def one_behind(st: DraftSimpleState) -> Array:
+        def one_behind(st: Any) -> Array:
             return behind(st) & jnp.all(target_B - st.n_past <= 1)
 
-        def body(width: int, st: DraftSimpleState) -> DraftSimpleState:
+        def body(width: int, st: Any) -> Any:
             idx_BT = st.n_past[:, None] + jnp.arange(width, dtype=jnp.int32)[None, :]
             ok_BT = idx_BT < target_B[:, None]
             tokens = jnp.take_along_axis(history.tokens, jnp.clip(idx_BT, 0, S - 1), axis=1)
             positions = jnp.where(ok_BT, idx_BT, -1)
             cache = self._evaluate(params, st.cache, tokens, positions)
             n_past = st.n_past + jnp.sum(ok_BT, axis=1).astype(jnp.int32)
-            return DraftSimpleState(cache=cache, n_past=n_past)
+            return replace(st, cache=cache, n_past=n_past)
 
         # The usual case, a round after all k drafts were accepted (d_k was never fed), is
         # one token behind: a 1-wide forward (runs 0 or 1 times) instead of a CATCH_UP-wide.
@@ -192,9 +237,8 @@ class DraftSimple:
         B = inp.last_token.shape[0]
         V = self.target_vocab
         n_shared = min(V, self.config.V)
-        cfg = self.config
 
-        def run(state: DraftSimpleState) -> tuple[DraftSimpleState, DraftOutput]:
+        def run(state: Any) -> tuple[Any, DraftOutput]:
             seed = inp.seed if inp.seed is not None else jnp.zeros((B,), jnp.int32)
             draft_seed = jnp.bitwise_xor(seed.astype(jnp.uint32), jnp.uint32(DRAFT_SEED_XOR))
             limit = jnp.minimum(inp.n_max, k_max)
@@ -204,30 +248,17 @@ class DraftSimple:
             state = self._catch_up(params, state, inp.history, drafting)
             temp = inp.temperature.astype(jnp.float32)
             rows = jnp.arange(B)
-            scratch_shape = (B, cfg.G, k_max, cfg.E)
-            scratch0 = ExtraKV(
-                k=tuple(jnp.zeros(scratch_shape, c.dtype) for c in state.cache.k),
-                v=tuple(jnp.zeros(scratch_shape, c.dtype) for c in state.cache.v),
-                pos=jnp.full((B, k_max), -1, jnp.int32),
-            )
+            carry0 = self._loop_start(state, B, k_max)
 
             def cond(carry):
                 i, _, _, alive, _, _, _, _, _ = carry
                 return (i < k_max) & jnp.any(alive)
 
             def body(carry):
-                i, scratch, tok, alive, n, tokens, valid, q, reads = carry
+                i, model, tok, alive, n, tokens, valid, q, reads = carry
                 pos = jnp.where(alive, inp.history.length + i, -1)
-                out = forward_compute(
-                    cfg, params, tok[:, None], pos[:, None], state.cache, extra=scratch
-                )
-                scratch = ExtraKV(
-                    k=tuple(_put(s, i, x) for s, x in zip(scratch.k, out.k)),
-                    v=tuple(_put(s, i, x) for s, x in zip(scratch.v, out.v)),
-                    pos=jax.lax.dynamic_update_slice_in_dim(scratch.pos, pos[:, None], i, 1),
-                )
-                assert out.logits is not None
-                logits = out.logits[:, 0, :n_shared]
+                logits, model = self._loop_step(params, state, model, tok, pos, i)
+                logits = logits[:, :n_shared]
                 # upstream clamps its top-k sampler to the vocabulary (a draft may have < 10)
                 top_vals, top_ids = sampling.small_top_k(logits, min(self.top_k, n_shared))
                 probs = jax.nn.softmax(top_vals, axis=-1)
@@ -251,7 +282,7 @@ class DraftSimple:
                 n = n + keep.astype(jnp.int32)
                 alive = keep & (n < limit)
                 reads = reads + top_vals[0, 0]
-                return i + 1, scratch, token.astype(jnp.int32), alive, n, tokens, valid, q, reads
+                return i + 1, model, token.astype(jnp.int32), alive, n, tokens, valid, q, reads
 
             q0 = (
                 jnp.zeros((B, k_max, V), jnp.float32)
@@ -260,7 +291,7 @@ class DraftSimple:
             )
             init = (
                 jnp.zeros((), jnp.int32),
-                scratch0,
+                carry0,
                 inp.last_token.astype(jnp.int32),
                 drafting,
                 jnp.zeros((B,), jnp.int32),
@@ -269,22 +300,13 @@ class DraftSimple:
                 q0,
                 jnp.zeros((), jnp.float32),  # depends on every step's reads of the cache
             )
-            _, scratch, _, _, n, tokens, valid, q, reads = jax.lax.while_loop(cond, body, init)
-            # Keep what was evaluated (id_last, d_1, ...): rollback trims the rejected part.
-            cache = commit_kv(
-                state.cache,
-                scratch.pos,
-                tuple(x.transpose(0, 2, 1, 3) for x in scratch.k),
-                tuple(x.transpose(0, 2, 1, 3) for x in scratch.v),
-                after=reads,
-            )
-            fed = jnp.sum(scratch.pos >= 0, axis=1).astype(jnp.int32)
-            state = DraftSimpleState(cache=cache, n_past=state.n_past + fed)
+            _, model, _, _, n, tokens, valid, q, reads = jax.lax.while_loop(cond, body, init)
+            state = self._loop_end(state, model, reads)
             valid = valid & (n >= jnp.maximum(inp.n_min, 1))[:, None]
             out = DraftOutput(tokens=tokens, valid=valid, q=q if self.probabilistic else None)
             return state, out
 
-        def skip(state: DraftSimpleState) -> tuple[DraftSimpleState, DraftOutput]:
+        def skip(state: Any) -> tuple[Any, DraftOutput]:
             out = empty_draft(B, k_max)
             if self.probabilistic:
                 out = DraftOutput(

@@ -31,10 +31,17 @@ def _draft_simple(spec: SpecConfig, target: Any, draft: Any) -> tuple[Any, Any]:
     # sampling with the same seed. "probabilistic": rows at temperature > 0 sample their drafts
     # and are verified by rejection sampling; rows at temperature 0 still draft the argmax, so
     # one static drafter serves every temperature without recompiling.
+    probabilistic = spec.draft_sampling == "probabilistic"
+    if getattr(draft.config, "arch", None) == "qwen35":
+        # a recurrent draft context: FULL (n_rs_seq 0, as upstream's draft contexts)
+        from specjax.drafters.draft_simple_recurrent import DraftSimpleRecurrent
+
+        recurrent = DraftSimpleRecurrent(
+            config=draft.config, target_vocab=target.config.V, probabilistic=probabilistic
+        )
+        return recurrent, draft.params
     drafter = DraftSimple(
-        config=draft.config,
-        target_vocab=target.config.V,
-        probabilistic=spec.draft_sampling == "probabilistic",
+        config=draft.config, target_vocab=target.config.V, probabilistic=probabilistic
     )
     return drafter, draft.params
 
