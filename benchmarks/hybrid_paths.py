@@ -70,10 +70,24 @@ def _bytes(tree: Any) -> int:
 
 
 def state_bytes(config: q.Qwen35Config, ctx: int) -> dict[str, Any]:
+    """Bytes at `ctx` cells, and the context at which the checkpoint is 1% of the full state
+    (the recurrent state is fixed per row; only the attention KV grows with the context)."""
+
+    def full_bytes(cells: int) -> int:
+        return _bytes(jax.eval_shape(lambda: HybridMemory.init(config, 1, cells, 0, "float16")))
+
     mem = jax.eval_shape(lambda: HybridMemory.init(config, 1, ctx, 0, "float16"))
     ckpt = jax.eval_shape(lambda m: slot_checkpoint.take(m, 0, 0), mem)
     full, part = _bytes(mem), _bytes(ckpt.data_tgt)
-    return {"full_state_bytes": full, "checkpoint_bytes": part, "ratio": part / full}
+    per_cell = (full_bytes(2 * ctx) - full) / ctx
+    fixed = full - per_cell * ctx
+    return {
+        "full_state_bytes": full,
+        "checkpoint_bytes": part,
+        "ratio": part / full,
+        "kv_bytes_per_cell": per_cell,
+        "context_for_1_percent": int(np.ceil((part / 0.01 - fixed) / per_cell)),
+    }
 
 
 HYBRID_GGUF = ROOT / "models" / "code-hybrid" / "code-hybrid-f16.gguf"
