@@ -45,6 +45,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax import sampling, verify
 from specjax.drafters.base import (
@@ -460,9 +461,12 @@ class HybridSpecReport:
     n_verif_steps: int
     names: tuple[str, ...]
     n_rounds: int = 0  # target forwards of the loop (one per round, all rows at once)
+    #: a recurrent draft context's row-rounds per path (DRAFT_ROLLBACK_PATHS), else None
+    draft_context: dict[str, int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         steps = self.n_verif_steps
+        extra = {} if self.draft_context is None else {"draft_context": self.draft_context}
         return {
             "num_drafts": steps,
             "num_draft_tokens": self.n_draft_tokens,
@@ -476,6 +480,7 @@ class HybridSpecReport:
             "rollback": {name: self.paths.get(name, 0) for name in ROLLBACK_PATHS},
             "target_forwards": self.n_rounds,
             "drafters": list(self.names),
+            **extra,
         }
 
     def lines(self) -> list[str]:
@@ -485,10 +490,28 @@ class HybridSpecReport:
             f"draft acceptance rate = {self.to_dict()['acceptance_rate']:.5f} "
             f"({self.n_accepted} accepted / {self.n_draft_tokens} generated)",
             format_rollback_line(p),
-        ]
+        ] + (
+            []
+            if self.draft_context is None
+            else [
+                "draft context: {rs_plane} rounds rolled back by RS plane, {checkpoint} by "
+                "checkpoint".format(**self.draft_context)
+            ]
+        )
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
+
+
+def _draft_context_counts(states: tuple[Any, ...]) -> dict[str, int] | None:
+    """Row-rounds per rollback path of the recurrent draft contexts (None: there is none)."""
+    from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS
+
+    counts = [np.asarray(s.rollbacks).sum(axis=0) for s in states if hasattr(s, "rollbacks")]
+    if not counts:
+        return None
+    total = np.sum(counts, axis=0)
+    return {name: int(x) for name, x in zip(DRAFT_ROLLBACK_PATHS, total)}
 
 
 def generate_speculative(
@@ -593,6 +616,7 @@ def generate_speculative(
         n_verif_steps=int(st.n_verif_steps),
         names=tuple(d.name for d in drafters),
         n_rounds=int(st.n_rounds),
+        draft_context=_draft_context_counts(st.drafter_states),
     )
     if report.paths["seq_rm_failed"]:
         raise RuntimeError(f"a bounded rollback failed in {report.paths['seq_rm_failed']} rounds")

@@ -179,3 +179,6 @@ def test_engine_greedy_with_a_recurrent_draft_equals_plain_greedy() -> None:
     d = res.stats.to_dict()
     assert d["num_draft_tokens"] > d["num_accepted_tokens"] > 0
     assert d["rollback"]["checkpoint"] > 0
+    # the draft context (FULL) restored its checkpoint after every drafting round
+    assert d["draft_context"]["checkpoint"] > 0 and d["draft_context"]["rs_plane"] == 0
+    assert "draft context: 0 rounds rolled back by RS plane" in str(res.stats)
