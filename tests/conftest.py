@@ -2,16 +2,40 @@
 
 import gc
 import os
+import shutil
+import tempfile
 
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=2")
 # Tests never read or fill the user's persistent compilation cache (specjax turns it on by
-# default); tests/test_compile_cache.py turns it on in a temporary directory.
-os.environ.setdefault("SPECJAX_COMPILE_CACHE", "0")
+# default). A run shares one of its own instead, in a temporary directory made by the first
+# process (pytest-xdist workers and the CLI subprocesses of tests inherit it), removed at the
+# end: a program that recurs in another module or worker is then loaded, not compiled again.
+# SPECJAX_TEST_RUN_CACHE=0 runs without it; tests/test_compile_cache.py sets its own.
+_RUN_CACHE = "SPECJAX_TEST_RUN_CACHE"
+_OWNS_RUN_CACHE = _RUN_CACHE not in os.environ
+if _OWNS_RUN_CACHE:
+    os.environ[_RUN_CACHE] = tempfile.mkdtemp(prefix="specjax-test-cache-")
+os.environ["SPECJAX_COMPILE_CACHE"] = os.environ[_RUN_CACHE]
 
-import jax
-import pytest
+import jax  # noqa: E402
+import pytest  # noqa: E402
 
-from specjax import api
+from specjax import api, compile_cache  # noqa: E402
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    if _OWNS_RUN_CACHE and os.environ.get(_RUN_CACHE, "0") != "0":
+        shutil.rmtree(os.environ[_RUN_CACHE], ignore_errors=True)
+
+
+@pytest.fixture
+def no_compile_cache():
+    """The persistent compilation cache off for one test (tests that count compilations)."""
+    previous = compile_cache.current()
+    compile_cache.set_compile_cache(None)
+    yield
+    compile_cache.set_compile_cache(previous)
+
 
 jax.config.update("jax_numpy_rank_promotion", "raise")
 jax.config.update("jax_numpy_dtype_promotion", "strict")

@@ -97,6 +97,7 @@ def test_cli_errors_are_clear(gguf_path, tmp_path, capsys):
         cli.main(["generate", "-m", gguf_path, "-p", "x", "--spec-type", "draft-simple"])
 
 
+@pytest.mark.slow  # suite time: lookup files are also covered by tests/test_lookup_files.py
 def test_lookup_caches_static_in_dynamic_out(gguf_path, tmp_path, capsys):
     from specjax.lookup import load_cache
 

@@ -340,6 +340,7 @@ def _check_drafted(d: dict) -> None:
     assert d["rollback"]["seq_rm_failed"] == 0
 
 
+@pytest.mark.slow  # suite time: tests/test_hybrid_shipped.py runs draft-mtp's RS path on the shipped model
 def test_rs_path_equals_plain_greedy() -> None:
     """n_rs_seq = 4, draft n_max 6: full drafts roll back by checkpoint + replay; drafts the
     budget cuts to <= 4 near a row's end roll back by an RS plane."""

@@ -36,7 +36,7 @@ def models():
     return target, noisy_copy(target, 0.3)
 
 
-@pytest.mark.parametrize("temperature", [0.8, 0.2])
+@pytest.mark.parametrize("temperature", [0.8, pytest.param(0.2, marks=pytest.mark.slow)])
 def test_greedy_drafting_reproduces_plain_sampling(models, temperature):
     target, draft = models
     plain = generate(target, PROMPTS, temperature=temperature, **SAMPLING)

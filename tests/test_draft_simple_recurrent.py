@@ -165,6 +165,7 @@ def test_the_registry_builds_a_full_recurrent_draft_for_a_qwen35_draft_model() -
         DraftSimpleRecurrent(config=DRAFT, target_vocab=8, n_rs_seq=-1)
 
 
+@pytest.mark.slow  # suite time: the drafter-level test above checks every draft
 def test_engine_greedy_with_a_recurrent_draft_equals_plain_greedy() -> None:
     from test_hybrid_spec import N_NEW, _model, _plain, _prompts
 

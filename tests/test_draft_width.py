@@ -75,7 +75,16 @@ def test_n_max_p_min_n_min_do_not_recompile(models):
     assert n_min["num_draft_tokens"] >= 6 * n_min["num_drafts"] > 0
 
 
-@pytest.mark.parametrize("change", [dict(k_max=8), dict(draft_n_max=20), dict(n_ctx=256)], ids=str)
+@pytest.mark.parametrize(
+    "change",
+    [
+        dict(k_max=8),
+        # suite time: one static size shows the rule; the others run with -m slow
+        pytest.param(dict(draft_n_max=20), marks=pytest.mark.slow),
+        pytest.param(dict(n_ctx=256), marks=pytest.mark.slow),
+    ],
+    ids=str,
+)
 def test_static_sizes_do_compile(models, change):
     run(models, draft_n_max=3)
     change = dict(change)
@@ -87,6 +96,7 @@ def test_static_sizes_do_compile(models, change):
     assert api.compile_count() > before and events
 
 
+@pytest.mark.slow  # suite time: synthetic verification is covered elsewhere
 def test_synthetic_rates_are_sized_by_n_max_not_the_static_width(models):
     """llama.cpp takes n_max synthetic acceptance rates; the static width (16) is wider."""
     target, draft = models

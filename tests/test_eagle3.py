@@ -313,6 +313,7 @@ def test_gguf_round_trip(tmp_path, variant):
 
 
 # --------------------------------------------------------- training rollout == drafting
+@pytest.mark.slow  # suite time: a training-side consistency check
 def test_training_rollout_drafts_what_the_drafter_drafts(target, head):
     """The training-time test rollout (`ttt_rollout`) fed the drafter's own tokens proposes
     the drafter's tokens at every step, and its logits match the drafter's."""
@@ -395,6 +396,7 @@ def test_chunked_prefill_drafts_like_a_whole_prefill(target, head, plain):
 
 
 # ------------------------------------------------------------------- CLI, chain, GGUF
+@pytest.mark.slow  # suite time: chunked prefill is covered by test_chunked_prefill_drafts_like_a_whole_prefill
 def test_cli_chain_with_ngram_mod_and_chunked_prefill(tmp_path, capsys):
     """`specjax generate -m T -md HEAD.gguf --spec-type draft-eagle3,ngram-mod -ub 4`: the
     head goes through its GGUF file, the chain and the chunked prefill; greedy output is the

@@ -43,6 +43,7 @@ def test_draft_simple_greedy_is_lossless(target, plain, k):
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 
+@pytest.mark.slow  # suite time: batch independence is also covered by tests/test_batch.py
 def test_single_row_matches_batch(target, plain):
     draft = noisy_copy(target, 0.6)
     spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=3)
@@ -104,7 +105,9 @@ def test_generation_compiles_once_across_sampling_params(target):
     assert events == []
 
 
-def test_executable_cache_is_bounded_and_keeps_the_recently_used(target, monkeypatch):
+def test_executable_cache_is_bounded_and_keeps_the_recently_used(
+    target, monkeypatch, no_compile_cache
+):
     """Executables pin machine-code mappings; the cache keeps the most recently used few, and
     a shape evicted from it is compiled again (compile_count counts every compile)."""
     monkeypatch.setattr(api, "_COMPILED", {})

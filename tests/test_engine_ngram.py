@@ -104,6 +104,7 @@ def test_full_chain_is_lossless(target, plain, prompts):
     check(target, plain, types, 8, prompts)
 
 
+@pytest.mark.slow  # suite time: the full chain test covers ngram-mod with draft-simple
 def test_ngram_mod_then_draft_simple_share_rows(target, plain, prompts):
     stats = check(target, plain, ("ngram-mod", "draft-simple"), 3, prompts)
     used = [name for name, d in stats["drafters"].items() if d["n_gen_drafts"] > 0]

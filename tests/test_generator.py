@@ -44,6 +44,7 @@ def prompts():
     return p, q
 
 
+@pytest.mark.slow  # suite time: per-request state is covered by test_draft_simple_state_is_per_request
 def test_ngram_mod_pool_outlives_a_request(target, prompts):
     p, q = prompts
     plain = specjax.generate(target, [p, q], max_new_tokens=NEW)
