@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracles.qwen35_reference import Reference
+from test_hybrid_spec import CFG as TARGET
 
 from specjax import api
 from specjax.config import SpecConfig
@@ -28,22 +29,10 @@ from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS, DraftS
 from specjax.drafters.registry import build_drafters
 from specjax.models import qwen35 as q
 
-DRAFT = q.Qwen35Config(
-    vocab_size=8,
-    dim=32,
-    n_layers=2,
-    n_heads=2,
-    n_kv_heads=1,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=2,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-    max_position=256,
+#: the test target's shape (tests/test_hybrid_spec.py), smaller: 2 layers (one delta-net, one
+#: attention), 2 query heads, 1 KV head, 2 value heads
+DRAFT = q.Qwen35Config.from_dict(
+    {**TARGET.to_dict(), "n_layers": 2, "n_heads": 2, "n_kv_heads": 1, "ssm_v_heads": 2}
 )
 S = 64
 K = 4
