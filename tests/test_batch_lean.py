@@ -95,7 +95,16 @@ def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
 
 
-STEPS = {eng.spec_step: eng.step_jit, cont.lean_step: jax.jit(cont.lean_step, static_argnums=0)}
+def off_step(engine, params, dparams, state, run):
+    """`engine.generate_loop`'s round inside a stretch in which no row may draft."""
+    return eng.spec_step(engine, params, dparams, state, run, off=True)
+
+
+STEPS = {
+    eng.spec_step: eng.step_jit,
+    cont.lean_step: jax.jit(cont.lean_step, static_argnums=0),
+    off_step: jax.jit(off_step, static_argnums=0),
+}
 
 
 def eager(engine: eng.Engine) -> eng.Engine:
@@ -200,6 +209,9 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     assert not eng.idle_rounds_are_plain(reference)
     got = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
     assert_same_state(got, want)
+    if eng.idle_rounds_are_plain(engine):  # the generation loop's off stretch: the same rounds
+        got = rounds(off_step, engine, target.params, dparams, _copy(state), run)
+        assert_same_state(got, want)
     if not lean:
         return
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), run)
@@ -217,4 +229,48 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), mid)
     assert int(want.governor.n_throttled) > int(state.governor.n_throttled)
     assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
+    assert_same_state(got, want)
+
+
+def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target):
+    """`engine.generate_loop` runs the rounds the governor turns off in an inner loop of
+    `spec_step(off=True)`; the whole generation must leave the state that calling
+    `spec_step` round by round leaves, with off rounds and drafting rounds both taken."""
+    spec = SpecConfig(
+        types=("ngram-mod", "draft-simple"),
+        ngram_mod_n_match=2,
+        ngram_mod_n_min=1,
+        ngram_mod_n_max=4,
+        ngram_mod_pool_size=1 << 10,
+        draft_n_max=4,
+    )
+    drafters, dparams = build_drafters(spec, target, noisy_copy(target, 0.3))
+    engine = eng.Engine(
+        target=target.config, drafters=drafters, k_max=4, capacity=S, out_capacity=OUT
+    )
+    assert eng.idle_rounds_are_plain(engine)
+    tokens = np.zeros((B, 11), np.int32)
+    for b, p in enumerate(PROMPTS):
+        tokens[b, : len(p)] = p
+    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    on = run_params(adaptive.CostModel.off(), 0.0)
+    state = eng.prefill_jit(engine, target.params, dparams, jnp.asarray(tokens), lengths, on)
+    for _ in range(3):  # drafts, partly rejected: the governor learns a low acceptance
+        state = eng.step_jit(engine, target.params, dparams, state, on)
+    # cheap drafting: the governor drafts where it expects acceptance and turns rounds off
+    # elsewhere (and every round in which no row has budget left is off too)
+    cheap = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(0.05, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(0.0, jnp.float32),
+    )
+    run = run_params(cheap, 0.0)
+    want = _copy(state)
+    while bool(jnp.any(~want.done)) and int(want.n_rounds) < OUT:
+        want = eng.step_jit(engine, target.params, dparams, want, run)
+    got = eng.generate_loop_jit(engine, target.params, dparams, _copy(state), run)
+    n_off = int(want.governor.n_off) - int(state.governor.n_off)
+    assert 0 < n_off < int(want.governor.n_rounds) - int(state.governor.n_rounds)
+    assert int(want.stats.n_draft_tokens) > int(state.stats.n_draft_tokens)
     assert_same_state(got, want)
