@@ -321,8 +321,11 @@ def decode_params(params: Params) -> Params:
     become `llama.KernelWeight`s (few-row products on `specjax.cpu_kernels`, reading F16 weights
     as F16) when the native kernel is available, else `llama.InputMajor` copies (XLA's CPU
     matrix-vector products read `[in, out]` ~1.7x faster); made once per set of weights and
-    kept for the next calls. Elsewhere, and for other pytrees, `params` itself."""
-    if jax.default_backend() != "cpu" or not (isinstance(params, dict) and "layers" in params):
+    kept for the next calls. Elsewhere, and for other pytrees (a qwen35 model's, say),
+    `params` itself."""
+    layers = params.get("layers") if isinstance(params, dict) else None
+    llama_family = bool(layers) and "wqkv" in layers[0]  # type: ignore[index]
+    if jax.default_backend() != "cpu" or not llama_family:
         return params
     kernel = cpu_kernels.available()
     leaves = jax.tree.leaves(params)

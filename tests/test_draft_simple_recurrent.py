@@ -172,3 +172,23 @@ def test_engine_greedy_with_a_recurrent_draft_equals_plain_greedy() -> None:
     # the draft context (FULL) restored its checkpoint after every drafting round
     assert d["draft_context"]["checkpoint"] > 0 and d["draft_context"]["rs_plane"] == 0
     assert "draft context: 0 rounds rolled back by RS plane" in str(res.stats)
+
+
+def test_a_llama_target_drafts_with_a_recurrent_draft_model() -> None:
+    """`specjax.generate` on an attention-only target with a qwen35 draft (the CLI's `-md`):
+    the draft's parameters stay as they are (only Llama-family pytrees take the CPU kernels'
+    decode form), and greedy speculation equals plain greedy with drafts made and rejected."""
+    from specjax.models.config import ModelConfig
+
+    target = api.init_model(  # seed 6: the two random models agree now and then
+        ModelConfig(vocab_size=8, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=6
+    )
+    draft = api.Model(config=DRAFT, params=_draft_params())
+    rng = np.random.RandomState(4)
+    prompts = [[int(t) for t in rng.randint(0, 8, size=n)] for n in (9, 5)]
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=4, k_max=4, adaptive=False)
+    plain = api.generate(target, prompts, max_new_tokens=24)
+    out = api.generate(target, prompts, max_new_tokens=24, spec=spec, draft=draft)
+    assert out.tokens == plain.tokens
+    d = out.stats.to_dict()
+    assert d["num_draft_tokens"] > d["num_accepted_tokens"] > 0
