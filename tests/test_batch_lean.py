@@ -90,6 +90,14 @@ def throttles() -> adaptive.CostModel:
     )
 
 
+def prompt_arrays() -> tuple[jax.Array, jax.Array]:
+    """PROMPTS as the engine's [B, 11] token array (zero-padded) and [B] lengths."""
+    tokens = np.zeros((B, 11), np.int32)
+    for b, p in enumerate(PROMPTS):
+        tokens[b, : len(p)] = p
+    return jnp.asarray(tokens), jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+
+
 @jax.jit
 def _copy(tree):
     return jax.tree.map(jnp.copy, tree)
@@ -182,14 +190,11 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
         capacity=S,
         out_capacity=OUT,
     )
-    tokens = np.zeros((B, 11), np.int32)
-    for b, p in enumerate(PROMPTS):
-        tokens[b, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    tokens, lengths = prompt_arrays()
     reference = eager(engine)  # calls every drafter every round
     run = run_params(never_pays(), temperature)
     on = run_params(adaptive.CostModel.off(), temperature)
-    state = eng.prefill_jit(engine, target.params, dparams, jnp.asarray(tokens), lengths, run)
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
     # one drafting round first: the governor's estimates leave the prior (where relaxing
     # towards it would change nothing), so an off round that skipped the relaxing shows
     for _ in range(12):  # (model-free drafters need the output to repeat itself first)
@@ -249,12 +254,9 @@ def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target)
         target=target.config, drafters=drafters, k_max=4, capacity=S, out_capacity=OUT
     )
     assert eng.idle_rounds_are_plain(engine)
-    tokens = np.zeros((B, 11), np.int32)
-    for b, p in enumerate(PROMPTS):
-        tokens[b, : len(p)] = p
-    lengths = jnp.asarray([len(p) for p in PROMPTS], jnp.int32)
+    tokens, lengths = prompt_arrays()
     on = run_params(adaptive.CostModel.off(), 0.0)
-    state = eng.prefill_jit(engine, target.params, dparams, jnp.asarray(tokens), lengths, on)
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, on)
     for _ in range(3):  # drafts, partly rejected: the governor learns a low acceptance
         state = eng.step_jit(engine, target.params, dparams, state, on)
     # cheap drafting: the governor drafts where it expects acceptance and turns rounds off
