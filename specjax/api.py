@@ -24,7 +24,14 @@ from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
 from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, init_params, input_major, kernel_weights, new_cache
+from specjax.models.llama import (
+    LINEAR_WEIGHTS,
+    forward_fn,
+    init_params,
+    input_major,
+    kernel_weights,
+    new_cache,
+)
 from specjax.types import Params
 
 
@@ -323,9 +330,9 @@ def decode_params(params: Params) -> Params:
     matrix-vector products read `[in, out]` ~1.7x faster); made once per set of weights and
     kept for the next calls. Elsewhere, and for other pytrees (a qwen35 model's, say),
     `params` itself."""
-    layers = params.get("layers") if isinstance(params, dict) else None
-    llama_family = bool(layers) and "wqkv" in layers[0]  # type: ignore[index]
-    if jax.default_backend() != "cpu" or not llama_family:
+    layers = params.get("layers", ()) if isinstance(params, dict) else ()
+    # the fused Q/K/V matrix the decode forms convert marks a Llama-family pytree
+    if jax.default_backend() != "cpu" or not (layers and LINEAR_WEIGHTS[0] in layers[0]):
         return params
     kernel = cpu_kernels.available()
     leaves = jax.tree.leaves(params)

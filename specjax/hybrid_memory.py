@@ -252,8 +252,10 @@ class RecurrentMemory:
     ) -> Self:
         """The memory after a forward over `positions_BT` (valid tokens first per row).
 
-        `*_steps` [B, T, ...]: the state after every token (needed when n_rs_seq > 0);
-        `final_*` [B, ...]: the state after each row's last valid token."""
+        `*_steps` [B, T, ...]: the state after every token; `final_*` [B, ...]: the state
+        after each row's last valid token. With n_rs_seq > 0 and no steps (empty tuples),
+        every plane of a fed row gets the final state: for callers that never roll back
+        into the batch (a draft model's prompt and catch-up forwards)."""
         valid_BT = positions_BT >= 0
         n_B = jnp.sum(valid_BT, axis=1).astype(jnp.int32)
         fed_B = n_B > 0
@@ -261,9 +263,8 @@ class RecurrentMemory:
         P = self.n_planes
 
         def planes(old: Array, steps: Array | None, final: Array) -> Array:
-            if P == 1:
-                return _rows(fed_B, final[None], old, 1)
-            assert steps is not None
+            if P == 1 or steps is None:
+                return _rows(fed_B, jnp.broadcast_to(final[None], old.shape), old, 1)
             out = []
             for d in range(P):
                 t_B = n_B - 1 - d  # the token after which plane d's state was taken

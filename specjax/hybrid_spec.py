@@ -484,20 +484,19 @@ class HybridSpecReport:
         }
 
     def lines(self) -> list[str]:
-        p = self.paths
-        return [
+        out = [
             f"target memory: {self.seq_rm_type} (n_rs_seq = {self.n_rs_seq})",
             f"draft acceptance rate = {self.to_dict()['acceptance_rate']:.5f} "
             f"({self.n_accepted} accepted / {self.n_draft_tokens} generated)",
-            format_rollback_line(p),
-        ] + (
-            []
-            if self.draft_context is None
-            else [
-                "draft context: {rs_plane} rounds rolled back by RS plane, {checkpoint} by "
-                "checkpoint".format(**self.draft_context)
-            ]
-        )
+            format_rollback_line(self.paths),
+        ]
+        if self.draft_context is not None:
+            c = self.draft_context
+            out.append(
+                f"draft context: {c['rs_plane']} rounds rolled back by RS plane, "
+                f"{c['checkpoint']} by checkpoint"
+            )
+        return out
 
     def __str__(self) -> str:
         return "\n".join(self.lines())
@@ -505,9 +504,11 @@ class HybridSpecReport:
 
 def _draft_context_counts(states: tuple[Any, ...]) -> dict[str, int] | None:
     """Row-rounds per rollback path of the recurrent draft contexts (None: there is none)."""
-    from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS
+    from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS, RecurrentDraftState
 
-    counts = [np.asarray(s.rollbacks).sum(axis=0) for s in states if hasattr(s, "rollbacks")]
+    counts = [
+        np.asarray(s.rollbacks).sum(axis=0) for s in states if isinstance(s, RecurrentDraftState)
+    ]
     if not counts:
         return None
     total = np.sum(counts, axis=0)

@@ -82,21 +82,7 @@ class DraftSimpleRecurrent(DraftSimple):
         conv, ssm = cache.rec.current()
         state = qwen35.Qwen35State(kv=cache.kv, conv=conv, ssm=ssm)
         out = qwen35.forward(self.config, params, tokens_BT, positions_BT, state)
-        fed_B = jnp.any(positions_BT >= 0, axis=1)
-        rec = cache.rec
-
-        def planes(old: Array, final: Array) -> Array:
-            new = jnp.broadcast_to(final[None], old.shape)
-            return jnp.where(fed_B.reshape((1, -1) + (1,) * (old.ndim - 2)), new, old)
-
-        last = jnp.max(jnp.where(positions_BT >= 0, positions_BT, EMPTY_POS), axis=1)
-        rec = replace(
-            rec,
-            conv=tuple(planes(o, f) for o, f in zip(rec.conv, out.state.conv)),
-            ssm=tuple(planes(o, f) for o, f in zip(rec.ssm, out.state.ssm)),
-            pos=jnp.where(fed_B, last, rec.pos).astype(jnp.int32),
-            rs_idx=jnp.where(fed_B, 0, rec.rs_idx).astype(jnp.int32),
-        )
+        rec = cache.rec.advance((), (), out.state.conv, out.state.ssm, positions_BT)
         return HybridMemory(kv=out.state.kv, rec=rec)
 
     def _row(self, cache: HybridMemory, r: Array) -> HybridMemory:
