@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -112,7 +113,11 @@ def killed_until_done(
         cmd += ["-md", str(files / "d.gguf"), *SPEC_FLAGS]
     if speculative == "governed":  # the draft governor decides (lean rounds when it is off)
         cmd[-1] = "on"
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": ""}
+    # one device; the rest of the test run's XLA flags (tests/conftest.py) kept
+    flags = re.sub(
+        r"--xla_force_host_platform_device_count=\d+", "", os.environ.get("XLA_FLAGS", "")
+    )
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "XLA_FLAGS": flags.strip()}
     env.pop("SPECJAX_COMPILE_CACHE", None)
     rng = np.random.default_rng(seed)
     logs: list[tuple[int, str]] = []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -66,7 +67,13 @@ def files(tmp_path_factory):
 
 def _env(devices: int) -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "SPECJAX_COMPILE_CACHE": "0"}
-    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["XLA_FLAGS"] = re.sub(
+        r"--xla_force_host_platform_device_count=\d+",
+        f"--xla_force_host_platform_device_count={devices}",
+        os.environ.get("XLA_FLAGS", ""),
+    )
+    if "device_count" not in env["XLA_FLAGS"]:
+        env["XLA_FLAGS"] += f" --xla_force_host_platform_device_count={devices}"
     env.pop("JAX_PLATFORMS", None)
     return env
 
