@@ -50,7 +50,7 @@ def test_deferred_prompt_catches_up_to_the_eager_cache_and_drafts():
     last = jnp.asarray(tokens_BS[:, 0])  # id_last: the first generated token, at `length`
 
     # eager: the whole prompt through `process`, as a prefill does
-    eager = d.process(draft.params, d.init(B, S), _prompt_batch(tokens_BS, LENGTHS))
+    eager = jax.jit(d.process)(draft.params, d.init(B, S), _prompt_batch(tokens_BS, LENGTHS))
     lazy = d.init(B, S)
     assert int(jnp.max(lazy.n_past)) == 0
 
@@ -103,8 +103,10 @@ def test_catch_up_of_one_token_equals_the_eager_cache():
     tokens_BS[:, :16] = np.random.default_rng(1).integers(3, V, (B, 16))
     hist = TokenHistory(tokens=jnp.asarray(tokens_BS), length=jnp.asarray(lengths, jnp.int32))
 
+    process = jax.jit(d.process)  # one compiled forward per prompt width, not op by op
+
     def processed(n_B: list[int]) -> ds.DraftSimpleState:
-        return d.process(draft.params, d.init(B, S), _prompt_batch(tokens_BS, n_B))
+        return process(draft.params, d.init(B, S), _prompt_batch(tokens_BS, n_B))
 
     full = processed(lengths)
     step = jax.jit(lambda s: d._catch_up(draft.params, s, hist, jnp.ones((B,), bool)))

@@ -155,11 +155,12 @@ def test_input_major_forward_matches_float64_and_the_stored_form():
     assert major["layers"][0]["w_gate_up"].t.shape == (32, 128)
     assert llama.input_major(major)["lm_head"] is major["lm_head"]  # idempotent
     cache = model.new_cache(1, 64)
+    forward = jax.jit(llama.forward_compute, static_argnums=0)  # compiled, not op by op
     for T in (1, 5):
         tokens = jnp.asarray(rng.integers(0, model.config.V, (1, T)), jnp.int32)
         pos = jnp.arange(T, dtype=jnp.int32)[None]
-        a = llama.forward_compute(model.config, model.params, tokens, pos, cache).logits
-        b = llama.forward_compute(model.config, major, tokens, pos, cache).logits
+        a = forward(model.config, model.params, tokens, pos, cache).logits
+        b = forward(model.config, major, tokens, pos, cache).logits
         np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-5)
 
 
