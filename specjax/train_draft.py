@@ -12,7 +12,9 @@ Recipe YAML sections: top-level ``draft`` / ``target`` (model files), ``objectiv
 ``target_top_k`` / ``target_top_p`` / ``target_min_p`` (the verifier's truncation), ``draft_top_k``
 (draft-simple's q: 10), ``kl_weight`` (the lk hybrid), ``data`` / ``optim`` / ``train`` as in
 `specjax.train` (`DataConfig`, `OptimConfig`, `LoopConfig`; ``train.run_dir`` may contain
-``{objective}``), ``export_gguf`` (output path, may contain ``{objective}``; null = none).
+``{objective}``), ``export_gguf`` (output path, may contain ``{objective}``; null = none),
+``generated`` (optional, `GeneratedData`: train on the target's own continuations instead of
+corpus windows).
 
 Invariants:
 * Every objective starts from the same draft parameters and sees the same batches: batch ``s``
@@ -20,6 +22,10 @@ Invariants:
   come from the config alone (``train.max_seconds`` only cuts a run short, and the summary says
   so), so objectives differ only in their loss.
 * The target's logits are computed in the same jitted step under `stop_gradient`.
+* With ``generated``, the rows are the target's own samples (`generated_rows`): a pure
+  function of the target, the token arrays and the section, cached on disk under a hash of
+  all three, so every objective trains on the same rows; the loss covers the real tokens of
+  each row (the generated ones only unless ``prompt_loss``), never its padding.
 * Objectives, truncation and the acceptance definitions are `specjax.objectives`'; the summary
   reports held-out alpha (probabilistic draft) and p(argmax q) (greedy draft) per temperature
   before and after training, on the validation split.
@@ -29,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import sys
@@ -64,6 +71,37 @@ from specjax.types import Array, Params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
+class GeneratedData:
+    """On-policy rows: the target's own continuations, sampled at `temperature`, of prompts
+    cut from the start of each training document: the contexts a draft meets when it drafts
+    for that target (target-generated distillation data, as in DistillSpec, arXiv 2310.08461).
+    The validation split's documents give held-out rows the same way (`eval_prompts`)."""
+
+    temperature: float = 0.7
+    prompt_tokens: int = 96
+    new_tokens: int = 128
+    #: at most this many training prompts (0 = one per training document long enough)
+    max_prompts: int = 0
+    #: rows generated per `specjax.generate` call
+    batch: int = 64
+    seed: int = 0
+    #: held-out rows from the validation split (0 = none)
+    eval_prompts: int = 16
+    #: also train on the prompt's tokens (else only on the generated ones)
+    prompt_loss: bool = False
+
+    def validate(self) -> None:
+        for name in ("prompt_tokens", "new_tokens", "batch"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"generated.{name} must be >= 1, got {getattr(self, name)}")
+        if self.temperature < 0 or self.max_prompts < 0 or self.eval_prompts < 0:
+            raise ValueError(
+                "generated.temperature, max_prompts and eval_prompts must be >= 0, got "
+                f"{self.temperature}, {self.max_prompts}, {self.eval_prompts}"
+            )
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
 class DistillRecipe:
     draft: str
     target: str
@@ -81,6 +119,7 @@ class DistillRecipe:
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     optim: OptimConfig = dataclasses.field(default_factory=OptimConfig)
     train: LoopConfig = dataclasses.field(default_factory=LoopConfig)
+    generated: GeneratedData | None = None
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> DistillRecipe:
@@ -90,6 +129,9 @@ class DistillRecipe:
             "optim": _from_dict(OptimConfig, raw.pop("optim", None), "optim"),
             "train": _from_dict(LoopConfig, raw.pop("train", None), "train"),
         }
+        generated = raw.pop("generated", None)
+        if generated is not None:
+            sections["generated"] = _from_dict(GeneratedData, generated, "generated")
         known = {f.name for f in dataclasses.fields(cls)} - set(sections)
         unknown = sorted(set(raw) - known)
         if unknown:
@@ -112,6 +154,8 @@ class DistillRecipe:
             raise ValueError(f"temperatures must be > 0, got {list(self.temperatures)}")
         if self.draft_top_k < 1:
             raise ValueError(f"draft_top_k must be >= 1, got {self.draft_top_k}")
+        if self.generated is not None:
+            self.generated.validate()
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -139,6 +183,128 @@ def load_model(path: str) -> tuple[ModelConfig, Params]:
     return config, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
 
 
+def _as_model(path: str) -> Any:
+    """A `specjax.Model` to generate with (a .npz of `specjax.train` has no tokenizer)."""
+    import specjax
+
+    if path.endswith(".npz"):
+        config, params = load_params_npz(path)
+        if not isinstance(config, ModelConfig):
+            raise ValueError(f"{path}: generated rows need a llama-family target")
+        return specjax.Model(config=config, params=params, eog=())
+    return specjax.load(path)
+
+
+def document_prompts(
+    tokens: np.ndarray, prompt_tokens: int, bos: int | None, limit: int = 0
+) -> np.ndarray:
+    """[N, prompt_tokens] prompts: the first tokens of each document of `tokens` (documents
+    start at `bos`; without one, consecutive windows of 2 * prompt_tokens stand for them),
+    documents shorter than a prompt skipped; `limit` > 0 keeps that many, evenly spaced."""
+    if bos is not None:
+        starts = np.flatnonzero(tokens == bos)
+        ends = np.append(starts[1:], tokens.size)
+    else:
+        starts = np.arange(0, tokens.size, 2 * prompt_tokens)
+        ends = np.minimum(starts + 2 * prompt_tokens, tokens.size)
+    starts = starts[ends - starts > prompt_tokens]
+    if limit and starts.size > limit:
+        starts = starts[np.linspace(0, starts.size - 1, limit).round().astype(np.int64)]
+    idx = starts[:, None] + np.arange(prompt_tokens)[None, :]
+    return tokens[idx].astype(np.int32)
+
+
+def sample_continuations(
+    model: Any, prompts: np.ndarray, cfg: GeneratedData, seed_base: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Rows [N, prompt + new] (the prompt, then the target's sampled continuation, 0-padded
+    after an end of generation) and their lengths [N]. Row i samples with seed
+    `seed_base + i`; calls take `cfg.batch` rows (the last one padded), one compiled shape."""
+    from specjax import api
+
+    n, p = prompts.shape
+    rows = np.zeros((n, p + cfg.new_tokens), np.int32)
+    lengths = np.zeros((n,), np.int32)
+    for i in range(0, n, cfg.batch):
+        chunk = [prompts[min(j, n - 1)].tolist() for j in range(i, i + cfg.batch)]
+        out = api.generate(
+            model,
+            chunk,
+            max_new_tokens=cfg.new_tokens,
+            temperature=cfg.temperature,
+            top_k=0,
+            top_p=1.0,
+            min_p=0.0,
+            seed=[seed_base + j for j in range(i, i + cfg.batch)],
+        )
+        for j, gen in enumerate(out.tokens[: n - i]):
+            rows[i + j, :p] = prompts[i + j]
+            rows[i + j, p : p + len(gen)] = gen
+            lengths[i + j] = p + len(gen)
+    return rows, lengths
+
+
+def generated_rows(
+    recipe: DistillRecipe, train_tokens: np.ndarray, val_tokens: np.ndarray | None
+) -> dict[str, np.ndarray]:
+    """The recipe's on-policy rows: ``train`` / ``train_len`` and (with validation tokens and
+    eval_prompts > 0) ``val`` / ``val_len``; loaded from `data.cache_dir` when a run with the
+    same target, token arrays and `generated` section made them before."""
+    cfg = recipe.generated
+    assert cfg is not None
+    h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
+    h.update(Path(recipe.target).read_bytes())
+    for arr in (train_tokens, val_tokens):
+        h.update(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
+    path = Path(recipe.data.cache_dir) / "generated" / f"{h.hexdigest()[:16]}.npz"
+    if path.exists():
+        with np.load(path) as cached:
+            return dict(cached)
+    model = _as_model(recipe.target)
+    bos = None
+    if model.tokenizer is not None:
+        first = model.encode("")
+        bos = first[0] if first else None
+    out: dict[str, np.ndarray] = {}
+    prompts = document_prompts(train_tokens, cfg.prompt_tokens, bos, cfg.max_prompts)
+    out["train"], out["train_len"] = sample_continuations(model, prompts, cfg, cfg.seed << 20)
+    if val_tokens is not None and cfg.eval_prompts:
+        prompts = document_prompts(val_tokens, cfg.prompt_tokens, bos, cfg.eval_prompts)
+        out["val"], out["val_len"] = sample_continuations(
+            model, prompts, cfg, (cfg.seed << 20) + (1 << 19)
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp.npz")
+    np.savez(tmp, **out)  # type: ignore[arg-type]  # (numpy's stub reads **out as allow_pickle)
+    tmp.replace(path)
+    return out
+
+
+def row_mask(lengths: np.ndarray, width: int, first: int) -> np.ndarray:
+    """[N, width - 1] float mask of the next-token targets to score: the targets at indices
+    first .. length - 1 of each row (a row of `width` tokens has width - 1 targets)."""
+    target_index = np.arange(1, width)[None, :]
+    return ((target_index >= first) & (target_index < lengths[:, None])).astype(np.float32)
+
+
+class RowSampler:
+    """Batches of whole rows; batch ``s`` is a pure function of ``(seed, s)``: epoch ``e``
+    visits the rows in the permutation ``np.random.default_rng([seed, e])`` draws."""
+
+    def __init__(self, n_rows: int, batch_size: int, seed: int) -> None:
+        if n_rows < 1:
+            raise ValueError("no generated rows to train on")
+        self.n, self.B, self.seed = n_rows, batch_size, seed
+
+    def indices(self, step: int) -> np.ndarray:
+        out = np.empty((self.B,), np.int64)
+        for b in range(self.B):
+            i = step * self.B + b
+            perm = np.random.default_rng([self.seed, i // self.n]).permutation(self.n)
+            out[b] = perm[i % self.n]
+        return out
+
+
 def _target_params(recipe: DistillRecipe, temperature: float) -> Any:
     return obj.sampling_params(
         temperature=temperature,
@@ -149,14 +315,22 @@ def _target_params(recipe: DistillRecipe, temperature: float) -> Any:
 
 
 def make_loss(recipe: DistillRecipe, draft_cfg: ModelConfig, target_cfg: ModelConfig) -> Any:
-    """loss(draft_params, target_params, batch [B, T+1]) -> (loss, metrics)."""
+    """loss(draft_params, target_params, batch [B, T+1], mask [B, T]) -> (loss, metrics): the
+    objective's mean over the targets `mask` selects."""
 
-    def loss_fn(dparams: Params, tparams: Params, batch: Array) -> tuple[Array, dict[str, Array]]:
+    def loss_fn(
+        dparams: Params, tparams: Params, batch: Array, mask: Array
+    ) -> tuple[Array, dict[str, Array]]:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         d_logits = model_logits(draft_cfg, dparams, inputs)
         t_logits = jax.lax.stop_gradient(model_logits(target_cfg, tparams, inputs))
         total = jnp.float32(0.0)
         metrics: dict[str, Array] = {}
+        count = jnp.maximum(jnp.sum(mask), 1.0)
+
+        def mean(x: Array) -> Array:
+            return jnp.sum(x * mask) / count
+
         for temp in recipe.temperatures:
             terms = obj.objective_terms(
                 recipe.objective,
@@ -167,10 +341,10 @@ def make_loss(recipe: DistillRecipe, draft_cfg: ModelConfig, target_cfg: ModelCo
                 obj.draft_params(temp, recipe.draft_top_k),
                 kl_weight=recipe.kl_weight,
             )
-            total = total + jnp.mean(terms.loss)
-            metrics[f"alpha@{temp:g}"] = jnp.mean(terms.alpha)
-            metrics[f"greedy_alpha@{temp:g}"] = jnp.mean(terms.greedy_alpha)
-            metrics["kl"] = jnp.mean(terms.kl)
+            total = total + mean(terms.loss)
+            metrics[f"alpha@{temp:g}"] = mean(terms.alpha)
+            metrics[f"greedy_alpha@{temp:g}"] = mean(terms.greedy_alpha)
+            metrics["kl"] = mean(terms.kl)
         return total / len(recipe.temperatures), metrics
 
     return loss_fn
@@ -226,11 +400,38 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
         )
     train_tokens, val_tokens = resolve_data(recipe.data)
     T, B = recipe.data.seq_len, recipe.data.batch_size
-    sampler = TokenSampler(train_tokens, T, B, loop.seed)
 
     ev_windows = ev_mask = None
     if val_tokens is not None and recipe.eval_windows > 0:
         ev_windows, ev_mask = eval_windows(val_tokens[: recipe.eval_windows * T + 1], T)
+
+    gen_rows: dict[str, np.ndarray] = {}
+    gen_eval: tuple[np.ndarray, np.ndarray] | None = None
+    if recipe.generated is not None:
+        gen = recipe.generated
+        gen_rows = generated_rows(recipe, train_tokens, val_tokens)
+        rows = gen_rows["train"]
+        train_mask = row_mask(
+            gen_rows["train_len"], rows.shape[1], 1 if gen.prompt_loss else gen.prompt_tokens
+        )
+        row_sampler = RowSampler(rows.shape[0], B, loop.seed)
+        if "val" in gen_rows:  # scored on the generated tokens, as the engine meets them
+            val_rows = gen_rows["val"]
+            gen_eval = (
+                val_rows,
+                row_mask(gen_rows["val_len"], val_rows.shape[1], gen.prompt_tokens),
+            )
+
+        def next_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+            idx = row_sampler.indices(step)
+            return rows[idx], train_mask[idx]
+
+    else:
+        sampler = TokenSampler(train_tokens, T, B, loop.seed)
+        every_target = np.ones((B, T), np.float32)
+
+        def next_batch(step: int) -> tuple[np.ndarray, np.ndarray]:
+            return sampler.batch(step), every_target
 
     optimizer = make_optimizer(recipe.optim)
     loss_fn = make_loss(recipe, draft_cfg, target_cfg)
@@ -240,9 +441,10 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
 
     @partial(jax.jit, donate_argnums=(0, 1))
     def step_fn(
-        params: Params, opt_state: Any, step: Array, batch: Array, tp: Params
+        params: Params, opt_state: Any, step: Array, batch: Array, mask: Array, tp: Params
     ) -> tuple[Params, Any, dict[str, Array]]:
-        (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params, tp, batch)
+        grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+        (loss, metrics), grads = grad_fn(params, tp, batch, mask)
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, opt_state, params)
         lr = learning_rate(recipe.optim, step, total_steps)
@@ -257,16 +459,27 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
         "planned_steps": steps,
         "tokens_per_step": B * T,
     }
+    if gen_rows:
+        summary["tokens_per_step"] = B * (gen_rows["train"].shape[1] - 1)
+        summary["generated"] = {
+            "rows": int(gen_rows["train"].shape[0]),
+            "tokens": int(gen_rows["train_len"].sum()),
+            "trained_targets": int(train_mask.sum()),
+        }
     if ev_windows is not None and ev_mask is not None:
         summary["eval_before"] = evaluate(dparams, tparams, ev_windows, ev_mask)
+    if gen_eval is not None:
+        summary["eval_generated_before"] = evaluate(dparams, tparams, *gen_eval)
     with jax.numpy_dtype_promotion("standard"):
         opt_state = optimizer.init(dparams)
     params = jax.tree.map(jnp.copy, dparams)
     log: list[dict[str, float]] = []
     stopped, step, t_loop = "done", 0, time.perf_counter()
     while step < steps:
-        batch = jnp.asarray(sampler.batch(step))
-        params, opt_state, metrics = step_fn(params, opt_state, jnp.int32(step), batch, tparams)
+        batch, mask = next_batch(step)
+        params, opt_state, metrics = step_fn(
+            params, opt_state, jnp.int32(step), jnp.asarray(batch), jnp.asarray(mask), tparams
+        )
         step += 1
         if step % loop.log_every == 0 or step == steps:
             rec = {"step": step, **{k: float(v) for k, v in metrics.items()}}
@@ -280,12 +493,14 @@ def train_draft(recipe: DistillRecipe) -> dict[str, Any]:
     summary.update(
         stopped=stopped,
         steps=step,
-        tokens_seen=step * B * T,
+        tokens_seen=step * summary["tokens_per_step"],
         train_seconds=round(time.perf_counter() - t_loop, 1),
         log=log,
     )
     if ev_windows is not None and ev_mask is not None:
         summary["eval_after"] = evaluate(params, tparams, ev_windows, ev_mask)
+    if gen_eval is not None:
+        summary["eval_generated_after"] = evaluate(params, tparams, *gen_eval)
     npz = run_dir / "params.npz"
     save_params_npz(npz, draft_cfg, params, "float32")
     summary["params"] = str(npz)

@@ -11,10 +11,11 @@ import pytest
 
 from specjax import cli
 from specjax import objectives as obj
+from specjax import train_draft as td
 from specjax.models.config import ModelConfig
 from specjax.models.llama import init_params
-from specjax.train import load_params_npz, model_logits, save_params_npz
-from specjax.train_draft import DistillRecipe, train_draft
+from specjax.train import load_params_npz, load_tokens, model_logits, save_params_npz
+from specjax.train_draft import DistillRecipe, document_prompts, train_draft
 
 VOCAB = 32
 
@@ -99,6 +100,7 @@ def test_every_objective_raises_heldout_alpha_from_one_start(tmp_path: Path) -> 
     _raise_alpha(tmp_path, ("nla", "lk", "kl"))
 
 
+@pytest.mark.slow  # suite time: test_training_on_the_targets_own_rows trains tv by default
 def test_tv_raises_heldout_alpha_and_reports_objectives_alpha(tmp_path: Path) -> None:
     files = _raise_alpha(tmp_path, ("tv",))
 
@@ -129,3 +131,71 @@ def test_recipe_errors_name_the_values(tmp_path: Path) -> None:
     with pytest.raises(SystemExit) as exit_info:  # argparse refuses the choice
         cli.main(["train-draft", "--config", "x.yaml", "--objective", "mse"])
     assert exit_info.value.code == 2
+    with pytest.raises(ValueError, match=r"generated\.new_tokens must be >= 1, got 0"):
+        DistillRecipe.from_dict({"draft": "d", "target": "t", "generated": {"new_tokens": 0}})
+    with pytest.raises(ValueError, match="unknown keys in config section 'generated': temp"):
+        DistillRecipe.from_dict({"draft": "d", "target": "t", "generated": {"temp": 1}})
+
+
+def test_document_prompts_are_the_starts_of_long_enough_documents() -> None:
+    bos = 0
+    docs = [[bos, 5, 6, 7, 8], [bos, 9], [bos, 10, 11, 12], [bos, 13, 14, 15, 16, 17]]
+    tokens = np.asarray([t for d in docs for t in d], np.uint16)
+    got = document_prompts(tokens, 3, bos)
+    np.testing.assert_array_equal(got, [[bos, 5, 6], [bos, 10, 11], [bos, 13, 14]])
+    np.testing.assert_array_equal(document_prompts(tokens, 3, bos, limit=2), got[[0, 2]])
+    # no BOS: consecutive windows of twice the prompt length stand for documents
+    np.testing.assert_array_equal(document_prompts(np.arange(14), 3, None), [[0, 1, 2], [6, 7, 8]])
+
+
+def test_training_on_the_targets_own_rows(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """`generated`: rows are the target's continuations (at temperature 0 each generated token
+    is the argmax of the target's logits over the row: the teacher-forced oracle), made once
+    and cached; training on their generated tokens raises alpha on held-out generated rows."""
+    files = _setup(tmp_path)
+    raw = _recipe(files, tmp_path, "tv").to_dict()
+    raw["generated"] = {
+        "temperature": 0.0, "prompt_tokens": 6, "new_tokens": 10, "max_prompts": 48,
+        "batch": 16, "eval_prompts": 8,
+    }  # fmt: skip
+    raw["data"]["cache_dir"] = str(tmp_path / "cache")
+    recipe = DistillRecipe.from_dict(raw)
+    summary = train_draft(recipe)
+    assert summary["generated"]["rows"] == 48
+    assert summary["generated"]["trained_targets"] == int(summary["generated"]["tokens"]) - 48 * 6
+    gain = (
+        summary["eval_generated_after"]["alpha@0.7"] - summary["eval_generated_before"]["alpha@0.7"]
+    )
+    assert gain > 0.05, summary["eval_generated_after"]
+
+    (cached,) = (tmp_path / "cache" / "generated").glob("*.npz")
+    rows = np.load(cached)
+    tcfg, tparams = load_params_npz(files["target"])
+    for name in ("train", "val"):
+        tokens, lengths = rows[name], rows[f"{name}_len"]
+        assert tokens.shape[1] == 16 and np.all(lengths == 16)  # no end of generation here
+        want = np.asarray(jax.numpy.argmax(model_logits(tcfg, tparams, tokens), -1))
+        np.testing.assert_array_equal(tokens[:, 6:], want[:, 5:-1])
+    # the summary's held-out alpha is objectives.acceptance_rate of the saved parameters
+    dcfg, dparams = load_params_npz(tmp_path / "runs" / "tv" / "params.npz")
+    val, mask = rows["val"], td.row_mask(rows["val_len"], 16, 6)
+    alpha = obj.acceptance_rate(
+        model_logits(tcfg, tparams, val[:, :-1]),
+        model_logits(dcfg, dparams, val[:, :-1]),
+        obj.sampling_params(0.7),
+    )
+    assert float(np.sum(alpha * mask) / np.sum(mask)) == pytest.approx(
+        summary["eval_generated_after"]["alpha@0.7"], abs=1e-5
+    )
+    train_tokens, val_tokens = load_tokens(files["train"]), load_tokens(files["val"])
+    np.testing.assert_array_equal(rows["train"][0, :6], train_tokens[:6])
+
+    # a second run reads the cache instead of generating again
+    def refuse(*_args: object) -> None:
+        raise AssertionError("generated again")
+
+    monkeypatch.setattr(td, "sample_continuations", refuse)
+    again = td.generated_rows(recipe, train_tokens, val_tokens)
+    assert sorted(again) == sorted(rows.files)
+    for key in again:
+        np.testing.assert_array_equal(again[key], rows[key])
