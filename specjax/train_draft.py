@@ -82,6 +82,8 @@ class GeneratedData:
     new_tokens: int = 128
     #: at most this many training prompts (0 = one per training document long enough)
     max_prompts: int = 0
+    #: continuations sampled per training prompt (each with its own seed)
+    samples: int = 1
     #: rows generated per `specjax.generate` call
     batch: int = 64
     seed: int = 0
@@ -91,7 +93,7 @@ class GeneratedData:
     prompt_loss: bool = False
 
     def validate(self) -> None:
-        for name in ("prompt_tokens", "new_tokens", "batch"):
+        for name in ("prompt_tokens", "new_tokens", "batch", "samples"):
             if getattr(self, name) < 1:
                 raise ValueError(f"generated.{name} must be >= 1, got {getattr(self, name)}")
         if self.temperature < 0 or self.max_prompts < 0 or self.eval_prompts < 0:
@@ -267,6 +269,7 @@ def generated_rows(
         bos = first[0] if first else None
     out: dict[str, np.ndarray] = {}
     prompts = document_prompts(train_tokens, cfg.prompt_tokens, bos, cfg.max_prompts)
+    prompts = np.repeat(prompts, cfg.samples, axis=0)
     out["train"], out["train_len"] = sample_continuations(model, prompts, cfg, cfg.seed << 20)
     if val_tokens is not None and cfg.eval_prompts:
         prompts = document_prompts(val_tokens, cfg.prompt_tokens, bos, cfg.eval_prompts)

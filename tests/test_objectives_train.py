@@ -155,8 +155,8 @@ def test_training_on_the_targets_own_rows(tmp_path: Path, monkeypatch: pytest.Mo
     files = _setup(tmp_path)
     raw = _recipe(files, tmp_path, "tv").to_dict()
     raw["generated"] = {
-        "temperature": 0.0, "prompt_tokens": 6, "new_tokens": 10, "max_prompts": 48,
-        "batch": 16, "eval_prompts": 8,
+        "temperature": 0.0, "prompt_tokens": 6, "new_tokens": 10, "max_prompts": 24,
+        "samples": 2, "batch": 16, "eval_prompts": 8,
     }  # fmt: skip
     raw["data"]["cache_dir"] = str(tmp_path / "cache")
     recipe = DistillRecipe.from_dict(raw)
@@ -189,6 +189,9 @@ def test_training_on_the_targets_own_rows(tmp_path: Path, monkeypatch: pytest.Mo
     )
     train_tokens, val_tokens = load_tokens(files["train"]), load_tokens(files["val"])
     np.testing.assert_array_equal(rows["train"][0, :6], train_tokens[:6])
+    # two samples per prompt, side by side (at temperature 0 the same continuation)
+    np.testing.assert_array_equal(rows["train"][0::2], rows["train"][1::2])
+    assert len({tuple(r) for r in rows["train"][:, :6].tolist()}) == 24
 
     # a second run reads the cache instead of generating again
     def refuse(*_args: object) -> None:
@@ -199,3 +202,11 @@ def test_training_on_the_targets_own_rows(tmp_path: Path, monkeypatch: pytest.Mo
     assert sorted(again) == sorted(rows.files)
     for key in again:
         np.testing.assert_array_equal(again[key], rows[key])
+
+
+def test_shipped_distillation_recipes_parse() -> None:
+    root = Path(__file__).resolve().parent.parent / "configs" / "train"
+    recipes = {p.name: td.load_recipe(p) for p in sorted(root.glob("distill-*.yaml"))}
+    assert recipes["distill-code-draft.yaml"].generated is None
+    generated = recipes["distill-code-draft-generated.yaml"].generated
+    assert generated is not None and generated.samples == 4 and generated.temperature == 0.7
