@@ -41,7 +41,7 @@ import os
 import sys
 import time
 from collections.abc import Sequence
-from functools import partial
+from functools import lru_cache, partial
 from pathlib import Path
 from typing import Any
 
@@ -299,13 +299,13 @@ class RowSampler:
             raise ValueError("no generated rows to train on")
         self.n, self.B, self.seed = n_rows, batch_size, seed
 
+    @lru_cache(maxsize=2)  # noqa: B019 - a sampler lives as long as its run
+    def _permutation(self, epoch: int) -> np.ndarray:
+        return np.random.default_rng([self.seed, epoch]).permutation(self.n)
+
     def indices(self, step: int) -> np.ndarray:
-        out = np.empty((self.B,), np.int64)
-        for b in range(self.B):
-            i = step * self.B + b
-            perm = np.random.default_rng([self.seed, i // self.n]).permutation(self.n)
-            out[b] = perm[i % self.n]
-        return out
+        i = step * self.B + np.arange(self.B)
+        return np.asarray([self._permutation(int(e))[r] for e, r in zip(i // self.n, i % self.n)])
 
 
 def _target_params(recipe: DistillRecipe, temperature: float) -> Any:

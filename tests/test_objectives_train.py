@@ -211,3 +211,15 @@ def test_shipped_distillation_recipes_parse() -> None:
     assert recipes["distill-code-draft.yaml"].generated is None
     generated = recipes["distill-code-draft-generated.yaml"].generated
     assert generated is not None and generated.samples == 4 and generated.temperature == 0.7
+
+
+def test_row_sampler_visits_every_row_once_per_epoch_and_replays() -> None:
+    sampler = td.RowSampler(5, 4, seed=7)
+    order = np.concatenate([sampler.indices(s) for s in range(5)])  # 20 draws = 4 epochs
+    for epoch in range(4):
+        assert sorted(order[5 * epoch : 5 * epoch + 5].tolist()) == [0, 1, 2, 3, 4]
+    assert not np.array_equal(order[:5], order[5:10])  # a new permutation each epoch
+    np.testing.assert_array_equal(td.RowSampler(5, 4, seed=7).indices(3), order[12:16])
+    np.testing.assert_array_equal(
+        td.row_mask(np.asarray([4, 6]), 6, 2), [[0, 1, 1, 0, 0], [0, 1, 1, 1, 1]]
+    )
