@@ -48,6 +48,8 @@ def test_greedy_drafting_reproduces_plain_sampling(models, temperature):
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
 
 
+@pytest.mark.slow  # suite time: test_engine's rejection-sampling test drafts probabilistically,
+# accepts and rejects at both drafted positions, and checks the exact joint
 def test_probabilistic_drafting_runs(models):
     target, draft = models
     spec = spec_config(types=("draft-simple",), draft_n_max=4, draft_sampling="probabilistic")
