@@ -65,10 +65,14 @@ CONFIGS = {
 }
 
 
+# compiled once per config, not op by op (each eager op compiles on its own: suite time)
+_forward = jax.jit(forward_fn, static_argnums=0)
+
+
 def logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
     tokens = jnp.asarray([ids], jnp.int32)
     positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    out = forward_fn(config, params, tokens, positions, new_cache(config, 1, 16))
+    out = _forward(config, params, tokens, positions, new_cache(config, 1, 16))
     return np.asarray(out.logits)
 
 

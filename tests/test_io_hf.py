@@ -75,8 +75,12 @@ def leaves_equal(a, b) -> bool:
     )
 
 
+# compiled once per config, not op by op (each eager op compiles on its own: suite time)
+_forward = jax.jit(forward_fn, static_argnums=0)
+
+
 def logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
-    out = forward_fn(
+    out = _forward(
         config,
         params,
         jnp.asarray([ids], jnp.int32),

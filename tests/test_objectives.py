@@ -14,6 +14,15 @@ from specjax.drafters.base import DraftOutput
 from specjax.sampling import SamplingParams, make_key, target_probs
 from specjax.verify import first_argmax, verify_greedy, verify_rejection
 
+# The verifier's functions as oracles, and the objectives checked against them, compiled once
+# each instead of op by op (every eager jnp op compiles a program of its own: suite time)
+target_probs = jax.jit(target_probs)
+first_argmax = jax.jit(first_argmax)
+verify_greedy = jax.jit(verify_greedy)
+greedy_acceptance_length = jax.jit(obj.greedy_acceptance_length)
+greedy_acceptance_rate = jax.jit(obj.greedy_acceptance_rate)
+argmax_agreement = jax.jit(obj.argmax_agreement)
+
 V = 16
 
 
@@ -128,20 +137,18 @@ def test_greedy_length_is_the_greedy_verifiers_count() -> None:
             first_argmax(jnp.asarray(tl))[None],
             DraftOutput(tokens=draft[None], valid=jnp.ones((1, K), bool)),
         )
-        length = float(obj.greedy_acceptance_length(jnp.asarray(tl[:K]), jnp.asarray(dl)))
+        length = float(greedy_acceptance_length(jnp.asarray(tl[:K]), jnp.asarray(dl)))
         assert length == int(out.n_accepted[0]) + 1
         # at temperature 0 the greedy acceptance rate is argmax agreement
-        g0 = obj.greedy_acceptance_rate(
-            jnp.asarray(tl[:K]), jnp.asarray(dl), obj.sampling_params(0)
-        )
+        g0 = greedy_acceptance_rate(jnp.asarray(tl[:K]), jnp.asarray(dl), obj.sampling_params(0))
         np.testing.assert_array_equal(
-            np.asarray(g0), np.asarray(obj.argmax_agreement(jnp.asarray(tl[:K]), jnp.asarray(dl)))
+            np.asarray(g0), np.asarray(argmax_agreement(jnp.asarray(tl[:K]), jnp.asarray(dl)))
         )
     # above 0 it is p(argmax q)
     tl, dl = _logits(4), _logits(5)
     params = obj.sampling_params(temperature=0.7, top_p=0.9)
     p = np.asarray(target_probs(jnp.asarray(tl), params))
-    g = float(obj.greedy_acceptance_rate(jnp.asarray(tl), jnp.asarray(dl), params))
+    g = float(greedy_acceptance_rate(jnp.asarray(tl), jnp.asarray(dl), params))
     assert g == pytest.approx(float(p[np.argmax(dl)]), abs=1e-7)
 
 

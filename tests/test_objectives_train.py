@@ -172,17 +172,18 @@ def test_training_on_the_targets_own_rows(tmp_path: Path, monkeypatch: pytest.Mo
     (cached,) = (tmp_path / "cache" / "generated").glob("*.npz")
     rows = np.load(cached)
     tcfg, tparams = load_params_npz(files["target"])
+    logits = jax.jit(model_logits, static_argnums=0)  # compiled, not op by op (suite time)
     for name in ("train", "val"):
         tokens, lengths = rows[name], rows[f"{name}_len"]
         assert tokens.shape[1] == 16 and np.all(lengths == 16)  # no end of generation here
-        want = np.asarray(jax.numpy.argmax(model_logits(tcfg, tparams, tokens), -1))
+        want = np.asarray(jax.numpy.argmax(logits(tcfg, tparams, tokens), -1))
         np.testing.assert_array_equal(tokens[:, 6:], want[:, 5:-1])
     # the summary's held-out alpha is objectives.acceptance_rate of the saved parameters
     dcfg, dparams = load_params_npz(tmp_path / "runs" / "tv" / "params.npz")
     val, mask = rows["val"], td.row_mask(rows["val_len"], 16, 6)
-    alpha = obj.acceptance_rate(
-        model_logits(tcfg, tparams, val[:, :-1]),
-        model_logits(dcfg, dparams, val[:, :-1]),
+    alpha = jax.jit(obj.acceptance_rate)(
+        logits(tcfg, tparams, val[:, :-1]),
+        logits(dcfg, dparams, val[:, :-1]),
         obj.sampling_params(0.7),
     )
     assert float(np.sum(alpha * mask) / np.sum(mask)) == pytest.approx(
