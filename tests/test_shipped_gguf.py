@@ -55,7 +55,7 @@ def test_greedy_generation_is_deterministic(target):
     assert all(len(t) > 0 for t in a.tokens)
 
 
-@pytest.mark.slow  # suite time: notebooks/01_quickstart.ipynb asserts the same (tokens, acceptance)
+@pytest.mark.slow  # suite time: notebook 01 asserts the same on these models (governor on)
 def test_speculative_with_shipped_draft_is_lossless(target, draft):
     plain = specjax.generate(target, PROMPTS, max_new_tokens=48)
     spec = specjax.SpecConfig(types=("ngram-mod", "draft-simple"), draft_n_max=4, adaptive=False)
