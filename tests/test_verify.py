@@ -509,8 +509,9 @@ def test_verify_greedy_equals_verify_rows_at_temperature_zero() -> None:
     valid[4] = False  # no draft at all
     draft = DraftOutput(tokens=jnp.asarray(tokens, jnp.int32), valid=jnp.asarray(valid))
     params = SamplingParams.create(batch=b, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0)
-    fast = verify_greedy(first_argmax(logits), draft)
-    full = verify_rows(logits, draft, params, jnp.arange(b, dtype=jnp.int32) + 10)
+    # compiled, as the engine runs them (op by op, each jnp op would compile its own program)
+    fast = jax.jit(lambda lg, d: verify_greedy(first_argmax(lg), d))(logits, draft)
+    full = jax.jit(verify_rows)(logits, draft, params, jnp.arange(b, dtype=jnp.int32) + 10)
     for name in ("n_accepted", "next_token", "tokens", "branch"):
         np.testing.assert_array_equal(
             np.asarray(getattr(fast, name)), np.asarray(getattr(full, name))
