@@ -7,8 +7,10 @@ from contextlib import contextmanager
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from specjax.api import Model, init_model
+from specjax.models import forward_fn, new_cache
 from specjax.models.config import ModelConfig
 
 #: Backend-compile event JAX records once per XLA compilation.
@@ -48,6 +50,23 @@ def jittered_params(config: ModelConfig, seed: int = 0) -> dict:
     params["layers"] = tuple(layers)
     params["final_norm"] = jitter(params["final_norm"])
     return params
+
+
+# compiled once per config (op by op, every eager jnp op would compile a program of its own)
+_forward = jax.jit(forward_fn, static_argnums=0)
+
+
+def row_logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
+    """Logits `[1, len(ids), V]` of one token row at positions 0.. over a fresh cache: what
+    file round-trip tests compare between the saved and the loaded parameters."""
+    out = _forward(
+        config,
+        params,
+        jnp.asarray([ids], jnp.int32),
+        jnp.arange(len(ids), dtype=jnp.int32)[None],
+        new_cache(config, 1, 16),
+    )
+    return np.asarray(out.logits)
 
 
 def noisy_copy(model: Model, scale: float, seed: int = 1) -> Model:

@@ -20,7 +20,7 @@ from specjax.errors import ModelFileError
 from specjax.io import gguf_io, load_gguf, load_model_files, save_gguf
 from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
 from specjax.models.config import rope_frequencies
-from specjax.testing import jittered_params
+from specjax.testing import jittered_params, row_logits
 from specjax.tokenizer import Tokenizer
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
@@ -65,17 +65,6 @@ CONFIGS = {
 }
 
 
-# compiled once per config, not op by op (each eager op compiles on its own: suite time)
-_forward = jax.jit(forward_fn, static_argnums=0)
-
-
-def logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
-    tokens = jnp.asarray([ids], jnp.int32)
-    positions = jnp.arange(len(ids), dtype=jnp.int32)[None]
-    out = _forward(config, params, tokens, positions, new_cache(config, 1, 16))
-    return np.asarray(out.logits)
-
-
 def leaves_equal(a, b) -> bool:
     return jax.tree.structure(a) == jax.tree.structure(b) and all(
         x.dtype == y.dtype and bool(jnp.array_equal(x, y))
@@ -96,7 +85,9 @@ def test_f32_round_trip_is_exact(tok, tmp_path, name):
     config2, params2, tok2 = load_gguf(path)
     assert config2 == config
     assert leaves_equal(params2, params)
-    np.testing.assert_array_equal(logits(config2, params2, IDS), logits(config, params, IDS))
+    np.testing.assert_array_equal(
+        row_logits(config2, params2, IDS), row_logits(config, params, IDS)
+    )
     assert tok2.encode("the cat 東京 😀") == tok.encode("the cat 東京 😀")
     names = {t.name for t in gguf.GGUFReader(path).tensors}
     assert ("output.weight" in names) is (not config.tie_embeddings)
@@ -161,7 +152,7 @@ def test_rope_freqs_tensor_matches_llama_cpp_formula(tok, tmp_path, monkeypatch)
     assert config2.rope_scaling is not None
     np.testing.assert_allclose(rope_frequencies(config2), rope_frequencies(config), rtol=1e-5)
     np.testing.assert_allclose(
-        logits(config2, params2, IDS), logits(config, params, IDS), rtol=0, atol=1e-5
+        row_logits(config2, params2, IDS), row_logits(config, params, IDS), rtol=0, atol=1e-5
     )
 
 
@@ -211,8 +202,8 @@ def test_lossy_round_trip_is_bounded(tok, tmp_path, dtype, name, rel):
             assert np.all(
                 np.abs(a - b) <= np.abs(a) * 2.0**-bits + 2.0**-25
             )  # + fp16 subnormal step
-    got = logits(config2, params2, IDS)
-    want = logits(config, params, IDS)
+    got = row_logits(config2, params2, IDS)
+    want = row_logits(config, params, IDS)
     np.testing.assert_allclose(got, want, rtol=0, atol=rel * np.abs(want).max())
 
 

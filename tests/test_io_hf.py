@@ -18,8 +18,8 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from specjax.errors import ModelFileError
 from specjax.io import load_hf, load_model_files, save_hf
 from specjax.io.hf_io import config_from_hf, config_to_hf
-from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
-from specjax.testing import jittered_params
+from specjax.models import ModelConfig, RopeScaling, init_params
+from specjax.testing import jittered_params, row_logits
 from specjax.tokenizer import Tokenizer
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
@@ -75,21 +75,6 @@ def leaves_equal(a, b) -> bool:
     )
 
 
-# compiled once per config, not op by op (each eager op compiles on its own: suite time)
-_forward = jax.jit(forward_fn, static_argnums=0)
-
-
-def logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
-    out = _forward(
-        config,
-        params,
-        jnp.asarray([ids], jnp.int32),
-        jnp.arange(len(ids), dtype=jnp.int32)[None],
-        new_cache(config, 1, 16),
-    )
-    return np.asarray(out.logits)
-
-
 # ------------------------------------------------------------------ round trips
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_hf_round_trip_is_exact(tok, tmp_path, name):
@@ -124,7 +109,9 @@ def test_hf_logits_unchanged(tok, tmp_path):
     save_hf(tmp_path, config, params, tok)
     config2, params2, _ = load_model_files(tmp_path)
     ids = [5, 77, 123, 299, 0, 42, 8, 9, 10, 11]
-    np.testing.assert_array_equal(logits(config2, params2, ids), logits(config, params, ids))
+    np.testing.assert_array_equal(
+        row_logits(config2, params2, ids), row_logits(config, params, ids)
+    )
 
 
 def test_hf_tensor_names_and_layout(tok, tmp_path):
@@ -352,7 +339,7 @@ def test_transformers_logits_match(tok, tmp_path, name):
     ids = [5, 77, 123, 299, 0, 42, 8, 9, 10, 11, 12, 13]
     with torch.no_grad():
         want = model(torch.tensor([ids])).logits.numpy()
-    np.testing.assert_allclose(logits(config, params, ids), want, rtol=0, atol=1e-4)
+    np.testing.assert_allclose(row_logits(config, params, ids), want, rtol=0, atol=1e-4)
     hf_tok = transformers.AutoTokenizer.from_pretrained(tmp_path)
     text = "the cat 東京 😀"
     assert hf_tok(text)["input_ids"] == tok.encode(text, add_bos=True)
