@@ -94,6 +94,18 @@ def _digest(compiler: str) -> str:
     return h.hexdigest()[:24]
 
 
+def compile_kernels(compiler: str, flags: tuple[str, ...], output: str | os.PathLike[str]) -> None:
+    """Compile the kernel sources with `flags` into the shared library `output`; a failure
+    raises RuntimeError naming the compiler's error lines (not its last warnings)."""
+    include = f"-I{jax.ffi.include_dir()}"
+    command = [compiler, *flags, include, *map(str, _SOURCES), "-o", str(output)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        errors = [line for line in done.stderr.splitlines() if "error" in line]
+        detail = "\n".join(errors[:20]) or done.stderr[-2000:]
+        raise RuntimeError(f"{' '.join(command)} failed:\n{detail}")
+
+
 def _build(compiler: str) -> Path:
     """The library for this source, compiler and CPU: from the cache, else compiled there."""
     digest = _digest(compiler)
@@ -108,11 +120,7 @@ def _build(compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
         os.close(fd)
         try:
-            include = f"-I{jax.ffi.include_dir()}"
-            command = [compiler, *_FLAGS, include, *map(str, _SOURCES), "-o", tmp]
-            done = subprocess.run(command, capture_output=True, text=True, timeout=300)
-            if done.returncode != 0:
-                raise RuntimeError(f"{' '.join(command)} failed:\n{done.stderr[-2000:]}")
+            compile_kernels(compiler, _FLAGS, tmp)
             os.replace(tmp, target)  # atomic: another process sees all of it or nothing
         finally:
             with contextlib.suppress(FileNotFoundError):

@@ -19,7 +19,7 @@
 // kernels (slices, F16 converts, dots, exp), ~30 us per chunk and layer on the development
 // machine: most of a decode step once the linear layers ran on specjax_linear. Here a (row,
 // group) pair converts each used K/V row once, for all its query rows, and scores, softmax
-// weights and value sums run 16 cells at a time.
+// weights and value sums run a vector of cells (16 with AVX-512, 8 with AVX2) at a time.
 
 #include <cmath>
 #include <limits>
@@ -31,77 +31,82 @@ namespace {
 
 using namespace specjax;
 
-constexpr int kBlock = 16;  // cells scored before the running max is updated
+// Cells scored before the running max is updated: one native vector of scores (16 with
+// AVX-512, 8 with AVX2, whose 16 registers a 16-cell block would overflow).
+constexpr int kBlock = kNativeLanes;
 
-static_assert(kBlock == kLanes, "a block of scores is one vector");
+typedef int32_t i32xn __attribute__((vector_size(kNativeLanes * 4)));
 
-typedef int32_t i32x16 __attribute__((vector_size(64)));
-
-// exp(x) for x <= 0 (x - running max), 16 lanes: Cephes' expf polynomial on the remainder
+// exp(x) for x <= 0 (x - running max), lane-wise: Cephes' expf polynomial on the remainder
 // after 2^n, within ~2 ulp of expf; -inf (masked cells) and x < -87.3 give 0.
-inline f32x16 exp_nonpositive(f32x16 x) {
-  const f32x16 xc = x < -87.3f ? f32x16{} - 87.3f : x;
-  const f32x16 magic = f32x16{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
-  const f32x16 t = xc * 1.44269504088896341f + magic;
-  const f32x16 n = t - magic;
-  const f32x16 r = xc - n * 0.693359375f + n * 2.12194440e-4f;
-  f32x16 p = f32x16{} + 1.9875691500e-4f;
+inline f32xn exp_nonpositive(f32xn x) {
+  const f32xn xc = x < -87.3f ? f32xn{} - 87.3f : x;
+  const f32xn magic = f32xn{} + 12582912.0f;  // 1.5 * 2^23: adding it rounds to an integer
+  const f32xn t = xc * 1.44269504088896341f + magic;
+  const f32xn n = t - magic;
+  const f32xn r = xc - n * 0.693359375f + n * 2.12194440e-4f;
+  f32xn p = f32xn{} + 1.9875691500e-4f;
   p = p * r + 1.3981999507e-3f;
   p = p * r + 8.3334519073e-3f;
   p = p * r + 4.1665795894e-2f;
   p = p * r + 1.6666665459e-1f;
   p = p * r + 5.0000001201e-1f;
-  const f32x16 y = p * r * r + r + 1.0f;
-  const i32x16 bits = (__builtin_convertvector(n, i32x16) + 127) << 23;
-  f32x16 two_n;
+  const f32xn y = p * r * r + r + 1.0f;
+  const i32xn bits = (__builtin_convertvector(n, i32xn) + 127) << 23;
+  f32xn two_n;
   std::memcpy(&two_n, &bits, sizeof two_n);
-  return x < -87.3f ? f32x16{} : y * two_n;
+  return x < -87.3f ? f32xn{} : y * two_n;
 }
 
-inline bool any_lane(i32x16 mask) {
-  int32_t lanes[kLanes];
+inline bool any_lane(i32xn mask) {
+  int32_t lanes[kNativeLanes];
   std::memcpy(lanes, &mask, sizeof lanes);
   int32_t any = 0;
-  for (int i = 0; i < kLanes; ++i) any |= lanes[i];
+  for (int i = 0; i < kNativeLanes; ++i) any |= lanes[i];
   return any != 0;
 }
 
-inline float reduce_max(f32x16 v) {
+inline float reduce_max(f32xn v) {
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));
+#if defined(__AVX512F__)
   const f32x8 a = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7);
   const f32x8 b = __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
   const f32x8 m8 = a > b ? a : b;
+#else
+  const f32x8 m8 = v;
+#endif
   const f32x4 c = __builtin_shufflevector(m8, m8, 0, 1, 2, 3);
   const f32x4 d = __builtin_shufflevector(m8, m8, 4, 5, 6, 7);
   const f32x4 m4 = c > d ? c : d;
   return std::max(std::max(m4[0], m4[1]), std::max(m4[2], m4[3]));
 }
 
-// acc[0:E] *= c: 16-lane vectors, then the tail.
+// acc[0:E] *= c: native vectors, then the tail.
 inline void scale_in_place(float* acc, float c, int64_t e_vec, int64_t E) {
-  for (int64_t i = 0; i < e_vec; i += kLanes) {
-    const f32x16 y = load16(acc + i) * c;
+  for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
+    const f32xn y = loadn(acc + i) * c;
     std::memcpy(acc + i, &y, sizeof y);
   }
   for (int64_t i = e_vec; i < E; ++i) acc[i] *= c;
 }
 
-// One vector of 16 dot products from 16 vectors of partial sums: lane j of the result is
-// the sum of v[j]'s lanes. A fixed tree of shuffles and adds (lanes i and i + 8 first, then
-// i + 4, i + 2, i + 1, as in reduce_lanes), ~3 operations per cell instead of a horizontal
-// reduction each.
-inline f32x16 transpose_reduce(const f32x16* v) {
-  f32x16 l1[8], l2[4], l3[2];
+// One vector of kBlock dot products from kBlock vectors of partial sums: lane j of the
+// result is the sum of v[j]'s lanes. A fixed tree of shuffles and adds (lanes i and i + N/2
+// first, then i + N/4, ..., as in reduce_native), ~3 operations per cell instead of a
+// horizontal reduction each.
+inline f32xn transpose_reduce(const f32xn* v) {
+#if defined(__AVX512F__)
+  f32xn l1[8], l2[4], l3[2];
   for (int i = 0; i < 8; ++i) {
-    const f32x16 a = v[2 * i], b = v[2 * i + 1];
+    const f32xn a = v[2 * i], b = v[2 * i + 1];
     // lanes 0-7: a's 8 pair sums, lanes 8-15: b's
     l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23) +
             __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29,
                                     30, 31);
   }
   for (int i = 0; i < 4; ++i) {
-    const f32x16 a = l1[2 * i], b = l1[2 * i + 1];
+    const f32xn a = l1[2 * i], b = l1[2 * i + 1];
     // groups of 4 lanes: cells 4i, 4i+2, 4i+1, 4i+3
     l2[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 16, 17, 18, 19, 8, 9, 10, 11, 24, 25, 26,
                                     27) +
@@ -109,45 +114,66 @@ inline f32x16 transpose_reduce(const f32x16* v) {
                                     31);
   }
   for (int i = 0; i < 2; ++i) {
-    const f32x16 a = l2[2 * i], b = l2[2 * i + 1];
+    const f32xn a = l2[2 * i], b = l2[2 * i + 1];
     l3[i] = __builtin_shufflevector(a, b, 0, 1, 16, 17, 4, 5, 20, 21, 8, 9, 24, 25, 12, 13, 28,
                                     29) +
             __builtin_shufflevector(a, b, 2, 3, 18, 19, 6, 7, 22, 23, 10, 11, 26, 27, 14, 15, 30,
                                     31);
   }
-  const f32x16 a = l3[0], b = l3[1];
-  const f32x16 r = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
-                                           28, 14, 30) +
-                   __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
-                                           29, 15, 31);
+  const f32xn a = l3[0], b = l3[1];
+  const f32xn r = __builtin_shufflevector(a, b, 0, 16, 2, 18, 4, 20, 6, 22, 8, 24, 10, 26, 12,
+                                          28, 14, 30) +
+                  __builtin_shufflevector(a, b, 1, 17, 3, 19, 5, 21, 7, 23, 9, 25, 11, 27, 13,
+                                          29, 15, 31);
   // r's lanes hold the cells in bit-reversed order
   return __builtin_shufflevector(r, r, 0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15);
+#else
+  f32xn l1[4], l2[2];
+  for (int i = 0; i < 4; ++i) {
+    const f32xn a = v[2 * i], b = v[2 * i + 1];
+    // lanes 0-3: a's 4 pair sums, lanes 4-7: b's
+    l1[i] = __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11) +
+            __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+  }
+  for (int i = 0; i < 2; ++i) {
+    const f32xn a = l1[2 * i], b = l1[2 * i + 1];
+    // pairs of lanes: cells 4i, 4i+2, 4i+1, 4i+3
+    l2[i] = __builtin_shufflevector(a, b, 0, 1, 8, 9, 4, 5, 12, 13) +
+            __builtin_shufflevector(a, b, 2, 3, 10, 11, 6, 7, 14, 15);
+  }
+  const f32xn a = l2[0], b = l2[1];
+  const f32xn r = __builtin_shufflevector(a, b, 0, 8, 2, 10, 4, 12, 6, 14) +
+                  __builtin_shufflevector(a, b, 1, 9, 3, 11, 5, 13, 7, 15);
+  // r's lanes hold the cells in bit-reversed order
+  return __builtin_shufflevector(r, r, 0, 4, 2, 6, 1, 5, 3, 7);
+#endif
 }
 
-// acc[0 : 16 NC] += sum_j w[j] * vb[j E : j E + 16 NC] over the block's n cells: NC
+// acc[0 : N NC] += sum_j w[j] * vb[j E : j E + N NC] (N native lanes) over the block's n
+// cells: NC
 // chunks side by side and even / odd cells in separate sums, so the FMAs do not wait on
 // each other (one chain of n dependent FMAs per chunk made this loop latency-bound).
 template <int NC>
-inline void weigh_values(float* acc, const float* vb, int64_t E, f32x16 w, int64_t n) {
-  f32x16 a[NC], b[NC];
+inline void weigh_values(float* acc, const float* vb, int64_t E, f32xn w, int64_t n) {
+  f32xn a[NC], b[NC];
   for (int c = 0; c < NC; ++c) {
-    a[c] = load16(acc + c * kLanes);
-    b[c] = f32x16{};
+    a[c] = loadn(acc + c * kNativeLanes);
+    b[c] = f32xn{};
   }
   int64_t j = 0;
   for (; j + 1 < n; j += 2) {
     const float* x = vb + j * E;
     const float* y = x + E;
     for (int c = 0; c < NC; ++c) {
-      a[c] += w[j] * load16(x + c * kLanes);
-      b[c] += w[j + 1] * load16(y + c * kLanes);
+      a[c] += w[j] * loadn(x + c * kNativeLanes);
+      b[c] += w[j + 1] * loadn(y + c * kNativeLanes);
     }
   }
   if (j < n)
-    for (int c = 0; c < NC; ++c) a[c] += w[j] * load16(vb + j * E + c * kLanes);
+    for (int c = 0; c < NC; ++c) a[c] += w[j] * loadn(vb + j * E + c * kNativeLanes);
   for (int c = 0; c < NC; ++c) {
-    const f32x16 t = a[c] + b[c];
-    std::memcpy(acc + c * kLanes, &t, sizeof t);
+    const f32xn t = a[c] + b[c];
+    std::memcpy(acc + c * kNativeLanes, &t, sizeof t);
   }
 }
 
@@ -157,7 +183,7 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
                   int64_t window, float* m_out, float* l_out, float* acc_out) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t e_vec = E - E % kLanes;
+  const int64_t e_vec = E - E % kNativeLanes;
   // Per-thread scratch, reused across calls (no allocation per layer and step): the block's
   // K and V converted to float once for all query rows. Raw pointers below.
   thread_local std::vector<float> k_buf, v_buf;
@@ -172,10 +198,10 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
   std::fill(acc_out, acc_out + Q * E, 0.0f);
   for (int64_t s0 = 0; s0 < n_used; s0 += kBlock) {
     const int64_t n = std::min<int64_t>(kBlock, n_used - s0);
-    i32x16 kpv = i32x16{} - 1;
+    i32xn kpv = i32xn{} - 1;
     for (int64_t j = 0; j < n; ++j) kpv[j] = k_pos[s0 + j];
     if (!any_lane(kpv >= 0)) continue;
-    // Convert the block's K and V rows 16 lanes at a time (cells past n: zeros, masked).
+    // Convert the block's K and V rows a vector at a time (cells past n: zeros, masked).
     for (int64_t j = 0; j < kBlock; ++j) {
       float* kr = kb + j * E;
       float* vr = vb + j * E;
@@ -186,8 +212,8 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
       }
       const KV* ks = k + (s0 + j) * E;
       const KV* vs = v + (s0 + j) * E;
-      for (int64_t i = 0; i < e_vec; i += kLanes) {
-        const f32x16 x = load16(ks + i), y = load16(vs + i);
+      for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
+        const f32xn x = loadn(ks + i), y = loadn(vs + i);
         std::memcpy(kr + i, &x, sizeof x);
         std::memcpy(vr + i, &y, sizeof y);
       }
@@ -199,25 +225,25 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
     for (int64_t r = 0; r < Q; ++r) {
       const int32_t qp = q_pos[r % T];
       const float* q_row = q + r * E;
-      // Scores of the 16 cells (masked cells -inf): 16 independent partial sums, one per
+      // Scores of the block's cells (masked cells -inf): independent partial sums, one per
       // cell (a chain of dependent FMAs per cell made this loop latency-bound).
-      f32x16 part[kBlock];
-      for (int64_t j = 0; j < kBlock; ++j) part[j] = f32x16{};
-      for (int64_t i = 0; i < e_vec; i += kLanes) {
-        const f32x16 qv = load16(q_row + i);
-        for (int64_t j = 0; j < kBlock; ++j) part[j] += load16(kb + j * E + i) * qv;
+      f32xn part[kBlock];
+      for (int64_t j = 0; j < kBlock; ++j) part[j] = f32xn{};
+      for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
+        const f32xn qv = loadn(q_row + i);
+        for (int64_t j = 0; j < kBlock; ++j) part[j] += loadn(kb + j * E + i) * qv;
       }
-      f32x16 s = transpose_reduce(part);
+      f32xn s = transpose_reduce(part);
       if (e_vec < E)
         for (int64_t j = 0; j < kBlock; ++j)
           for (int64_t i = e_vec; i < E; ++i) s[j] += kb[j * E + i] * q_row[i];
       // visible: k_pos >= 0, q_pos >= 0, k_pos <= q_pos, inside the window (lane masks)
-      i32x16 visible = (kpv >= 0) & (kpv <= qp);
-      if (qp < 0) visible = i32x16{};
+      i32xn visible = (kpv >= 0) & (kpv <= qp);
+      if (qp < 0) visible = i32xn{};
       if (window > 0) visible &= (qp - kpv) < static_cast<int32_t>(window);
       if (!any_lane(visible)) continue;
-      s = visible ? s * scale : f32x16{} + neg_inf;
-      // New running max, rescale, weights (16 cells at once: a scalar expf per score was
+      s = visible ? s * scale : f32xn{} + neg_inf;
+      // New running max, rescale, weights (a vector of cells at once: a scalar expf per score was
       // half of the kernel's time).
       const float block_max = reduce_max(s);
       const float m_new = std::max(m_out[r], block_max);
@@ -228,12 +254,13 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
         scale_in_place(acc, rescale, e_vec, E);
       }
       m_out[r] = m_new;
-      const f32x16 w = exp_nonpositive(s - m_new);
-      l_out[r] += reduce_lanes(w);
+      const f32xn w = exp_nonpositive(s - m_new);
+      l_out[r] += reduce_native(w);
       // Weighted values, the accumulators held in registers across the block's cells.
       int64_t i = 0;
-      for (; i + 4 * kLanes <= e_vec; i += 4 * kLanes) weigh_values<4>(acc + i, vb + i, E, w, n);
-      for (; i < e_vec; i += kLanes) weigh_values<1>(acc + i, vb + i, E, w, n);
+      for (; i + 4 * kNativeLanes <= e_vec; i += 4 * kNativeLanes)
+        weigh_values<4>(acc + i, vb + i, E, w, n);
+      for (; i < e_vec; i += kNativeLanes) weigh_values<1>(acc + i, vb + i, E, w, n);
       for (int64_t i = e_vec; i < E; ++i)
         for (int64_t j = 0; j < n; ++j) acc[i] += w[j] * vb[j * E + i];
     }

@@ -20,57 +20,81 @@ namespace specjax {
 
 namespace ffi = xla::ffi;
 
-typedef float f32x16 __attribute__((vector_size(64)));
-typedef _Float16 f16x16 __attribute__((vector_size(32)));
-
+// Sums are specified over 16 lanes (kLanes): lane l of a linear layer's partial sums takes
+// inputs i = l mod 16, whatever the register width, so results do not depend on it.
 constexpr int kLanes = 16;
 constexpr int kSpinsBeforeYield = 4096;
 
-inline f32x16 load16(const float* p) {
-  f32x16 v;
+// The widest vector the target holds in one register: 16 lanes with AVX-512, 8 otherwise
+// (AVX2). GCC lowers a 16-lane vector on AVX2 through memory (the accumulators of a tile
+// went to the stack on every step: ~3 GMAC/s), so the few kernels whose speed is bounded by
+// registers run on native vectors, kParts of them per 16-lane value.
+#if defined(__AVX512F__)
+constexpr int kParts = 1;
+#else
+constexpr int kParts = 2;
+#endif
+constexpr int kNativeLanes = kLanes / kParts;
+typedef float f32xn __attribute__((vector_size(kNativeLanes * 4)));
+
+inline f32xn loadn(const float* p) {
+  f32xn v;
   std::memcpy(&v, p, sizeof v);
   return v;
 }
 
-inline f32x16 load16(const _Float16* p) {
+inline f32xn loadn(const _Float16* p) {
 #if defined(__AVX512F__)
-  return (f32x16)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+  return (f32xn)_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
 #elif defined(__F16C__)
-  __m256 lo = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
-  __m256 hi = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)));
-  f32x16 v;
-  std::memcpy(&v, &lo, 32);
-  std::memcpy(reinterpret_cast<char*>(&v) + 32, &hi, 32);
-  return v;
+  return (f32xn)_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
 #else
-  f16x16 h;
+  typedef _Float16 f16xn __attribute__((vector_size(kNativeLanes * 2)));
+  f16xn h;
   std::memcpy(&h, p, sizeof h);
-  return __builtin_convertvector(h, f32x16);
+  return __builtin_convertvector(h, f32xn);
 #endif
 }
 
 inline float to_float(float v) { return v; }
 inline float to_float(_Float16 v) { return static_cast<float>(v); }
 
-// Fixed pairwise tree over the 16 lanes: lane i += lane i + 8, then i + 4, i + 2, i + 1 (the
-// order is part of the invariant above), in vector halves rather than through memory.
-inline float reduce_lanes(f32x16 v) {
+// Fixed pairwise tree over a native vector's lanes: lane i += lane i + N/2, then i + N/4, ...
+// in vector halves rather than through memory.
+inline float reduce_native(f32xn v) {
   typedef float f32x8 __attribute__((vector_size(32)));
   typedef float f32x4 __attribute__((vector_size(16)));
   typedef float f32x2 __attribute__((vector_size(8)));
+#if defined(__AVX512F__)
   const f32x8 s8 = __builtin_shufflevector(v, v, 0, 1, 2, 3, 4, 5, 6, 7) +
                    __builtin_shufflevector(v, v, 8, 9, 10, 11, 12, 13, 14, 15);
+#else
+  const f32x8 s8 = v;
+#endif
   const f32x4 s4 = __builtin_shufflevector(s8, s8, 0, 1, 2, 3) +
                    __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
   const f32x2 s2 = __builtin_shufflevector(s4, s4, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3);
   return s2[0] + s2[1];
 }
 
+// The sum of a 16-lane value held as kParts native vectors (part p = lanes p * N ...): lane i
+// += lane i + 8, then i + 4, i + 2, i + 1 on every target, so the same bits with AVX-512 and
+// AVX2 (the order is part of linear.cc's invariant).
+inline float reduce_parts(const f32xn* parts) {
+#if defined(__AVX512F__)
+  return reduce_native(parts[0]);
+#else
+  return reduce_native(parts[0] + parts[1]);
+#endif
+}
+
 // Left alone, GCC folds each x load into every FMA that uses it (4 loads of the same x
 // vector per step); keeping x in a register halves the loads of a 4 x 4 tile, which is what
-// bounds the kernel at 8-32 rows (10-25% faster there on the development machine).
-inline void keep_in_register(f32x16& v) {
-#if defined(__x86_64__) && defined(__GNUC__)
+// bounds the kernel at 8-32 rows (10-25% faster there on an AVX-512 machine). AVX-512 only:
+// with AVX2's 16 registers the pinned x vectors made the accumulators spill (2-row tiles ran
+// at half the speed of letting GCC fold the loads).
+inline void keep_in_register(f32xn& v) {
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX512F__)
   asm("" : "+v"(v));
 #else
   (void)v;

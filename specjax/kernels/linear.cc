@@ -5,8 +5,8 @@
 // Why: at one to a few dozen rows a linear layer reads its whole weight matrix to do a few
 // FLOPs per weight, so its speed is memory bandwidth. XLA's CPU dot runs these products on one
 // thread and cannot read f16 weights without first converting the whole matrix. This kernel
-// reads f16 (half the bytes) or f32 weights, converts 16 at a time in registers, and splits the
-// outputs over XLA's intra-op thread pool.
+// reads f16 (half the bytes) or f32 weights, converts a register's width at a time (16 with
+// AVX-512, 8 with AVX2), and splits the outputs over XLA's intra-op thread pool.
 //
 // Invariant (tested): the value of y[r, o] depends only on x[r, :] and w[o, :], not on the
 // number of rows, their order or the thread split. Each (row, output) sum is 16 lane-wise
@@ -22,8 +22,19 @@ namespace {
 
 using namespace specjax;
 
-constexpr int kOutputsPerTile = 4;  // outputs sharing one pass over a tile's x rows
-constexpr int kRowsPerTile = 4;     // 4 x 4 accumulators fit the 32 AVX-512 registers
+// A tile: OUT outputs sharing one pass over ROWS rows of x. Its accumulators (OUT x ROWS x
+// kParts native vectors) and the rows' x must stay in registers: 4 x 4 x 1 (+ 4 of x) of
+// AVX-512's 32; AVX2 has 16: 4 outputs x 1 row x 2 for one row, 2 x 2 x 2 for more rows, so the weights
+// are converted once per 2 rows, not per row (measured on AVX2, one-off C++ loop over the
+// target's shapes: 2 rows cost ~1 row's time; 3 GMAC/s on 16-lane vectors -> ~24).
+constexpr int kOutputsPerTile = 4;  // outputs per unit of the output split
+#if defined(__AVX512F__)
+constexpr int kRowsPerTile = 4;
+constexpr int kOutputsPerRowTile = 4;
+#else
+constexpr int kRowsPerTile = 2;
+constexpr int kOutputsPerRowTile = 2;
+#endif
 constexpr int64_t kTilesPerChunk = 16;  // unit of work handed between threads
 constexpr int64_t kSerialWork = int64_t(1) << 16;  // below this many MACs, no threads
 // Software prefetch distance. A tile reads 4 weight rows side by side, which the hardware
@@ -32,60 +43,69 @@ constexpr int64_t kSerialWork = int64_t(1) << 16;  // below this many MACs, no t
 constexpr int64_t kPrefetchBytes = 4096;
 constexpr int64_t kLine = 64;
 
-// Outputs [o0, o0 + n_out) (n_out <= 4) for ROWS consecutive rows of x.
-template <int ROWS, typename W>
+// Outputs [o0, o0 + n_out) (n_out <= OUT) for ROWS consecutive rows of x.
+template <int OUT, int ROWS, typename W>
 void tile(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t o0,
           int64_t n_out, bool prefetch) {
-  f32x16 acc[kOutputsPerTile][ROWS];
+  f32xn acc[OUT][ROWS][kParts];
   for (auto& per_output : acc)
-    for (auto& a : per_output) a = f32x16{};
-  const W* w_row[kOutputsPerTile];
-  for (int j = 0; j < kOutputsPerTile; ++j) w_row[j] = w + (o0 + (j < n_out ? j : 0)) * in;
+    for (auto& per_row : per_output)
+      for (auto& a : per_row) a = f32xn{};
+  const W* w_row[OUT];
+  for (int j = 0; j < OUT; ++j) w_row[j] = w + (o0 + (j < n_out ? j : 0)) * in;
   const int64_t in_vec = in - in % kLanes;
   // Tiles are contiguous in memory: fetch the bytes kPrefetchBytes past this tile's start,
   // spread over the loop (only on a tile's first pass; later row groups hit the cache).
   const char* ahead = reinterpret_cast<const char*>(w + o0 * in) + kPrefetchBytes;
   const char* weights_end = reinterpret_cast<const char*>(w + out * in);
   const int64_t steps = in_vec / kLanes;
-  const int64_t tile_lines = (kOutputsPerTile * in * int64_t(sizeof(W)) + kLine - 1) / kLine;
+  const int64_t tile_lines = (OUT * in * int64_t(sizeof(W)) + kLine - 1) / kLine;
   const int64_t lines_per_step = prefetch && steps ? (tile_lines + steps - 1) / steps : 0;
   for (int64_t i = 0; i < in_vec; i += kLanes) {
     for (int64_t l = 0; l < lines_per_step; ++l) {
       const char* line = ahead + ((i / kLanes) * lines_per_step + l) * kLine;
       if (line < weights_end) __builtin_prefetch(line);
     }
-    f32x16 xv[ROWS];
-    for (int r = 0; r < ROWS; ++r) {
-      xv[r] = load16(x + r * in + i);
-      keep_in_register(xv[r]);
-    }
-    for (int j = 0; j < kOutputsPerTile; ++j) {
-      const f32x16 wv = load16(w_row[j] + i);
-      for (int r = 0; r < ROWS; ++r) acc[j][r] += wv * xv[r];
-    }
+    // Lane l of a 16-lane sum takes inputs i + l: part p holds lanes p * kNativeLanes...
+    f32xn xv[ROWS][kParts];
+    for (int r = 0; r < ROWS; ++r)
+      for (int p = 0; p < kParts; ++p) {
+        xv[r][p] = loadn(x + r * in + i + p * kNativeLanes);
+        if (ROWS > 1) keep_in_register(xv[r][p]);
+      }
+    for (int j = 0; j < OUT; ++j)
+      for (int p = 0; p < kParts; ++p) {
+        const f32xn wv = loadn(w_row[j] + i + p * kNativeLanes);
+        for (int r = 0; r < ROWS; ++r) acc[j][r][p] += wv * xv[r][p];
+      }
   }
   for (int j = 0; j < n_out; ++j)
     for (int r = 0; r < ROWS; ++r) {
-      float s = reduce_lanes(acc[j][r]);
+      float s = reduce_parts(acc[j][r]);
       for (int64_t i = in_vec; i < in; ++i) s += to_float(w_row[j][i]) * x[r * in + i];
       y[r * out + o0 + j] = s;
     }
 }
 
-// All rows, output tiles [t0, t1).
+// All rows, output tiles [t0, t1) of kOutputsPerTile outputs.
 template <typename W>
 void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, int64_t out,
                int64_t t0, int64_t t1) {
+  constexpr int O = kOutputsPerRowTile;
   for (int64_t t = t0; t < t1; ++t) {
     const int64_t o0 = t * kOutputsPerTile;
     const int64_t n_out = out - o0 < kOutputsPerTile ? out - o0 : kOutputsPerTile;
     int64_t r = 0;
     for (; r + kRowsPerTile <= rows; r += kRowsPerTile)
-      tile<kRowsPerTile>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0);
+      for (int64_t h = 0; h < n_out; h += O)
+        tile<O, kRowsPerTile>(x + r * in, w, y + r * out, in, out, o0 + h,
+                              std::min<int64_t>(O, n_out - h), r == 0);
+    const float* xr = x + r * in;
+    float* yr = y + r * out;
     switch (rows - r) {
-      case 3: tile<3>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0); break;
-      case 2: tile<2>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0); break;
-      case 1: tile<1>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0); break;
+      case 3: tile<kOutputsPerTile, 3>(xr, w, yr, in, out, o0, n_out, r == 0); break;
+      case 2: tile<kOutputsPerTile, 2>(xr, w, yr, in, out, o0, n_out, r == 0); break;
+      case 1: tile<kOutputsPerTile, 1>(xr, w, yr, in, out, o0, n_out, r == 0); break;
       default: break;
     }
   }
