@@ -24,9 +24,9 @@ using namespace specjax;
 
 // A tile: OUT outputs sharing one pass over ROWS rows of x. Its accumulators (OUT x ROWS x
 // kParts native vectors) and the rows' x must stay in registers: 4 x 4 x 1 (+ 4 of x) of
-// AVX-512's 32; AVX2 has 16: 4 outputs x 1 row x 2 for one row, 2 x 2 x 2 for more rows, so the weights
-// are converted once per 2 rows, not per row (measured on AVX2, one-off C++ loop over the
-// target's shapes: 2 rows cost ~1 row's time; 3 GMAC/s on 16-lane vectors -> ~24).
+// AVX-512's 32. AVX2 has 16: 4 outputs x 1 row x 2 parts for one row, 2 x 2 x 2 for more
+// rows, so the weights are converted once per 2 rows, not per row (one-off C++ loop over the
+// target's shapes on AVX2: 2 rows cost ~1 row's time; 3 GMAC/s on 16-lane vectors -> ~24).
 constexpr int kOutputsPerTile = 4;  // outputs per unit of the output split
 #if defined(__AVX512F__)
 constexpr int kRowsPerTile = 4;
