@@ -102,9 +102,15 @@ void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, i
                               std::min<int64_t>(O, n_out - h), r == 0);
     const float* xr = x + r * in;
     float* yr = y + r * out;
-    switch (rows - r) {
-      case 3: tile<kOutputsPerTile, 3>(xr, w, yr, in, out, o0, n_out, r == 0); break;
-      case 2: tile<kOutputsPerTile, 2>(xr, w, yr, in, out, o0, n_out, r == 0); break;
+    switch (rows - r) {  // fewer than kRowsPerTile rows left
+      case 3:
+        if constexpr (kRowsPerTile > 3)
+          tile<kOutputsPerTile, 3>(xr, w, yr, in, out, o0, n_out, r == 0);
+        break;
+      case 2:
+        if constexpr (kRowsPerTile > 2)
+          tile<kOutputsPerTile, 2>(xr, w, yr, in, out, o0, n_out, r == 0);
+        break;
       case 1: tile<kOutputsPerTile, 1>(xr, w, yr, in, out, o0, n_out, r == 0); break;
       default: break;
     }
