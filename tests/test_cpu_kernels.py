@@ -47,7 +47,7 @@ def test_the_kernel_builds_for_the_other_x86_vector_width(tmp_path):
     """The kernels have an AVX-512 and an AVX2 form (16-lane vectors do not fit AVX2's
     registers); the host builds one of them with -march=native, so this builds the other, as
     a user's machine would (the AVX2 form once failed to build, "impossible constraint in
-    asm", leaving such machines on XLA's dot at a third of the speed)."""
+    asm", leaving such machines on XLA's slower dot)."""
     compiler = os.environ.get("CXX") or shutil.which("g++")
     if not compiler or platform.machine().lower() not in {"x86_64", "amd64"}:
         pytest.skip("no g++ or not x86-64")

@@ -150,9 +150,8 @@ inline f32xn transpose_reduce(const f32xn* v) {
 }
 
 // acc[0 : N NC] += sum_j w[j] * vb[j E : j E + N NC] (N native lanes) over the block's n
-// cells: NC
-// chunks side by side and even / odd cells in separate sums, so the FMAs do not wait on
-// each other (one chain of n dependent FMAs per chunk made this loop latency-bound).
+// cells: NC chunks side by side and even / odd cells in separate sums, so the FMAs do not
+// wait on each other (one chain of n dependent FMAs per chunk made this loop latency-bound).
 template <int NC>
 inline void weigh_values(float* acc, const float* vb, int64_t E, f32xn w, int64_t n) {
   f32xn a[NC], b[NC];
@@ -243,8 +242,8 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
       if (window > 0) visible &= (qp - kpv) < static_cast<int32_t>(window);
       if (!any_lane(visible)) continue;
       s = visible ? s * scale : f32xn{} + neg_inf;
-      // New running max, rescale, weights (a vector of cells at once: a scalar expf per score was
-      // half of the kernel's time).
+      // New running max, rescale, weights (a vector of cells at once: a scalar expf per
+      // score was half of the kernel's time).
       const float block_max = reduce_max(s);
       const float m_new = std::max(m_out[r], block_max);
       float* acc = acc_out + r * E;

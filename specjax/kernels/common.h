@@ -27,8 +27,8 @@ constexpr int kSpinsBeforeYield = 4096;
 
 // The widest vector the target holds in one register: 16 lanes with AVX-512, 8 otherwise
 // (AVX2). GCC lowers a 16-lane vector on AVX2 through memory (the accumulators of a tile
-// went to the stack on every step: ~3 GMAC/s), so the few kernels whose speed is bounded by
-// registers run on native vectors, kParts of them per 16-lane value.
+// went to the stack on every step: ~3 GMAC/s), so the kernels run on native vectors, a
+// 16-lane value of the linear kernel being kParts of them.
 #if defined(__AVX512F__)
 constexpr int kParts = 1;
 #else
