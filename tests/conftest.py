@@ -6,12 +6,16 @@ import shutil
 import tempfile
 
 # Test programs are tiny and compiled once each, so compilation, not execution, is most of the
-# suite's time: LLVM's optimisation level 0 cuts a test's compile time by 30-50% (measured on
-# 2 cores) and leaves XLA's HLO passes, which the copy-counting tests read, as they are.
-# SPECJAX_TEST_XLA_OPT=1 keeps the default level (to run the suite as users compile).
+# suite's time (~75% of test_engine.py's, by JAX's compile events). LLVM's optimisation level 0
+# cuts a test's compile time by 30-50% (measured on 2 cores) and leaves XLA's HLO passes, which
+# the copy-counting tests read, as they are. XLA CPU's MLIR fusion emitters build an MLIR
+# pipeline per fusion (a quarter of a speculative engine's compile in a perf profile); its
+# elemental LLVM emitter compiles the same fusions in about half the time (test_engine.py and
+# test_decode_path.py: 447 -> 239 s of backend compilation).
+# SPECJAX_TEST_XLA_OPT=1 keeps XLA's defaults (to run the suite as users compile).
 TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=2"
 if os.environ.get("SPECJAX_TEST_XLA_OPT", "0") == "0":
-    TEST_XLA_FLAGS += " --xla_backend_optimization_level=0"
+    TEST_XLA_FLAGS += " --xla_backend_optimization_level=0 --xla_cpu_use_fusion_emitters=false"
 os.environ.setdefault("XLA_FLAGS", TEST_XLA_FLAGS)
 # Tests never read or fill the user's persistent compilation cache (specjax turns it on by
 # default). A run shares one of its own instead, in a temporary directory made by the first

@@ -1,8 +1,10 @@
 """`specjax batch` killed with SIGKILL at random moments, restarted until done, gives exactly
 the records of an uninterrupted run: same ids, same tokens and texts, no duplicates, and no
-partial line at any moment. Requests mix temperature 0 and 0.8 (with seeds); speculation
-(ngram-mod + draft-simple, drafting every round) on in the default run; off, and on under the
-draft governor (whose off rounds run lean), too in the slow one.
+partial line at any moment. Requests mix temperature 0 and 0.8 (with seeds). The default run
+decodes plainly: what is under test is the writer and the resume, and a plain engine compiles
+in a fraction of a speculative one's time. The slow one also runs speculation (ngram-mod +
+draft-simple, drafting every round) and speculation under the draft governor (whose off rounds
+run lean).
 
 All runs are `python -m specjax.cli batch` subprocesses sharing a persistent compilation
 cache, so restarts do not compile again. (That these records equal `specjax.generate` per
@@ -173,8 +175,8 @@ def run_and_compare(
         assert f"skipped {before} already in" in text, text[-2000:]
 
 
-def test_sigkill_resume_speculative_mixed_temperatures(files):
-    run_and_compare(files, speculative=True, kills=2, seed=0, n_requests=24)
+def test_sigkill_resume_mixed_temperatures(files):
+    run_and_compare(files, speculative=False, kills=2, seed=0, n_requests=24)
 
 
 @pytest.mark.slow

@@ -148,12 +148,21 @@ def meaningful(state: eng.GenState) -> eng.GenState:
 
 
 def assert_same_state(got: eng.GenState, want: eng.GenState) -> None:
+    """Every leaf bit for bit, except the governor's float estimates: the round variants are
+    different programs, and XLA may fuse (and contract into FMAs) their decayed averages
+    differently (a last-bit difference seen with the suite's compiler flags). Its counters,
+    and everything else, must match exactly."""
     got, want = meaningful(got), meaningful(want)
     flat_w, tree_w = jax.tree_util.tree_flatten_with_path(want)
     flat_g, tree_g = jax.tree_util.tree_flatten_with_path(got)
     assert tree_w == tree_g
     for (path, w), (_, g) in zip(flat_w, flat_g):
-        assert np.array_equal(np.asarray(g), np.asarray(w)), jax.tree_util.keystr(path)
+        name = jax.tree_util.keystr(path)
+        w, g = np.asarray(w), np.asarray(g)
+        if name.startswith(".governor.") and w.dtype.kind == "f":
+            np.testing.assert_allclose(g, w, rtol=1e-6, atol=0, err_msg=name)
+        else:
+            assert np.array_equal(g, w), name
 
 
 @pytest.mark.parametrize(
