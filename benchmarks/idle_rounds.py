@@ -1,0 +1,112 @@
+"""What a drafter that finds nothing costs per round. Prints one JSON object.
+
+    python benchmarks/idle_rounds.py [--repeats 9] [--tokens 256] [--out FILE]
+
+The shipped target, greedy, the `norepeat` prompt (as benchmarks/peers.py builds it) and an
+n-gram size of 1024, so that no lookup can match: every configuration emits plain decoding's
+tokens in one token per round. Runs are interleaved; for each configuration the JSON gives
+the per-round decode time (minimum and median over the runs: on a shared machine the minimum
+is the steadier figure) and its ratio to plain decoding's, and the draft governor's counters.
+
+* `governed/<drafter>`: the default (the governor asks for a draft in some rounds only);
+* `asked/<drafter>`: `adaptive=False`, asked every round: `extra_ms` is then the fixed cost of
+  a speculative round that drafts nothing over a plain round (issue 8, goal 3: a drafter that
+  proposes nothing costs at most 3%).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_TARGET, machine
+from peers import NO_MATCH_N, PROMPT_FILES
+
+import specjax
+
+DRAFTERS: dict[str, dict[str, Any]] = {
+    "ngram-simple": {"ngram_simple_size_n": NO_MATCH_N},
+    "ngram-map-k": {"ngram_map_k_size_n": NO_MATCH_N},
+    "ngram-mod": {"ngram_mod_n_match": NO_MATCH_N},
+}
+
+
+def prompt_ids(model: specjax.Model) -> list[int]:
+    """What llama.cpp evaluates for `-f norepeat.py`: BOS + the text without its last newline."""
+    text = PROMPT_FILES["norepeat"].read_text()
+    text = text[:-1] if text.endswith("\n") else text
+    bos = getattr(model.tokenizer, "bos_id", None)
+    return ([int(bos)] if bos is not None else []) + list(model.tokenizer.encode(text))
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--repeats", type=int, default=9)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+
+    model = specjax.load(str(DEFAULT_TARGET))
+    ids = prompt_ids(model)
+    configs: dict[str, specjax.SpecConfig | None] = {"plain": None}
+    for name, kwargs in DRAFTERS.items():
+        configs[f"governed/{name}"] = specjax.SpecConfig(types=(name,), draft_n_max=4, **kwargs)
+        configs[f"asked/{name}"] = specjax.SpecConfig(
+            types=(name,), draft_n_max=4, adaptive=False, **kwargs
+        )
+    kw = dict(max_new_tokens=args.tokens, n_ctx=2048, temperature=0.0)
+    for spec in configs.values():  # compile (or load) every program first
+        specjax.generate(model, [ids], spec=spec, **kw)
+
+    per_round: dict[str, list[float]] = {k: [] for k in configs}
+    facts: dict[str, dict[str, Any]] = {}
+    for _ in range(args.repeats):
+        for name, spec in configs.items():
+            r = specjax.generate(model, [ids], spec=spec, **kw)
+            rounds = max(int(r.timings.get("n_rounds", 0)), 1)
+            per_round[name].append(r.timings["decode_seconds"] / rounds * 1e3)
+            stats = r.stats.to_dict() if r.stats is not None else {}
+            facts[name] = {
+                "rounds": rounds,
+                "drafted_tokens": stats.get("num_draft_tokens"),
+                "governor": stats.get("governor"),
+                "tokens": r.tokens[0],
+            }
+    plain_min = min(per_round["plain"])
+    plain_median = statistics.median(per_round["plain"])
+    plain_tokens = facts["plain"]["tokens"]
+    rows = {}
+    for name, times in per_round.items():
+        fact = facts[name]
+        fact["same_tokens_as_plain"] = fact.pop("tokens") == plain_tokens
+        rows[name] = {
+            "ms_per_round_min": min(times),
+            "ms_per_round_median": statistics.median(times),
+            "speed_vs_plain_min": plain_min / min(times),
+            "speed_vs_plain_median": plain_median / statistics.median(times),
+            "extra_ms_min": min(times) - plain_min,
+            **fact,
+        }
+    report = {
+        "benchmark": "idle_rounds",
+        "model": str(DEFAULT_TARGET.relative_to(DEFAULT_TARGET.parents[2])),
+        "prompt": "norepeat",
+        "n_gram": NO_MATCH_N,
+        "tokens": args.tokens,
+        "repeats": args.repeats,
+        "machine": machine(),
+        "configs": rows,
+    }
+    text = json.dumps(report, indent=1)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
