@@ -24,8 +24,8 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_TARGET, machine
-from peers import NO_MATCH_N, PROMPT_FILES
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine
+from peers import NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
 
@@ -36,14 +36,6 @@ DRAFTERS: dict[str, dict[str, Any]] = {
 }
 
 
-def prompt_ids(model: specjax.Model) -> list[int]:
-    """What llama.cpp evaluates for `-f norepeat.py`: BOS + the text without its last newline."""
-    text = PROMPT_FILES["norepeat"].read_text()
-    text = text[:-1] if text.endswith("\n") else text
-    bos = getattr(model.tokenizer, "bos_id", None)
-    return ([int(bos)] if bos is not None else []) + list(model.tokenizer.encode(text))
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=9)
@@ -51,8 +43,9 @@ def main() -> None:
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
-    model = specjax.load(str(DEFAULT_TARGET))
-    ids = prompt_ids(model)
+    peer = Specjax(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), args.tokens)
+    model = peer.model
+    ids = peer.ids(PROMPT_FILES["norepeat"].read_text())  # as peers.py builds its prompts
     configs: dict[str, specjax.SpecConfig | None] = {"plain": None}
     for name, kwargs in DRAFTERS.items():
         configs[f"governed/{name}"] = specjax.SpecConfig(types=(name,), draft_n_max=4, **kwargs)
