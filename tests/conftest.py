@@ -10,8 +10,9 @@ import tempfile
 # cuts a test's compile time by 30-50% (measured on 2 cores) and leaves XLA's HLO passes, which
 # the copy-counting tests read, as they are. XLA CPU's MLIR fusion emitters build an MLIR
 # pipeline per fusion (a quarter of a speculative engine's compile in a perf profile); its
-# elemental LLVM emitter compiles the same fusions in about half the time (test_engine.py and
-# test_decode_path.py: 447 -> 239 s of backend compilation).
+# elemental LLVM emitter compiles the same fusions in about half the time (one-off, JAX's
+# compile events over test_engine.py and test_decode_path.py: 447 -> 239 s of backend
+# compilation; full default run on 2 cores: 1991 -> 1258 s).
 # SPECJAX_TEST_XLA_OPT=1 keeps XLA's defaults (to run the suite as users compile).
 TEST_XLA_FLAGS = "--xla_force_host_platform_device_count=2"
 if os.environ.get("SPECJAX_TEST_XLA_OPT", "0") == "0":
