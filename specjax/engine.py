@@ -722,8 +722,11 @@ def generate_loop(
         s = spec_step(engine, target_params, drafter_params, s, run, plan)
         return jax.lax.while_loop(off_cond, off_body, (s, draft_budget(engine, s, run)))
 
-    first = jax.lax.while_loop(off_cond, off_body, (state, draft_budget(engine, state, run)))
-    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_stretch, first)[0]
+    # The first round is a full one even when its plan drafts nothing (the same round, a few
+    # loop evaluations dearer): a stretch before it would be a second copy of the off round
+    # in the compiled program.
+    start = (state, draft_budget(engine, state, run))
+    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_stretch, start)[0]
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("engine",))
