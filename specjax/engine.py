@@ -347,9 +347,10 @@ def _eog_mask(engine: Engine) -> Array:
     return mask
 
 
-def _no_draft(engine: Engine, B: int) -> tuple[Any, ...]:
-    """The relay's result when no drafter wins a row: (tokens, valid, q, has_q, winner)."""
-    K = engine.k_max
+def _no_draft(engine: Engine, B: int, K: int | None = None) -> tuple[Any, ...]:
+    """The relay's result when no drafter wins a row: (tokens, valid, q, has_q, winner), with
+    K draft columns (default `engine.k_max`)."""
+    K = engine.k_max if K is None else K
     return (
         jnp.zeros((B, K), jnp.int32),
         jnp.zeros((B, K), bool),
@@ -546,7 +547,10 @@ def spec_step(
     skipped (`idle_rounds_are_plain`): the round is built without the drafter calls and with
     the 1-token verify at top level, no loop around either. It does what the same round does
     with `off=False`, where those loops run 0 times and the verify loop at width 1 once."""
-    B, K, S = state.length.shape[0], engine.k_max, engine.capacity
+    B, S = state.length.shape[0], engine.capacity
+    # Draft columns of this round's arrays: none in an off round, whose verify batch is the
+    # 1-token one (K-wide arrays there cost a plain round ~40 small kernels more with K = 64).
+    K = 0 if off else engine.k_max
     out_cap = engine.out_capacity
     active = ~state.done
     remaining_new = run.max_new - state.out_len
@@ -566,16 +570,18 @@ def spec_step(
             return _relay(engine, drafter_params, asked, budget, run)
 
         if off:
-            relayed = (*_no_draft(engine, B), state.drafter_states)
+            relayed = (*_no_draft(engine, B, K), state.drafter_states)
         elif skip_idle:
             nobody = (*_no_draft(engine, B), state.drafter_states)
             relayed = run_once(asking, lambda c: relay(c[-1]), nobody)
         else:
             relayed = relay(state.drafter_states)
         d_tokens, d_valid, q, has_q, winner, dstates = relayed
-        stats = stats_mod.record_draft(
-            state.stats, winner, jnp.sum(d_valid, axis=1).astype(jnp.int32), budget > 0
-        )
+        stats = state.stats
+        if not off:  # (in an off round no row asks: the counters would not move)
+            stats = stats_mod.record_draft(
+                stats, winner, jnp.sum(d_valid, axis=1).astype(jnp.int32), budget > 0
+            )
     else:
         d_tokens = jnp.zeros((B, K), jnp.int32)
         d_valid = jnp.zeros((B, K), bool)
@@ -648,10 +654,10 @@ def spec_step(
                 new_states.append(s)
             return tuple(new_states)
 
-        if not off:
+        if not off:  # (an off round verifies no draft: the counters would not move)
             dstates = run_once(asking, feedback, dstates) if skip_idle else feedback(dstates)
-        stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
-        stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
+            stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
+            stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
         governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
@@ -705,28 +711,34 @@ def generate_loop(
     if not idle_rounds_are_plain(engine):
         return jax.lax.while_loop(cond, body, state)
 
-    # Every round's plan is computed once, after the round before it, and carried.
-    Carry = tuple[GenState, tuple[Array, adaptive.Governor]]
+    # Every round's plan is computed once, after the round before it, and carried: its budget
+    # beside the state, its governor (counters updated) in the state's place, so that the
+    # loops carry one governor, not two (each small loop-carried array can cost a copy per
+    # round, a kernel of its own on XLA CPU).
+    Carry = tuple[GenState, Array]
+
+    def planned(s: GenState) -> Carry:
+        budget, governor = draft_budget(engine, s, run)
+        return replace(s, governor=governor), budget
 
     def off_cond(c: Carry) -> Array:
-        s, (budget, _) = c
+        s, budget = c
         return cond(s) & ~jnp.any(budget > 0)
 
     def off_body(c: Carry) -> Carry:
-        s, plan = c
-        s = spec_step(engine, target_params, drafter_params, s, run, plan, off=True)
-        return s, draft_budget(engine, s, run)
+        s, budget = c
+        s = spec_step(engine, target_params, drafter_params, s, run, (budget, s.governor), off=True)
+        return planned(s)
 
     def round_then_off_stretch(c: Carry) -> Carry:
-        s, plan = c
-        s = spec_step(engine, target_params, drafter_params, s, run, plan)
-        return jax.lax.while_loop(off_cond, off_body, (s, draft_budget(engine, s, run)))
+        s, budget = c
+        s = spec_step(engine, target_params, drafter_params, s, run, (budget, s.governor))
+        return jax.lax.while_loop(off_cond, off_body, planned(s))
 
     # The first round is a full one even when its plan drafts nothing (the same round, a few
     # loop evaluations dearer): a stretch before it would be a second copy of the off round
     # in the compiled program.
-    start = (state, draft_budget(engine, state, run))
-    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_stretch, start)[0]
+    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_stretch, planned(state))[0]
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("engine",))
