@@ -1,27 +1,40 @@
 """What a drafter that finds nothing costs per round. Prints one JSON object.
 
-    python benchmarks/idle_rounds.py [--repeats 9] [--tokens 256] [--out FILE]
+    python benchmarks/idle_rounds.py [--repeats 9] [--tokens 256] [--no-kernels] [--out FILE]
 
 The shipped target, greedy, the `norepeat` prompt (as benchmarks/peers.py builds it) and an
 n-gram size of 1024, so that no lookup can match: every configuration emits plain decoding's
 tokens in one token per round. Runs are interleaved; for each configuration the JSON gives
 the per-round decode time (minimum and median over the runs: on a shared machine the minimum
-is the steadier figure) and its ratio to plain decoding's, and the draft governor's counters.
+is the steadier figure) and its ratio to plain decoding's (also the median of each repeat's
+ratio to the plain run beside it), and the draft governor's counters.
 
 * `governed/<drafter>`: the default (the governor asks for a draft in some rounds only);
 * `asked/<drafter>`: `adaptive=False`, asked every round: `extra_ms` is then the fixed cost of
   a speculative round that drafts nothing over a plain round (issue 8, goal 3: a drafter that
   proposes nothing costs at most 3%).
+* `never/<drafter>`: a cost model under which drafting never pays, so every round is an off
+  round: what carrying a chain the governor has turned off costs.
+
+`kernels_per_round`: XLA kernels (thunks) the generation loop runs per round, counted in one
+profiled run (`jax.profiler`). On XLA CPU a round of a small model is dominated by launch
+costs of small kernels, so this count is the noise-free companion of the times: on a shared
+machine, run-to-run swings of 10-40% hide differences of a few percent.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import statistics
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
+
+import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine
@@ -36,10 +49,32 @@ DRAFTERS: dict[str, dict[str, Any]] = {
 }
 
 
+#: Profiler events that are not XLA kernels (host-side spans, executor bookkeeping).
+_NOT_KERNELS = ("$", "end: ", "PjitFunction", "ThunkExecutor", "CommonPjRt", "Threadpool")
+_NOT_KERNELS += ("ArrayImpl", "np.asarray", "Wait for")
+
+
+def kernels_per_round(run: Any) -> float:
+    """XLA kernels per round of one profiled `run()` (which returns a `generate` result),
+    counted from the generation loop's start."""
+    with tempfile.TemporaryDirectory() as out:
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            result = run()
+        (path,) = glob.glob(f"{out}/**/*perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    spans = [e for e in events if e.get("ph") == "X"]
+    start = max(e["ts"] for e in spans if e["name"].startswith("PjitFunction(jit(generate_loop"))
+    kernels = sum(1 for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS))
+    return kernels / max(int(result.timings.get("n_rounds", 0)), 1)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
 
@@ -51,6 +86,9 @@ def main() -> None:
         configs[f"governed/{name}"] = specjax.SpecConfig(types=(name,), draft_n_max=4, **kwargs)
         configs[f"asked/{name}"] = specjax.SpecConfig(
             types=(name,), draft_n_max=4, adaptive=False, **kwargs
+        )
+        configs[f"never/{name}"] = specjax.SpecConfig(
+            types=(name,), draft_n_max=4, cost_call=1e6, **kwargs
         )
     kw = dict(max_new_tokens=args.tokens, n_ctx=2048, temperature=0.0)
     for spec in configs.values():  # compile (or load) every program first
@@ -70,6 +108,11 @@ def main() -> None:
                 "governor": stats.get("governor"),
                 "tokens": r.tokens[0],
             }
+    if not args.no_kernels:
+        for name, spec in configs.items():
+            facts[name]["kernels_per_round"] = kernels_per_round(
+                lambda spec=spec: specjax.generate(model, [ids], spec=spec, **kw)
+            )
     plain_min = min(per_round["plain"])
     plain_median = statistics.median(per_round["plain"])
     plain_tokens = facts["plain"]["tokens"]
@@ -77,11 +120,18 @@ def main() -> None:
     for name, times in per_round.items():
         fact = facts[name]
         fact["same_tokens_as_plain"] = fact.pop("tokens") == plain_tokens
+        if "kernels_per_round" in fact:
+            plain_kernels = facts["plain"]["kernels_per_round"]
+            fact["extra_kernels_per_round"] = fact["kernels_per_round"] - plain_kernels
         rows[name] = {
             "ms_per_round_min": min(times),
             "ms_per_round_median": statistics.median(times),
             "speed_vs_plain_min": plain_min / min(times),
             "speed_vs_plain_median": plain_median / statistics.median(times),
+            # each repeat's plain run beside this one's (adjacent in time): slow drifts cancel
+            "speed_vs_plain_paired": statistics.median(
+                p / t for p, t in zip(per_round["plain"], times)
+            ),
             "extra_ms_min": min(times) - plain_min,
             **fact,
         }
