@@ -549,7 +549,8 @@ def spec_step(
     with `off=False`, where those loops run 0 times and the verify loop at width 1 once."""
     B, S = state.length.shape[0], engine.capacity
     # Draft columns of this round's arrays: none in an off round, whose verify batch is the
-    # 1-token one (K-wide arrays there cost a plain round ~40 small kernels more with K = 64).
+    # 1-token one (K-wide arrays there only add small kernels to a round that should cost
+    # what a plain one costs; benchmarks/idle_rounds.py counts them).
     K = 0 if off else engine.k_max
     out_cap = engine.out_capacity
     active = ~state.done
