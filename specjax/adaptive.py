@@ -103,8 +103,14 @@ class Governor:
 
 def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
     """E_r(k) for k = 0..k_max: [B, k_max + 1]."""
-    powers = accept_B[:, None] ** jnp.arange(1, k_max + 1, dtype=jnp.float32)[None, :]
-    gains = jnp.concatenate([jnp.zeros_like(hit_B)[:, None], jnp.cumsum(powers, axis=1)], axis=1)
+    # a + a^2 + ... + a^k = a (1 - a^k) / (1 - a) in closed form (a cumsum is a kernel of its
+    # own on XLA CPU, every round); 1 - a^k by expm1/log1p and 1 - a exact (Sterbenz) keep
+    # it accurate as a nears 1; k where a = 1, 0 where a = 0
+    k = jnp.arange(k_max + 1, dtype=jnp.float32)[None, :]
+    a = accept_B[:, None]
+    one_minus_a_k = -jnp.expm1(k * jnp.log1p(a - 1.0))
+    geometric = a * one_minus_a_k / jnp.where(a == 1.0, 1.0, 1.0 - a)
+    gains = jnp.where(a == 1.0, k, jnp.where(a > 0.0, geometric, 0.0))
     return 1.0 + hit_B[:, None] * gains
 
 

@@ -223,6 +223,20 @@ def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call,
     return [min(b, best) for b in budget]
 
 
+def test_expected_tokens_match_the_series_in_float64():
+    """E_r(k) = 1 + h (a + ... + a^k), computed in closed form, against the plain sum, with
+    acceptance rates at 0, at 1 and a float32 step below 1 (where 1 - a^k cancels)."""
+    accept = np.array([0.0, 1e-6, 0.2, 0.5, 0.8, 0.99, 0.9999, 0.99999994, 1.0], np.float32)
+    hit = np.linspace(0.1, 1.0, accept.size).astype(np.float32)
+    K = 64
+    got = np.asarray(adaptive.expected_tokens(jnp.asarray(hit), jnp.asarray(accept), K))
+    a64, h64 = accept.astype(np.float64), hit.astype(np.float64)
+    want = [
+        [1 + h * sum(a**j for j in range(1, k + 1)) for k in range(K + 1)] for a, h in zip(a64, h64)
+    ]
+    np.testing.assert_allclose(got, np.asarray(want), rtol=1e-6, atol=0)
+
+
 @pytest.mark.parametrize(
     "hit,accept,verify,draft_step",
     [
