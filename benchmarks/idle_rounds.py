@@ -50,8 +50,10 @@ DRAFTERS: dict[str, dict[str, Any]] = {
 
 
 #: Profiler events that are not XLA kernels (host-side spans, executor bookkeeping).
-_NOT_KERNELS = ("$", "end: ", "PjitFunction", "ThunkExecutor", "CommonPjRt", "Threadpool")
-_NOT_KERNELS += ("ArrayImpl", "np.asarray", "Wait for")
+_NOT_KERNELS = (
+    *("$", "end: ", "PjitFunction", "ThunkExecutor", "CommonPjRt", "Threadpool"),
+    *("ArrayImpl", "np.asarray", "Wait for"),
+)
 
 
 def kernels_per_round(run: Any) -> float:
