@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 
 import specjax
@@ -155,3 +156,33 @@ def test_n_predict_minus_one_generates_until_the_context_is_full(ctx_model):
     assert [len(t) for t in mixed.tokens] == [29, 4]
     assert mixed.finish_reasons == ["context", "length"]
     assert mixed.tokens[0] == out.tokens[0] and mixed.tokens[1] == out.tokens[1][:4]
+
+
+def test_prompt_width_pays_for_at_most_half_again_the_prompt():
+    """The prefill's static width: powers of two up to 128 (the shapes every short-prompt
+    test compiles stay as they were), then a half step between powers, so a prompt pays for
+    less than 1.5x its tokens (a 360-token prompt ran in a 512-wide forward before)."""
+    from specjax.api import build_engine_inputs, prompt_bucket
+
+    widths = sorted({prompt_bucket(n) for n in range(1, 4097)})
+    assert widths == [16, 32, 64, 128, 192, 256, 384, 512, 768, 1024, 1536, 2048, 3072, 4096]
+    for n in range(1, 4097):
+        width = prompt_bucket(n)
+        assert width >= n
+        assert n <= 128 or width < 1.5 * n
+    model = specjax.init_model(tiny_config(max_position=1024), 0)
+    sizes = build_engine_inputs(model, [[1] * 360], max_new_tokens=4, n_ctx=None, k_max=0)
+    assert sizes[0] == 384
+
+
+def test_a_prompt_in_a_half_step_width_continues_as_one_unpadded_forward():
+    """150 tokens run in the 192-wide prefill; its first greedy token equals the argmax of a
+    plain forward over exactly those 150 tokens (no padding, no bucket)."""
+    model = specjax.init_model(tiny_config(max_position=256), 1)
+    prompt = [int(t) for t in np.random.default_rng(0).integers(3, 97, 150)]
+    logits, _ = specjax.forward(model, [prompt], [list(range(150))], model.new_cache(1, 256))
+    row = np.asarray(logits[0, -1], np.float64)
+    second, first = np.sort(row)[-2:]
+    assert first - second > 1e-3  # a clear winner: the comparison does not hang on rounding
+    out = specjax.generate(model, [prompt], max_new_tokens=1, n_ctx=256, temperature=0.0)
+    assert out.tokens == [[int(np.argmax(row))]]
