@@ -216,13 +216,7 @@ def prefill(
     keys = jax.vmap(sampling.make_key, in_axes=(0, 0, None))(
         run.sampling.seed, lengths_B, sampling.ROLE_SAMPLE
     )
-    # Greedy batches skip the sampler's truncation passes (about 5 ms of a 360-token prefill
-    # on the shipped target): the argmax is what `sample` returns at temperature <= 0.
-    first = jax.lax.cond(
-        jnp.all(run.sampling.temperature <= 0),
-        lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32),
-        lambda: sampling.sample(logits_BV, run.sampling, keys),
-    )
+    first = sampling.sample(logits_BV, run.sampling, keys)
 
     if not chunked:
         batch = TargetBatch(

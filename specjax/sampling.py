@@ -326,7 +326,14 @@ def sample_token(
 def sample(
     logits_BV: Array, params: SamplingParams, keys_B: PRNGKey, allowed_BV: Array | None = None
 ) -> Array:
-    """`sample_token` per row: `[B, V]` logits, `[B]` params, `[B, 2]` keys -> `[B]` int32."""
+    """`sample_token` per row: `[B, V]` logits, `[B]` params, `[B, 2]` keys -> `[B]` int32.
+
+    A batch whose every row is greedy (and has no grammar mask) takes the argmax alone: the
+    truncation passes of a sampled draw are ~5 ms of a 360-token prefill on XLA CPU."""
     if allowed_BV is None:
-        return jax.vmap(sample_token)(logits_BV, params, keys_B)
+        return jax.lax.cond(
+            jnp.all(jnp.asarray(params.temperature) <= 0),
+            lambda: jnp.argmax(logits_BV, axis=-1).astype(jnp.int32),
+            lambda: jax.vmap(sample_token)(logits_BV, params, keys_B),
+        )
     return jax.vmap(sample_token)(logits_BV, params, keys_B, allowed_BV)

@@ -145,6 +145,23 @@ def test_batched_sample_equals_single_rows_and_greedy_is_argmax():
     assert batched[0] == int(np.argmax(np.asarray(logits[0])))
 
 
+def test_an_all_greedy_batch_gives_the_rows_own_argmax_with_ties_to_the_lowest_id():
+    """`sample` skips the truncation passes when every row is greedy; the tokens stay those of
+    the per-row chain (`sample_token`), ties included: lowest id, as llama.cpp's argmax."""
+    logits = jnp.asarray(
+        [[0.5, 2.0, 2.0, -1.0], [3.0, -2.0, 3.0, 3.0], [-1.0, -1.0, -1.0, -1.0]], jnp.float32
+    )
+    params = SamplingParams.create(
+        3, temperature=jnp.asarray([0.0, -1.0, 0.0]), top_k=2, top_p=0.5, min_p=0.2, seed=0
+    )
+    keys = make_keys(params.seed, jnp.asarray([1, 2, 3]), ROLE_SAMPLE)
+    batched = np.asarray(jax.jit(sample)(logits, params, keys))
+    assert batched.tolist() == [1, 0, 0]
+    for b in range(3):
+        row = jax.tree.map(lambda x, b=b: x[b], params)
+        assert int(jax.jit(sample_token)(logits[b], row, keys[b])) == batched[b]
+
+
 def test_sample_token_frequencies_follow_target_probs():
     params = SamplingParams.create(temperature=0.9, top_k=4, top_p=0.97, min_p=0.0)
     logits = jnp.asarray(LOGITS)
