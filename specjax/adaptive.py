@@ -33,6 +33,14 @@ drafts again is back at full speed after a single hit.
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 
+A row's counts are stored as of the last round it was asked (`anchor`), with the number of
+rounds since (`idle`): the pull towards the prior is a fixed factor per round while the row
+is not asked, so its estimates after n such rounds are the prior plus the anchor's distance
+from it times (1 - pull)^n, whichever way the n rounds are grouped. So a run of rounds with
+drafting off is planned once (`rounds_off_ahead`: how many rounds the choice stays 0) and
+its rounds carry no governor work (`advance` adds them up afterwards), leaving the state
+that planning every round leaves, bit for bit.
+
 Only the budget changes: which tokens are emitted never depends on the governor at
 temperature 0 (verification is lossless), and at temperature > 0 the output distribution is
 the target's whatever the draft length.
@@ -40,6 +48,7 @@ the target's whatever the draft length.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 from specjax.pytree import pytree_dataclass, replace
@@ -56,6 +65,9 @@ DECAY = 0.9
 RELAX = 0.97
 #: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
 MAX_BACKOFF = 6
+#: Rounds `rounds_off_ahead` looks ahead (a run of off rounds longer than this is planned
+#: again after it).
+OFF_HORIZON = 32
 
 
 @pytree_dataclass
@@ -76,10 +88,12 @@ class CostModel:
 
 @pytree_dataclass
 class Governor:
+    # decayed counts as of the row's last asked round (the anchor; see `estimates`)
     hit_num: Array  # [B] float32
     hit_den: Array  # [B] float32
     acc_num: Array  # [B] float32
     acc_den: Array  # [B] float32
+    idle: Array  # [B] int32 rounds since the anchor in which the row was not asked
     n_rounds: Array  # [] int32 rounds with some budget
     n_throttled: Array  # [] int32 rounds drafted shorter than the budget allowed
     n_off: Array  # [] int32 rounds not drafted although the budget allowed it
@@ -94,11 +108,43 @@ class Governor:
             hit_den=w,
             acc_num=w * PRIOR_ACCEPT,
             acc_den=w,
+            idle=jnp.zeros((batch,), jnp.int32),
             n_rounds=zero,
             n_throttled=zero,
             n_off=zero,
             miss_streak=jnp.zeros((batch,), jnp.int32),
         )
+
+
+def _pull(streak_B: Array) -> Array:
+    """Per-round pull towards the prior of a row not asked, halved by each miss in a row."""
+    return (1.0 - RELAX) / (2.0 ** jnp.minimum(streak_B, MAX_BACKOFF).astype(jnp.float32))
+
+
+def _relaxed(
+    num: Array, den: Array, prior: float, pull: Array, rounds: Array
+) -> tuple[Array, Array]:
+    """Counts after `rounds` rounds of `x <- (1 - pull) x + pull * fixed point`, in closed
+    form (the same value however the rounds are grouped); exactly the counts at 0 rounds."""
+    keep = jnp.power(1.0 - pull, rounds.astype(jnp.float32))
+    fixed_num, fixed_den = PRIOR_WEIGHT * prior, PRIOR_WEIGHT
+    relaxed_num = fixed_num + (num - fixed_num) * keep
+    relaxed_den = fixed_den + (den - fixed_den) * keep
+    return jnp.where(rounds > 0, relaxed_num, num), jnp.where(rounds > 0, relaxed_den, den)
+
+
+def _counts(gov: Governor, idle: Array) -> tuple[Array, Array, Array, Array]:
+    """The rows' counts `idle` rounds after their anchors (hit num, den, accept num, den)."""
+    pull = _pull(gov.miss_streak)
+    hit_num, hit_den = _relaxed(gov.hit_num, gov.hit_den, PRIOR_HIT, pull, idle)
+    acc_num, acc_den = _relaxed(gov.acc_num, gov.acc_den, PRIOR_ACCEPT, pull, idle)
+    return hit_num, hit_den, acc_num, acc_den
+
+
+def estimates(gov: Governor, ahead: Array | int = 0) -> tuple[Array, Array]:
+    """(h_r, a_r) [B] as they stand, or `ahead` more rounds without asking from now."""
+    hit_num, hit_den, acc_num, acc_den = _counts(gov, gov.idle + ahead)
+    return hit_num / hit_den, acc_num / acc_den
 
 
 def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
@@ -125,8 +171,67 @@ def choose_budget(
     """The governed budget [B] (<= budget_B) and the governor with its counters updated.
 
     `widths`: the compiled verify widths (static; None = every width 1..k_max + 1)."""
-    hit = gov.hit_num / gov.hit_den
-    accept = gov.acc_num / gov.acc_den
+    hit, accept = estimates(gov)
+    best = _best_k(hit, accept, cost, budget_B, active_B, k_max, widths)
+    governed = jnp.minimum(budget_B, best)
+    wanted = jnp.any(budget_B > 0)
+    throttled = wanted & (best > 0) & jnp.any(governed < budget_B)
+    gov = replace(
+        gov,
+        n_rounds=gov.n_rounds + wanted.astype(jnp.int32),
+        n_throttled=gov.n_throttled + throttled.astype(jnp.int32),
+        n_off=gov.n_off + (wanted & (best == 0)).astype(jnp.int32),
+    )
+    return governed, gov
+
+
+def rounds_off_ahead(
+    gov: Governor,
+    cost: CostModel,
+    budget_B: Array,
+    active_B: Array,
+    k_max: int,
+    widths: tuple[int, ...] | None = None,
+    horizon: int = OFF_HORIZON,
+) -> Array:
+    """How many of the next `horizon` rounds (after the one `gov` was planned for) the choice
+    stays 0 ([] int32), with no row asked in between and the same active rows.
+
+    `budget_B` is this round's: budgets only shrink as rows advance, and a smaller budget
+    never makes drafting pay where a larger one did not, so a round counted here is off
+    whatever its own budget. Budgets that reach 0 do not end the count."""
+    ahead = jnp.arange(1, horizon + 1, dtype=jnp.int32)
+
+    def best_after(n: Array) -> Array:
+        hit, accept = estimates(gov, n)
+        return _best_k(hit, accept, cost, budget_B, active_B, k_max, widths)
+
+    drafts = jax.vmap(best_after)(ahead) > 0  # [horizon]
+    return jnp.where(jnp.any(drafts), jnp.argmax(drafts), horizon).astype(jnp.int32)
+
+
+def advance(gov: Governor, rounds: Array, counted: Array) -> Governor:
+    """The governor after `rounds` more rounds in which no row was asked, `counted` of them
+    with some budget left (each an `off` round): what `rounds` calls of `choose_budget` (all
+    choosing 0) and `observe` (no row asked) leave."""
+    return replace(
+        gov,
+        idle=gov.idle + rounds,
+        n_rounds=gov.n_rounds + counted,
+        n_off=gov.n_off + counted,
+    )
+
+
+def _best_k(
+    hit: Array,
+    accept: Array,
+    cost: CostModel,
+    budget_B: Array,
+    active_B: Array,
+    k_max: int,
+    widths: tuple[int, ...] | None,
+) -> Array:
+    """k* of the module's rule ([] int32; k_max when the cost model is off)."""
     k = jnp.arange(k_max + 1, dtype=jnp.int32)
     e_Bk = expected_tokens(hit, accept, k_max)
     # a row cannot draft beyond its own budget: E_r(min(k, budget_r))
@@ -146,61 +251,39 @@ def choose_budget(
     draft = kf * cost.draft_step * fwd(n_rows)
     total = verify + draft + jnp.where(k > 0, cost.call, 0.0)
     best = jnp.argmax(tokens_k / total).astype(jnp.int32)
-    best = jnp.where(cost.enabled, best, k_max)
-    governed = jnp.minimum(budget_B, best)
-    wanted = jnp.any(budget_B > 0)
-    throttled = wanted & (best > 0) & jnp.any(governed < budget_B)
-    gov = replace(
-        gov,
-        n_rounds=gov.n_rounds + wanted.astype(jnp.int32),
-        n_throttled=gov.n_throttled + throttled.astype(jnp.int32),
-        n_off=gov.n_off + (wanted & (best == 0)).astype(jnp.int32),
-    )
-    return governed, gov
+    return jnp.where(cost.enabled, best, k_max)
 
 
 def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Array) -> Governor:
     """Update the estimates after verification.
 
     `asked_B`: rows the relay asked for a draft; `draft_len_B`: drafted tokens (0 = none);
-    `n_accepted_B`: accepted drafted tokens. Rows not asked drift back towards the prior.
+    `n_accepted_B`: accepted drafted tokens. Rows not asked drift back towards the prior: one
+    more idle round, their anchors as they were.
     """
     had = draft_len_B > 0
     trials = n_accepted_B + (had & (n_accepted_B < draft_len_B)).astype(jnp.int32)
-
-    streak = gov.miss_streak
-    pull = (1.0 - RELAX) / (2.0 ** jnp.minimum(streak, MAX_BACKOFF).astype(jnp.float32))
-
-    def decayed(num: Array, den: Array, x: Array, n: Array, prior: float, seen: Array):
-        num_seen = DECAY * num + x
-        den_seen = DECAY * den + n
-        # unobserved rows: relax towards the prior (so a turned-off batch probes again)
-        num_prior = (1.0 - pull) * num + pull * PRIOR_WEIGHT * prior
-        den_prior = (1.0 - pull) * den + pull * PRIOR_WEIGHT
-        return jnp.where(seen, num_seen, num_prior), jnp.where(seen, den_seen, den_prior)
-
-    hit_num, hit_den = decayed(
-        gov.hit_num,
-        gov.hit_den,
-        had.astype(jnp.float32),
-        jnp.ones_like(gov.hit_den),
-        PRIOR_HIT,
-        asked_B,
+    # asked rows: their counts as they stand, then this round's observations
+    hit_num, hit_den, acc_num, acc_den = _counts(gov, gov.idle)
+    hit_num = DECAY * hit_num + had.astype(jnp.float32)
+    hit_den = DECAY * hit_den + 1.0
+    # an asked row that drafted nothing: acceptance unobserved, relaxed for this round
+    relaxed_num, relaxed_den = _relaxed(
+        acc_num, acc_den, PRIOR_ACCEPT, _pull(gov.miss_streak), jnp.ones_like(gov.idle)
     )
-    acc_num, acc_den = decayed(
-        gov.acc_num,
-        gov.acc_den,
-        n_accepted_B.astype(jnp.float32),
-        trials.astype(jnp.float32),
-        PRIOR_ACCEPT,
-        had,
-    )
-    streak = jnp.where(asked_B, jnp.where(had, 0, streak + 1), streak)
+    acc_num = jnp.where(had, DECAY * acc_num + n_accepted_B.astype(jnp.float32), relaxed_num)
+    acc_den = jnp.where(had, DECAY * acc_den + trials.astype(jnp.float32), relaxed_den)
+    streak = jnp.where(had, 0, gov.miss_streak + 1)
+
+    def anchored(new: Array, old: Array) -> Array:
+        return jnp.where(asked_B, new, old)
+
     return replace(
         gov,
-        hit_num=hit_num,
-        hit_den=hit_den,
-        acc_num=acc_num,
-        acc_den=jnp.maximum(acc_den, 1e-6),
-        miss_streak=streak,
+        hit_num=anchored(hit_num, gov.hit_num),
+        hit_den=anchored(hit_den, gov.hit_den),
+        acc_num=anchored(acc_num, gov.acc_num),
+        acc_den=anchored(jnp.maximum(acc_den, 1e-6), gov.acc_den),
+        idle=jnp.where(asked_B, 0, gov.idle + 1),
+        miss_streak=anchored(streak, gov.miss_streak),
     )

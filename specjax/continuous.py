@@ -237,6 +237,7 @@ def prefill_chunk(
         hit_den=_set_row(gov.hit_den, slot, fresh.hit_den),
         acc_num=_set_row(gov.acc_num, slot, fresh.acc_num),
         acc_den=_set_row(gov.acc_den, slot, fresh.acc_den),
+        idle=_set_row(gov.idle, slot, fresh.idle),
         miss_streak=_set_row(gov.miss_streak, slot, fresh.miss_streak),
     )
     new_state = replace(

@@ -512,22 +512,24 @@ def draft_budget(
 ) -> tuple[Array, adaptive.Governor]:
     """Step 1 of a round: every row's draft budget [B] (0 = no drafting) and the governor
     with its counters updated (`spec_step`'s `plan`)."""
-    K, S = engine.k_max, engine.capacity
     active = ~state.done
-    remaining_new = run.max_new - state.out_len
-    budget = jnp.minimum(S - state.length - 2, remaining_new - 1)
-    budget = jnp.clip(budget, 0, K)
-    budget = jnp.where(active, budget, 0)
+    budget = jnp.where(active, jnp.clip(_headroom(engine, state, run), 0, engine.k_max), 0)
     governor = state.governor
     if engine.drafters:
         # The governor weighs lengths the chain can really draft (upstream's n_max, traced;
         # K is only the static width); when it does not shorten, the budget stays as it was.
         reachable = jnp.minimum(budget, run.chain_n_max)
         governed, governor = adaptive.choose_budget(
-            governor, run.cost, reachable, active, K, engine.verify_widths()
+            governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
         )
         budget = jnp.where(governed < reachable, governed, budget)
     return budget, governor
+
+
+def _headroom(engine: Engine, state: GenState, run: RunParams) -> Array:
+    """Per row [B]: drafted tokens that still fit the cache and the row's n_predict (the
+    budget before the width K and the governor); one less after each 1-token round."""
+    return jnp.minimum(engine.capacity - state.length - 2, run.max_new - state.out_len - 1)
 
 
 def spec_step(
@@ -659,7 +661,8 @@ def spec_step(
             dstates = run_once(asking, feedback, dstates) if skip_idle else feedback(dstates)
             stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
             stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
-        governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
+        if not off:  # (the caller of an off round advances the governor: `_off_rounds`)
+            governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
         impl_last = state.impl_last
@@ -700,8 +703,9 @@ def generate_loop(
 
     After each round, while the governor lets no row draft (and the chain's idle calls may be
     skipped), the rounds run in an inner loop as `spec_step(off=True)`: the same rounds, with
-    ~5 fewer nested loop evaluations each (each a computation XLA CPU launches on its own), so
-    a stretch in which drafting is off costs about what plain decoding costs."""
+    ~5 fewer nested loop evaluations each (each a computation XLA CPU launches on its own)
+    and no governor work (the run of off rounds is planned once), so a stretch in which
+    drafting is off costs about what plain decoding costs."""
 
     def cond(s: GenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
@@ -726,20 +730,45 @@ def generate_loop(
         s, budget = c
         return cond(s) & ~jnp.any(budget > 0)
 
-    def off_body(c: Carry) -> Carry:
-        s, budget = c
-        s = spec_step(engine, target_params, drafter_params, s, run, (budget, s.governor), off=True)
-        return planned(s)
+    def off_rounds(c: Carry) -> Carry:
+        """A run of off rounds planned once: the planned one and as many after it as the
+        governor's choice stays 0 (`adaptive.rounds_off_ahead`) while no row finishes. Its
+        rounds do no governor work; `adaptive.advance` adds them up after the run."""
+        s, _ = c
+        active = ~s.done
+        headroom = jnp.where(active, _headroom(engine, s, run), 0)
+        reachable = jnp.minimum(jnp.clip(headroom, 0, engine.k_max), run.chain_n_max)
+        ahead = adaptive.rounds_off_ahead(
+            s.governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
+        )
+        n_done = jnp.sum(s.done)
+        no_budget = jnp.zeros_like(s.length)
 
-    def round_then_off_stretch(c: Carry) -> Carry:
+        def more(c: tuple[GenState, Array]) -> Array:
+            s, n = c
+            return (n == 0) | ((n <= ahead) & cond(s) & (jnp.sum(s.done) == n_done))
+
+        def one(c: tuple[GenState, Array]) -> tuple[GenState, Array]:
+            s, n = c
+            plan = (no_budget, s.governor)
+            return spec_step(engine, target_params, drafter_params, s, run, plan, off=True), n + 1
+
+        s, n = jax.lax.while_loop(more, one, (s, jnp.zeros((), jnp.int32)))
+        # rounds after the planned one that `draft_budget` would have counted (some row with
+        # budget left: round j of the run while j < the row's headroom; 0 when n_max is 0)
+        counted = jnp.clip(jnp.max(headroom) - 1, 0, n - 1)
+        counted = jnp.where((run.chain_n_max > 0) & (engine.k_max > 0), counted, 0)
+        return planned(replace(s, governor=adaptive.advance(s.governor, n, counted)))
+
+    def round_then_off_rounds(c: Carry) -> Carry:
         s, budget = c
         s = spec_step(engine, target_params, drafter_params, s, run, (budget, s.governor))
-        return jax.lax.while_loop(off_cond, off_body, planned(s))
+        return jax.lax.while_loop(off_cond, off_rounds, planned(s))
 
     # The first round is a full one even when its plan drafts nothing (the same round, a few
     # loop evaluations dearer): a stretch before it would be a second copy of the off round
     # in the compiled program.
-    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_stretch, planned(state))[0]
+    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_rounds, planned(state))[0]
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("engine",))

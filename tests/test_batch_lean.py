@@ -104,8 +104,11 @@ def _copy(tree):
 
 
 def off_step(engine, params, dparams, state, run):
-    """`engine.generate_loop`'s round inside a stretch in which no row may draft."""
-    return eng.spec_step(engine, params, dparams, state, run, off=True)
+    """`engine.generate_loop`'s round inside a stretch in which no row may draft, and the
+    loop's governor update for it after the stretch (`adaptive.advance`: one idle round; the
+    round was counted by its plan)."""
+    state = eng.spec_step(engine, params, dparams, state, run, off=True)
+    return dataclasses.replace(state, governor=adaptive.advance(state.governor, 1, 0))
 
 
 STEPS = {

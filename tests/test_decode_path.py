@@ -257,6 +257,7 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
         hit_den=jnp.ones((B,), jnp.float32),
         acc_num=jnp.asarray(accept, jnp.float32),
         acc_den=jnp.ones((B,), jnp.float32),
+        idle=jnp.zeros((B,), jnp.int32),
         n_rounds=jnp.zeros((), jnp.int32),
         n_throttled=jnp.zeros((), jnp.int32),
         n_off=jnp.zeros((), jnp.int32),
@@ -347,6 +348,43 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
     after = [t for t in asked if t > hit]
     assert after[:3] == [hit + 1, hit + 2, hit + 3]  # ... and a hit brings the probes back
     assert len(asked) <= rounds // 3  # without the backoff: 208 of 256 rounds
+
+
+def test_off_rounds_planned_ahead_are_the_rounds_the_rule_turns_off():
+    """`rounds_off_ahead`, called after a round's choice to draft nothing, counts exactly the rounds the
+    plain-Python transcription of the rule leaves off before it asks again (up to the
+    horizon), over a drafter that finds nothing (the backoff stretches the gaps) and then
+    finds drafts; a row that is not active (done) changes nothing."""
+    K, verify, call, rounds, hit_from, horizon = 4, 0.12, 0.02, 256, 150, 16
+    cost = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(verify, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(call, jnp.float32),
+    )
+    budget, active = jnp.asarray([K, K]), jnp.asarray([True, False])
+
+    @jax.jit
+    def round_(gov, t, seen):
+        b, gov = adaptive.choose_budget(gov, cost, budget, active, K)
+        ahead = adaptive.rounds_off_ahead(gov, cost, budget, active, K, horizon=horizon)
+        asked = (b > 0) & active
+        hit = asked & (t >= hit_from) & ~seen
+        gov = adaptive.observe(gov, asked, hit.astype(jnp.int32), hit.astype(jnp.int32))
+        return gov, asked[0], seen | hit[0], ahead
+
+    want = _python_probes(rounds, hit_from, K, verify, call)
+    gov, seen, predicted = adaptive.Governor.create(2), jnp.asarray(False), []
+    for t in range(rounds):
+        gov, a, seen, ahead = round_(gov, jnp.asarray(t), seen)
+        assert bool(a) == (t in want)
+        predicted.append(int(ahead))
+    gaps = 0
+    for t in [t for t in range(rounds - horizon - 1) if t not in want]:  # after an off choice
+        off_after = next((j for j in range(1, horizon + 1) if t + j in want), horizon + 1) - 1
+        assert predicted[t] == off_after, t
+        gaps += off_after >= 10
+    assert gaps > 20  # long runs of off rounds were planned, not just single ones
 
 
 def test_governor_turns_off_a_draft_that_cannot_pay_and_output_is_unchanged():
