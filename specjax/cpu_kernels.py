@@ -1,4 +1,4 @@
-"""Native CPU kernel for the few-row linear products of decode and verify steps.
+"""Native CPU kernels for the few-row linear products of decode and verify steps.
 
 At one to a few dozen activation rows a linear layer is a matrix-vector product: it reads its
 whole weight matrix for two FLOPs per weight, so its speed is memory bandwidth. XLA's CPU dot
@@ -7,7 +7,9 @@ kernel in `kernels/linear.cc` reads f16 (or f32) weights in their stored `[out, 
 converts them in registers and splits the outputs over XLA's intra-op thread pool; it is
 called from jitted code through the XLA FFI (`jax.ffi.ffi_call`). The attention of a few new
 tokens over the KV cache (`attend_cache`, `kernels/attention.cc`) is the other per-step cost
-XLA spreads over many small kernels; it runs there too, reading each used K/V row once.
+XLA spreads over many small kernels; it runs there too, reading each used K/V row once. So
+does the drafters' top-10 of the draft logits at every draft step (`top_k`,
+`kernels/top_k.cc`): one pass per row instead of XLA's full sort or ~80 small kernels.
 
 Invariants:
 - `linear_rows(x, w)` = `x @ w.T` in float32, with each (row, output) sum computed in an order
@@ -47,8 +49,9 @@ from jax import Array
 ENV_VAR = "SPECJAX_CPU_KERNELS"
 TARGET = "specjax_linear"
 ATTEND_TARGET = "specjax_attend_cache"
+TOP_K_TARGET = "specjax_top_k"
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-_SOURCES = (_KERNELS / "linear.cc", _KERNELS / "attention.cc")
+_SOURCES = (_KERNELS / "linear.cc", _KERNELS / "attention.cc", _KERNELS / "top_k.cc")
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
 
@@ -140,6 +143,8 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxLinear), "cpu")
         capsule = jax.ffi.pycapsule(library.SpecjaxAttendCache)
         jax.ffi.register_ffi_target(ATTEND_TARGET, capsule, "cpu")
+        capsule = jax.ffi.pycapsule(library.SpecjaxTopK)
+        jax.ffi.register_ffi_target(TOP_K_TARGET, capsule, "cpu")
         _state["library"] = library
     except Exception as err:  # no kernel only means XLA's slower dot
         _state["error"] = str(err)
@@ -183,7 +188,7 @@ def attend_cache(
     v_BGSE: Array,
     k_pos_BS: Array,
     q_pos_BT: Array,
-    n_used: Array,
+    n_used: Array | int,
     window: int,
 ) -> tuple[Array, Array, Array]:
     """The online-softmax state (max, normaliser `[B, G, Q]`, weighted sum `[B, G, Q, E]`) of
@@ -208,6 +213,20 @@ def attend_cache(
         window=np.int64(window),
     )
     return m, total, acc
+
+
+def top_k(x: Array, k: int) -> tuple[Array, Array]:
+    """`jax.lax.top_k(x, k)` over the last axis of float32 `x` (no NaN) in one pass per row on
+    the kernel: values descending, equal values by lower index (`kernels/top_k.cc`)."""
+    if not 1 <= k <= x.shape[-1]:
+        raise ValueError(f"k must be in [1, {x.shape[-1]}], got {k}")
+    out_types = (
+        jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.float32),
+        jax.ShapeDtypeStruct((*x.shape[:-1], k), jnp.int32),
+    )
+    call = jax.ffi.ffi_call(TOP_K_TARGET, out_types, vmap_method="broadcast_all")
+    values, indices = call(x.astype(jnp.float32), k=np.int64(k))
+    return values, indices
 
 
 @jax.custom_batching.custom_vmap

@@ -26,6 +26,7 @@ from specjax.sampling import (
     sample_token,
     small_top_k,
     target_probs,
+    top_k_rounds,
     truncation_mask,
 )
 
@@ -210,17 +211,18 @@ def test_create_broadcasts_and_sampling_traces_once():
         step(logits, p, make_keys(p.seed, jnp.arange(4), ROLE_SAMPLE))
 
 
+@pytest.mark.parametrize("top_k", [small_top_k, top_k_rounds], ids=["small_top_k", "xla_rounds"])
 @pytest.mark.parametrize("k", [1, 10, 50])
-def test_small_top_k_is_a_stable_descending_sort_prefix(k):
+def test_small_top_k_is_a_stable_descending_sort_prefix(k, top_k):
     rng = np.random.default_rng(k)
     x = rng.integers(0, 6, size=(3, 50)).astype(np.float32)  # many ties
     x[1, rng.choice(50, 20, replace=False)] = -np.inf  # masked vocabulary entries
-    values, indices = jax.jit(small_top_k, static_argnums=1)(jnp.asarray(x), k)
+    values, indices = jax.jit(top_k, static_argnums=1)(jnp.asarray(x), k)
     want = np.argsort(-x, axis=-1, kind="stable")[:, :k]  # NumPy oracle: ties by lower index
     np.testing.assert_array_equal(np.asarray(indices), want)
     np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, -1))
     with pytest.raises(ValueError, match="k must be in"):
-        small_top_k(jnp.asarray(x), 51)
+        top_k(jnp.asarray(x), 51)
 
 
 # Integer-valued logits make ties common (the stable order decides them); -0.0 ties 0.0 and

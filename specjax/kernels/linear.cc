@@ -23,17 +23,19 @@ namespace {
 using namespace specjax;
 
 // A tile: OUT outputs sharing one pass over ROWS rows of x. Its accumulators (OUT x ROWS x
-// kParts native vectors) and the rows' x must stay in registers: 4 x 4 x 1 (+ 4 of x) of
-// AVX-512's 32. AVX2 has 16: 4 outputs x 1 row x 2 parts for one row, 2 x 2 x 2 for more
-// rows, so the weights are converted once per 2 rows, not per row (one-off C++ loop over the
-// target's shapes on AVX2: 2 rows cost ~1 row's time; 3 GMAC/s on 16-lane vectors -> ~24).
+// kParts native vectors) must stay in registers: 4 x 4 x 1 (+ 4 of x) of AVX-512's 32.
+// AVX2 has 16: 4 outputs x 1 row x 2 parts for one row, 2 x 2 x 2 (+ 4 of x) for two; for
+// more rows 1 output x up to 6 rows x 2 parts (12 accumulators, 2 for the weights, x read
+// from L1 by the FMAs), so a weight is loaded and converted from F16 once per 6 rows. Converting is what bounds a
+// multi-row product: with 2 x 2 tiles (a conversion per 2 FMAs) a 5-token verify's linear
+// layers ran at ~45% of the FMA peak, ~3x one token's time, on the 2-core AMD EPYC (Zen 3).
 constexpr int kOutputsPerTile = 4;  // outputs per unit of the output split
 #if defined(__AVX512F__)
 constexpr int kRowsPerTile = 4;
 constexpr int kOutputsPerRowTile = 4;
 #else
-constexpr int kRowsPerTile = 2;
-constexpr int kOutputsPerRowTile = 2;
+constexpr int kRowsPerTile = 6;
+constexpr int kOutputsPerRowTile = 1;
 #endif
 constexpr int64_t kTilesPerChunk = 16;  // unit of work handed between threads
 constexpr int64_t kSerialWork = int64_t(1) << 16;  // below this many MACs, no threads
@@ -87,6 +89,14 @@ void tile(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t
     }
 }
 
+// ROWS rows of x, outputs [o0, o0 + n_out) (n_out <= kOutputsPerTile) in tiles of OUT.
+template <int OUT, int ROWS, typename W>
+void row_tiles(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t o0,
+               int64_t n_out, bool prefetch) {
+  for (int64_t h = 0; h < n_out; h += OUT)
+    tile<OUT, ROWS>(x, w, y, in, out, o0 + h, std::min<int64_t>(OUT, n_out - h), prefetch);
+}
+
 // All rows, output tiles [t0, t1) of kOutputsPerTile outputs.
 template <typename W>
 void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, int64_t out,
@@ -97,21 +107,24 @@ void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, i
     const int64_t n_out = out - o0 < kOutputsPerTile ? out - o0 : kOutputsPerTile;
     int64_t r = 0;
     for (; r + kRowsPerTile <= rows; r += kRowsPerTile)
-      for (int64_t h = 0; h < n_out; h += O)
-        tile<O, kRowsPerTile>(x + r * in, w, y + r * out, in, out, o0 + h,
-                              std::min<int64_t>(O, n_out - h), r == 0);
+      row_tiles<O, kRowsPerTile>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0);
     const float* xr = x + r * in;
     float* yr = y + r * out;
+    const bool first = r == 0;
     switch (rows - r) {  // fewer than kRowsPerTile rows left
+      case 5:
+        if constexpr (kRowsPerTile > 5) row_tiles<O, 5>(xr, w, yr, in, out, o0, n_out, first);
+        break;
+      case 4:
+        if constexpr (kRowsPerTile > 4) row_tiles<O, 4>(xr, w, yr, in, out, o0, n_out, first);
+        break;
       case 3:
-        if constexpr (kRowsPerTile > 3)
-          tile<kOutputsPerTile, 3>(xr, w, yr, in, out, o0, n_out, r == 0);
+        if constexpr (kRowsPerTile > 3) row_tiles<O, 3>(xr, w, yr, in, out, o0, n_out, first);
         break;
-      case 2:
-        if constexpr (kRowsPerTile > 2)
-          tile<kOutputsPerTile, 2>(xr, w, yr, in, out, o0, n_out, r == 0);
+      case 2:  // on AVX2 2 x 2 (x held in registers) beats 1 x 2 (a conversion per 2 FMAs)
+        if constexpr (kRowsPerTile > 2) row_tiles<O == 1 ? 2 : O, 2>(xr, w, yr, in, out, o0, n_out, first);
         break;
-      case 1: tile<kOutputsPerTile, 1>(xr, w, yr, in, out, o0, n_out, r == 0); break;
+      case 1: tile<kOutputsPerTile, 1>(xr, w, yr, in, out, o0, n_out, first); break;
       default: break;
     }
   }
