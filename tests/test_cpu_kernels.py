@@ -222,6 +222,130 @@ def test_attend_cache_matches_float64(dtype, window):
     assert np.isneginf(np.asarray(m)[1, :, 2::3]).all()  # the padding token's rows
 
 
+@needs_kernel
+@pytest.mark.parametrize("k", [1, 3, 10, 40])
+def test_top_k_is_the_stable_sort_prefix_and_small_top_k_takes_it(k):
+    """The kernel against NumPy's stable argsort (ties by lower index): few distinct values so
+    ties are everywhere, -inf entries (grammar-masked tokens), a row with fewer finite values
+    than k, the largest value last (it must displace the list), leading dims, k = V, vmap; and
+    `sampling.small_top_k` runs on it (its compiled program calls the kernel) with the same
+    result as its XLA form (`top_k_rounds`, used off CPU)."""
+    from specjax.sampling import small_top_k, top_k_rounds
+
+    rng = np.random.default_rng(k)
+    x = rng.integers(0, 6, size=(2, 3, 40)).astype(np.float32)
+    x[0, 1, rng.choice(40, 25, replace=False)] = -np.inf
+    x[1, 0, :] = -np.inf
+    x[1, 0, [7, 3]] = 1.0
+    x[1, 2, -1] = 9.0
+    want = np.argsort(-x, axis=-1, kind="stable")[..., :k]
+    values, indices = jax.jit(cpu_kernels.top_k, static_argnums=1)(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(indices), want)
+    np.testing.assert_array_equal(np.asarray(values), np.take_along_axis(x, want, -1))
+    _, vmapped = jax.vmap(lambda r: cpu_kernels.top_k(r, k))(jnp.asarray(x))
+    np.testing.assert_array_equal(np.asarray(vmapped), want)
+
+    fn = jax.jit(small_top_k, static_argnums=1)
+    assert "specjax_top_k" in fn.lower(jnp.asarray(x), k).as_text()
+    xla_values, xla_indices = jax.jit(top_k_rounds, static_argnums=1)(jnp.asarray(x), k)
+    np.testing.assert_array_equal(np.asarray(fn(jnp.asarray(x), k)[1]), np.asarray(xla_indices))
+    np.testing.assert_array_equal(np.asarray(xla_values), np.asarray(values))
+    with pytest.raises(ValueError, match="k must be in"):
+        cpu_kernels.top_k(jnp.asarray(x), 41)
+
+
+def _np_attention(q, segments, q_pos, window):
+    """float64 softmax attention of query rows (R heads x T tokens, token fastest) over the
+    visible cells of every segment (k, v [B, G, X, E], pos [B, X]) together."""
+    B, G, Q, E = q.shape
+    T = q_pos.shape[1]
+    k = np.concatenate([s[0] for s in segments], 2).astype(np.float64)
+    v = np.concatenate([s[1] for s in segments], 2).astype(np.float64)
+    k_pos = np.concatenate([s[2] for s in segments], 1)
+    out = np.zeros((B, G, Q, E))
+    for b in range(B):
+        for g in range(G):
+            for r in range(Q):
+                qp = q_pos[b, r % T]
+                visible = (k_pos[b] >= 0) & (qp >= 0) & (k_pos[b] <= qp)
+                if window:
+                    visible &= qp - k_pos[b] < window
+                if visible.any():
+                    s = (k[b, g] @ q[b, g, r].astype(np.float64))[visible] / np.sqrt(E)
+                    p = np.exp(s - s.max())
+                    out[b, g, r] = p @ v[b, g][visible] / p.sum()
+    return out
+
+
+@needs_kernel
+@pytest.mark.parametrize("window", [0, 5])
+def test_attention_all_on_the_kernel_matches_float64(window):
+    """A decode/verify step's attention with every segment on the kernel (the new tokens, a
+    drafter's scratch, the cache below its high-water mark), merged state by state, against
+    float64: a verify block of 3 tokens whose last is padding (it sees nothing: output 0, no
+    NaN), a scratch with empty slots, a cache with cells above the mark that must not be read,
+    a row whose scratch is all empty; and the same values from XLA's path (`_attend`)."""
+    rng = np.random.default_rng(11)
+    B, G, R, T, E, X, S, used = 2, 2, 2, 3, 16, 4, 32, 20
+    f16 = np.float16
+    q = rng.standard_normal((B, G, R, T, E)).astype(np.float32)
+    q_pos = np.array([[24, 25, -1], [21, 22, 23]], np.int32)
+    own = (
+        rng.standard_normal((B, G, T, E)).astype(f16),
+        rng.standard_normal((B, G, T, E)).astype(f16),
+        q_pos,
+    )
+    scratch_pos = np.array([[20, 21, 22, -1], [-1, -1, -1, -1]], np.int32)
+    scratch = (
+        rng.standard_normal((B, G, X, E)).astype(f16),
+        rng.standard_normal((B, G, X, E)).astype(f16),
+        scratch_pos,
+    )
+    cache_pos = np.full((B, S), -1, np.int32)
+    cache_pos[:, :used] = np.arange(used)
+    cache_pos[:, used:] = 3  # visible if read
+    cache = (
+        rng.standard_normal((B, G, S, E)).astype(f16),
+        rng.standard_normal((B, G, S, E)).astype(f16),
+        cache_pos,
+    )
+    own_j = [tuple(map(jnp.asarray, own)), tuple(map(jnp.asarray, scratch))]
+    cache_j = tuple(map(jnp.asarray, cache))
+    native = jax.jit(llama._attend_native, static_argnums=3)(
+        jnp.asarray(q), own_j, jnp.asarray(q_pos), window, cache_j, jnp.int32(used)
+    )
+    cut = (cache[0][:, :, :used], cache[1][:, :, :used], cache[2][:, :used])
+    want = _np_attention(q.reshape(B, G, R * T, E), [own, scratch, cut], q_pos, window)
+    got = np.asarray(native).reshape(B, G, R * T, E)
+    assert np.isfinite(got).all()
+    np.testing.assert_allclose(got, want, rtol=2e-4, atol=2e-4)
+    # XLA's path reads whole chunks: there, cells above the mark are empty, as in a real cache
+    empty_above = (*cache_j[:2], jnp.where(jnp.arange(S) < used, cache_j[2], -1))
+    xla = jax.jit(llama._attend, static_argnums=3)(
+        jnp.asarray(q), own_j, jnp.asarray(q_pos), window, empty_above, jnp.int32(1)
+    )
+    valid = (q_pos >= 0)[:, None, None, :, None]
+    np.testing.assert_allclose(
+        np.where(valid, np.asarray(xla), 0), np.asarray(native), rtol=2e-4, atol=2e-4
+    )
+
+
+def test_rope_angles_are_computed_once_per_forward():
+    """XLA fuses elementwise producers into their consumers: the RoPE sines and cosines were
+    evaluated inside every layer's q and k rotation (per head), ~15% of a verify forward.
+    `_materialised` keeps them one computation: the optimised verify forward holds one sine
+    and one cosine, not 2 per layer."""
+    model = tiny_model(4)
+    params = api.decode_params(model.params)
+    cache = model.new_cache(1, 64, "f16", "f16")
+    tokens, positions = jnp.ones((1, 5), jnp.int32), 10 + jnp.arange(5)[None]
+    fn = jax.jit(llama.forward_compute, static_argnums=0)
+    text = fn.lower(model.config, params, tokens, positions, cache).compile().as_text()
+    assert model.config.L >= 2  # fused into the layers, there would be 2L of each
+    # one in each branch of the conditional that keeps them apart
+    assert text.count(" sine(") == 2 and text.count(" cosine(") == 2
+
+
 def test_a_failed_build_warns_once_and_generation_uses_xla_dot(tmp_path):
     """A compiler that fails leaves `available()` False with the reason, and generation runs
     (in a fresh process, with an empty kernel cache)."""

@@ -146,6 +146,16 @@ def rope_angles(positions_BT: Array, inv_freq: Array) -> tuple[Array, Array]:
     return jnp.cos(angle), jnp.sin(angle)
 
 
+def _materialised(fn: Any, *args: Array) -> Any:
+    """`fn(*args)` computed once, as its own kernel. Left alone, XLA fuses the RoPE sines and
+    cosines into every layer's q and k rotation and evaluates them there per head, 2L times
+    (~200 us of a ~1.3 ms 5-token verify of the shipped target on CPU); an optimization
+    barrier does not stop it (XLA CPU expands barriers before fusion), a conditional's
+    boundary does. The predicate only has to be unknown to the compiler."""
+    unknown = args[0].reshape(-1)[0] > jnp.iinfo(jnp.int32).min
+    return jax.lax.cond(unknown, fn, fn, *args)
+
+
 def apply_rope(x_BTNE: Array, cos_BTe: Array, sin_BTe: Array) -> Array:
     """Rotate-half RoPE on [B, T, heads, E]."""
     half = x_BTNE.shape[-1] // 2
@@ -308,9 +318,52 @@ def _layer_attention(
     cached = None
     if n_chunks is not None:
         cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
-    native = native_used if native_used is not None and _native_attention(q, cached) else None
-    out = _attend(q, own, positions_BT, window, cached, n_chunks, native)
+    if native_used is not None and all(_native_attention(q, s) for s in [*own, cached]):
+        out = _attend_native(q, own, positions_BT, window, cached, native_used)
+    else:
+        native = native_used if native_used is not None and _native_attention(q, cached) else None
+        out = _attend(q, own, positions_BT, window, cached, n_chunks, native)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+
+
+def _attend_native(
+    q_BGRTE: Array,
+    own: list[tuple[Array, Array, Array]],
+    q_pos_BT: Array,
+    window: int,
+    cache: tuple[Array, Array, Array] | None,
+    used: Array,
+) -> Array:
+    """`_attend` with every segment on `cpu_kernels.attend_cache` (the new tokens, a drafter's
+    scratch, the cached cells below the high-water mark `used`): each call's online-softmax
+    state is merged into the running one. On XLA CPU the few own cells of a decode or verify
+    step cost a dozen small kernels per layer (a 5-token verify's two products went to
+    YNNPACK at ~14 us each: ~17% of the forward); a kernel call costs one.
+
+    A padding token (position -1) sees nothing: its state stays (-inf, 0, 0) and its output
+    is 0 (XLA's path gives it a finite average instead; neither is ever read)."""
+    B, G, R, T, E = q_BGRTE.shape
+    q = q_BGRTE.reshape(B, G, R * T, E)
+    segments: list[tuple[Array, Array, Array, Array | int]]
+    segments = [(k, v, pos, pos.shape[1]) for k, v, pos in own]
+    if cache is not None:
+        segments.append((*cache, used))
+    m = total = acc = None
+    for k, v, pos, n in segments:
+        m_s, total_s, acc_s = cpu_kernels.attend_cache(q, k, v, pos, q_pos_BT, n, window)
+        if m is None or total is None or acc is None:
+            m, total, acc = m_s, total_s, acc_s
+            continue
+        m_new = jnp.maximum(m, m_s)
+        # a row that has seen nothing yet on either side: -inf - -inf would be NaN
+        m_ref = jnp.where(jnp.isneginf(m_new), 0.0, m_new)
+        scale, scale_s = jnp.exp(m - m_ref), jnp.exp(m_s - m_ref)
+        total = total * scale + total_s * scale_s
+        acc = acc * scale[..., None] + acc_s * scale_s[..., None]
+        m = m_new
+    assert total is not None and acc is not None
+    out = acc / jnp.where(total > 0, total, 1.0)[..., None]
+    return out.reshape(B, G, R, T, E).astype(q_BGRTE.dtype)
 
 
 #: Most query rows per KV group (`R * T`) whose cache attention runs on the native kernel;
@@ -357,7 +410,7 @@ def forward_compute(
     """
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
-    cos, sin = rope_angles(positions_BT, inv_freq)
+    cos, sin = _materialised(rope_angles, positions_BT, inv_freq)
     n_chunks = native_used = None
     if not cache_empty:
         chunk = min(CACHE_CHUNK, cache.capacity)
