@@ -10,8 +10,10 @@ Invariants:
 * Attention reads the cache in chunks of CACHE_CHUNK cells up to its high-water mark (an
   online softmax in a loop), so cost follows the used context, not the capacity. With decode
   weights in the native form (`KernelWeight`, CPU) and at most NATIVE_ATTENTION_MAX_ROWS query
-  rows per KV group, `cpu_kernels.attend_cache` computes the same online-softmax state over
-  the cells below the high-water mark instead; both merge it with the new tokens' part.
+  rows per KV group, `cpu_kernels.attend_cache` computes the same online-softmax state for
+  each part (the new tokens, `extra`, the cells below the high-water mark) and the states are
+  merged (`_attend_native`).
+* RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
   dtype.
@@ -76,12 +78,26 @@ class KernelWeight:
     stored: Array  # [out, in], the parameters' own array
 
 
-def linear(x: Array, w: Array | InputMajor | KernelWeight, **kwargs: Any) -> Array:
+#: Most rows of a prompt block's products (`forward_compute(block=True)`) that go to the
+#: native kernel: XLA's dot of the stored float32 weights outruns it above ~16 rows (2-core
+#: AVX2 host, a 1536 x 256 product: even at 16 rows, 113 / 138 against 90 / 89 GFLOP/s at 32 /
+#: 64). Decode and verify keep `cpu_kernels.MAX_ROWS`, so a token's logits do not depend on
+#: the rows beside it.
+BLOCK_KERNEL_ROWS = 16
+
+
+def linear(
+    x: Array,
+    w: Array | InputMajor | KernelWeight,
+    *,
+    kernel_rows: int = cpu_kernels.MAX_ROWS,
+    **kwargs: Any,
+) -> Array:
     """`x @ w.T` for a `[out, in]` weight, `x @ w.t` for an `InputMajor` one; a `KernelWeight`
-    takes the native kernel for a few float32 rows (its result is float32)."""
+    takes the native kernel for at most `kernel_rows` float32 rows (its result is float32)."""
     if isinstance(w, KernelWeight):
         rows = math.prod(x.shape[:-1])
-        if x.dtype == jnp.float32 and 0 < rows <= cpu_kernels.MAX_ROWS:
+        if x.dtype == jnp.float32 and 0 < rows <= kernel_rows:
             return cpu_kernels.linear_rows(x, w.rows)
         w = w.stored
     if isinstance(w, InputMajor):
@@ -151,7 +167,10 @@ def _materialised(fn: Any, *args: Array) -> Any:
     cosines into every layer's q and k rotation and evaluates them there per head, 2L times
     (~200 us of a ~1.3 ms 5-token verify of the shipped target on CPU); an optimization
     barrier does not stop it (XLA CPU expands barriers before fusion), a conditional's
-    boundary does. The predicate only has to be unknown to the compiler."""
+    boundary does. The predicate only has to be unknown to the compiler. CPU only: on a GPU
+    a conditional can cost a device-to-host read of its predicate."""
+    if jax.default_backend() != "cpu":
+        return fn(*args)
     unknown = args[0].reshape(-1)[0] > jnp.iinfo(jnp.int32).min
     return jax.lax.cond(unknown, fn, fn, *args)
 
@@ -398,6 +417,7 @@ def forward_compute(
     extra: ExtraKV | None = None,
     logits: bool = True,
     logit_index: Array | None = None,
+    block: bool = False,
 ) -> ForwardCompute:
     """The forward with the cache read-only: returns logits and the new tokens' K/V.
 
@@ -406,7 +426,8 @@ def forward_compute(
     first; `commit_kv` writes them afterwards. Keeping the cache read-only lets callers
     branch (`lax.switch` over verify widths) without XLA copying the whole cache into and
     out of every branch. `logits=False` skips the LM head; `logit_index [B]` computes the
-    logits of one token per row only (prefill needs just the last prompt token's).
+    logits of one token per row only (prefill needs just the last prompt token's). `block`
+    (a prompt or prompt chunk): products of more than BLOCK_KERNEL_ROWS rows take XLA's dot.
     """
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
@@ -422,13 +443,14 @@ def forward_compute(
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
+    rows = {"kernel_rows": BLOCK_KERNEL_ROWS} if block else {}
     hidden: dict[int, Array] = {}
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
         if i in hidden_layers:
             hidden[i] = x
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-        qkv = linear(h, layer["wqkv"])
+        qkv = linear(h, layer["wqkv"], **rows)
         if config.qkv_bias:
             qkv = qkv + layer["bqkv"][None, None, :]
         q = qkv[..., : H * E].reshape(B, T, H, E)
@@ -447,11 +469,11 @@ def forward_compute(
         attn = _layer_attention(
             config, i, q, k, v, positions_BT, cache, n_chunks, extra, native_used
         )
-        x = x + linear(attn, layer["wo"])
+        x = x + linear(attn, layer["wo"], **rows)
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = linear(h, layer["w_gate_up"])
+        gate_up = linear(h, layer["w_gate_up"], **rows)
         gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
+        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], **rows)
     if config.L in hidden_layers:
         hidden[config.L] = x
     out_logits = None
