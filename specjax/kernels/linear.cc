@@ -26,9 +26,10 @@ using namespace specjax;
 // kParts native vectors) must stay in registers: 4 x 4 x 1 (+ 4 of x) of AVX-512's 32.
 // AVX2 has 16: 4 outputs x 1 row x 2 parts for one row, 2 x 2 x 2 (+ 4 of x) for two; for
 // more rows 1 output x up to 6 rows x 2 parts (12 accumulators, 2 for the weights, x read
-// from L1 by the FMAs), so a weight is loaded and converted from F16 once per 6 rows. Converting is what bounds a
-// multi-row product: with 2 x 2 tiles (a conversion per 2 FMAs) a 5-token verify's linear
-// layers ran at ~45% of the FMA peak, ~3x one token's time, on the 2-core AMD EPYC (Zen 3).
+// from L1 by the FMAs), so a weight is loaded and converted from F16 once per 6 rows.
+// Converting is what bounds a multi-row product: with 2 x 2 tiles (a conversion per 2 FMAs)
+// a 5-token verify's linear layers ran at ~45% of the FMA peak, ~3x one token's time, on the
+// 2-core AMD EPYC (Zen 3).
 constexpr int kOutputsPerTile = 4;  // outputs per unit of the output split
 #if defined(__AVX512F__)
 constexpr int kRowsPerTile = 4;
@@ -122,7 +123,8 @@ void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, i
         if constexpr (kRowsPerTile > 3) row_tiles<O, 3>(xr, w, yr, in, out, o0, n_out, first);
         break;
       case 2:  // on AVX2 2 x 2 (x held in registers) beats 1 x 2 (a conversion per 2 FMAs)
-        if constexpr (kRowsPerTile > 2) row_tiles<O == 1 ? 2 : O, 2>(xr, w, yr, in, out, o0, n_out, first);
+        if constexpr (kRowsPerTile > 2)
+          row_tiles<O == 1 ? 2 : O, 2>(xr, w, yr, in, out, o0, n_out, first);
         break;
       case 1: tile<kOutputsPerTile, 1>(xr, w, yr, in, out, o0, n_out, first); break;
       default: break;

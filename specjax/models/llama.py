@@ -194,10 +194,6 @@ def attention_mask(q_pos_BT: Array, k_pos_BS: Array, window: int) -> Array:
     return visible
 
 
-#: Most (new tokens x own cells) whose scores `_attend` computes as a fused multiply-sum
-#: instead of a dot (decode and draft steps, verifies of up to 11 tokens).
-FUSED_OWN_MAX = 128
-
 #: Cells per step of the loop over cached cells (llama.cpp pads its `n_kv` to 256 too).
 CACHE_CHUNK = 256
 
@@ -208,36 +204,22 @@ def _scores(
     q_pos_BT: Array,
     k_pos_BS: Array,
     window: int,
-    *,
-    fused: bool = False,
 ) -> Array:
-    """Scaled, masked attention scores [B, G, R, T, S] in float32. `fused`: as a multiply
-    and sum that XLA fuses into one loop, for the few cells of a decode step's own tokens."""
+    """Scaled, masked attention scores [B, G, R, T, S] in float32."""
     scale = 1.0 / math.sqrt(q_BGRTE.shape[-1])
     k = k_BGSE.astype(q_BGRTE.dtype)
-    if fused:
-        prod = q_BGRTE[:, :, :, :, None, :] * k[:, :, None, None, :, :]
-        s = jnp.sum(prod.astype(jnp.float32), axis=-1)
-    else:
-        # Keys as the left operand ([S, E] @ [E, R*T]) and the small result transposed:
-        # XLA's CPU dot emitter takes the cache chunk in its stored layout instead of
-        # transposing every chunk of every layer each step (0.73 -> 0.45 ms per token at
-        # 768 cells, 8 layers).
-        s = jnp.einsum(
-            "bgse,bgrte->bgsrt", k, q_BGRTE, preferred_element_type=jnp.float32
-        ).transpose(0, 1, 3, 4, 2)
+    # Keys as the left operand ([S, E] @ [E, R*T]) and the small result transposed: XLA's
+    # CPU dot emitter takes the cache chunk in its stored layout instead of transposing every
+    # chunk of every layer each step (0.73 -> 0.45 ms per token at 768 cells, 8 layers).
+    s = jnp.einsum("bgse,bgrte->bgsrt", k, q_BGRTE, preferred_element_type=jnp.float32)
+    s = s.transpose(0, 1, 3, 4, 2)
     mask = attention_mask(q_pos_BT, k_pos_BS, window)[:, None, None]
     return jnp.where(mask, s * scale, _MASKED)
 
 
-def _weighted_values(
-    p_BGRTS: Array, v_BGSE: Array, dtype: jnp.dtype, *, fused: bool = False
-) -> Array:
-    """p @ v in the compute dtype, accumulated in float32 (`fused`: see `_scores`)."""
+def _weighted_values(p_BGRTS: Array, v_BGSE: Array, dtype: jnp.dtype) -> Array:
+    """p @ v in the compute dtype, accumulated in float32."""
     p, v = p_BGRTS.astype(dtype), v_BGSE.astype(dtype)
-    if fused:
-        prod = p[..., None] * v[:, :, None, None, :, :]
-        return jnp.sum(prod.astype(jnp.float32), axis=-2)
     return jnp.einsum("bgrts,bgse->bgrte", p, v, preferred_element_type=jnp.float32)
 
 
@@ -248,46 +230,27 @@ def _attend(
     window: int,
     cache: tuple[Array, Array, Array] | None = None,
     n_chunks: Array | None = None,
-    native_used: Array | None = None,
 ) -> Array:
     """Softmax attention over `own` segments (k, v [B, G, X, E], pos [B, X]) and, optionally,
     the first `n_chunks` chunks of CACHE_CHUNK cached cells (an online softmax: the running
     max, normaliser and weighted sum are rescaled chunk by chunk, as in flash attention).
 
     The loop reads only the chunks below the high-water mark, so cost follows the used
-    context, and it slices in place: nothing of cache size is copied. With `native_used` (the
-    high-water mark) the cache part runs on `cpu_kernels.attend_cache` instead, and its state
-    is merged the same way.
+    context, and it slices in place: nothing of cache size is copied. (With the native CPU
+    kernels, `_attend_native` runs every segment instead.)
     """
-    # Beside the native kernel, a decode step's or a short verify's own cells are few: an
-    # XLA dot and its transpose cost ~14 us per layer at such sizes (~110 us of a ~1.35 ms
-    # plain step in a profile), a fused multiply-sum a few. Wide verify batches (T * X in
-    # the thousands) keep the dot, which a loop fusion would not match.
-    n_own = sum(pos.shape[1] for _, _, pos in own)
-    fused = native_used is not None and q_BGRTE.shape[3] * n_own <= FUSED_OWN_MAX
-    s_own = jnp.concatenate(
-        [_scores(q_BGRTE, k, q_pos_BT, pos, window, fused=fused) for k, _, pos in own], -1
-    )
+    s_own = jnp.concatenate([_scores(q_BGRTE, k, q_pos_BT, pos, window) for k, _, pos in own], -1)
     m = jnp.max(s_own, axis=-1)
     p = jnp.exp(s_own - m[..., None])
     total = jnp.sum(p, axis=-1)
     acc, start = None, 0
     for _, v, pos in own:
         n = pos.shape[1]
-        part = _weighted_values(p[..., start : start + n], v, q_BGRTE.dtype, fused=fused)
+        part = _weighted_values(p[..., start : start + n], v, q_BGRTE.dtype)
         acc = part if acc is None else acc + part
         start += n
     assert acc is not None
-    if cache is not None and native_used is not None:
-        B, G, R, T, E = q_BGRTE.shape
-        m_c, total_c, acc_c = cpu_kernels.attend_cache(
-            q_BGRTE.reshape(B, G, R * T, E), *cache, q_pos_BT, native_used, window
-        )
-        m_new = jnp.maximum(m, m_c.reshape(m.shape))  # own scores are finite: no -inf - -inf
-        own_scale, cache_scale = jnp.exp(m - m_new), jnp.exp(m_c.reshape(m.shape) - m_new)
-        total = total * own_scale + total_c.reshape(total.shape) * cache_scale
-        acc = acc * own_scale[..., None] + acc_c.reshape(acc.shape) * cache_scale[..., None]
-    elif cache is not None:
+    if cache is not None:
         assert n_chunks is not None
         k_c, v_c, pos_c = cache
         S = pos_c.shape[1]
@@ -340,8 +303,7 @@ def _layer_attention(
     if native_used is not None and all(_native_attention(q, s) for s in [*own, cached]):
         out = _attend_native(q, own, positions_BT, window, cached, native_used)
     else:
-        native = native_used if native_used is not None and _native_attention(q, cached) else None
-        out = _attend(q, own, positions_BT, window, cached, n_chunks, native)
+        out = _attend(q, own, positions_BT, window, cached, n_chunks)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
