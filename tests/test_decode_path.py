@@ -40,7 +40,7 @@ def _np_attention(q, k, v, q_pos, k_pos):
 def test_chunked_attention_matches_float64_over_every_cell(capacity, native):
     """300 used cells: two chunks at capacity 1024; at capacity 300 (not a multiple of the
     chunk) the last chunk starts early and its overlap must be masked, not counted twice.
-    The native kernel's cache state, merged with the new token's, must agree too."""
+    The native kernel's states (new token, cache) merged must agree too."""
     if native and not cpu_kernels.available():
         pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
     rng = np.random.default_rng(0)
@@ -58,15 +58,13 @@ def test_chunked_attention_matches_float64_over_every_cell(capacity, native):
     v_new = rng.normal(size=(B, G, 1, E)).astype(np.float32)
     q_pos = np.array([[used], [used - 40]], np.int32)
     n_chunks = jnp.asarray(-(-used // min(llama.CACHE_CHUNK, capacity)), jnp.int32)
-    out = llama._attend(
-        jnp.asarray(q),
-        [(jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(q_pos))],
-        jnp.asarray(q_pos),
-        0,
-        (jnp.asarray(k_c), jnp.asarray(v_c), jnp.asarray(pos)),
-        n_chunks,
-        jnp.asarray(used, jnp.int32) if native else None,
-    )
+    own = [(jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(q_pos))]
+    cache = (jnp.asarray(k_c), jnp.asarray(v_c), jnp.asarray(pos))
+    if native:
+        used_cells = jnp.asarray(used, jnp.int32)
+        out = llama._attend_native(jnp.asarray(q), own, jnp.asarray(q_pos), 0, cache, used_cells)
+    else:
+        out = llama._attend(jnp.asarray(q), own, jnp.asarray(q_pos), 0, cache, n_chunks)
     for b in range(B):
         for g in range(G):
             keys = np.concatenate([k_c[b, g], k_new[b, g]]).astype(np.float64)
