@@ -76,6 +76,41 @@ def test_greedy_b4_is_lossless_with_drafts_accepted_and_rejected(target, head, p
             assert st["num_draft_tokens"] <= out.stats.stats.n_gen_drafts.sum()
 
 
+def test_on_cpu_the_head_runs_on_the_native_kernels(target, head):
+    """With the CPU kernel, the engine gets the head's linear weights and the shared LM head
+    as `KernelWeight`s (made once per set of weights), and the compiled decoder then calls
+    the kernels for its products and attention instead of XLA's dots."""
+    from specjax import api, cpu_kernels
+    from specjax.drafters.registry import build_drafters
+    from specjax.models import eagle3 as e3
+    from specjax.models import llama
+
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    spec = SpecConfig(types=("draft-eagle3",), adaptive=False)
+    (drafter,), (params,) = build_drafters(spec, target, head)
+    form = api.drafter_decode_params(drafter.name, params)
+    assert form is api.drafter_decode_params(drafter.name, params)
+    linear = [k for k in e3.LINEAR_WEIGHTS if k in params["head"]]
+    assert {"fc", "wqkv", "wo", "w_gate_up", "w_down"} <= set(linear)
+    assert all(isinstance(form["head"][k], llama.KernelWeight) for k in linear)
+    if "lm_head" in params["shared"]:
+        assert isinstance(form["shared"]["lm_head"], llama.KernelWeight)
+    cfg, cache = drafter.config, drafter.init(1, 32).cache
+    tokens, g = jnp.ones((1, 1), jnp.int32), jnp.ones((1, 1, cfg.D), cfg.dtype)
+
+    def lowered(p):
+        fn = jax.jit(
+            lambda p, c: e3.decoder_compute(
+                cfg, p["head"], p["shared"], tokens, g, jnp.zeros((1, 1), jnp.int32), c
+            )
+        )
+        return fn.lower(p, cache).as_text()
+
+    assert "specjax_linear" in lowered(form) and "specjax_attend_cache" in lowered(form)
+    assert "specjax_" not in lowered(params)
+
+
 def test_head_of_another_architecture_is_refused(target):
     spec = SpecConfig(types=("draft-eagle3",), adaptive=False)
     with pytest.raises(ValueError, match="architecture eagle3"):

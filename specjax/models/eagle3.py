@@ -46,8 +46,10 @@ from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
     ExtraKV,
+    KernelWeight,
     _layer_attention,
     apply_rope,
+    kernel_weight,
     linear,
     rms_norm,
     rope_angles,
@@ -205,7 +207,7 @@ def encode(config: Eagle3Config, params: Params, feats_BTF: Array) -> Array:
     x = feats_BTF.astype(jnp.dtype(config.dtype))
     if config.norm_before_fc:
         x = rms_norm(x, params["enc_norm"], config.norm_eps)
-    return jnp.einsum("btf,df->btd", x, params["fc"])
+    return linear(x, params["fc"])
 
 
 # ------------------------------------------------------------------------------- decoder
@@ -230,7 +232,7 @@ def decoder_qkv(
     e = rms_norm(embed[tokens_BT].astype(g_BTD.dtype), params["attn_norm"], config.norm_eps)
     gn = rms_norm(g_BTD, params["hidden_norm"], config.norm_eps)
     x = jnp.concatenate([e, gn], axis=-1)
-    qkv = jnp.einsum("btd,od->bto", x, params["wqkv"])
+    qkv = linear(x, params["wqkv"])
     B, T = tokens_BT.shape
     q = qkv[..., : H * E].reshape(B, T, H, E)
     k = qkv[..., H * E : (H + G) * E].reshape(B, T, G, E)
@@ -243,11 +245,11 @@ def decoder_qkv(
 
 def decoder_out(config: Eagle3Config, params: Params, attn_BTI: Array, residual: Array) -> Array:
     """Output projection, residual, SwiGLU FFN: the pre-norm hidden ("prenorm", next g)."""
-    x = residual + jnp.einsum("bti,oi->bto", attn_BTI, params["wo"])
+    x = residual + linear(attn_BTI, params["wo"])
     h = rms_norm(x, params["ffn_norm"], config.norm_eps)
-    gate_up = jnp.einsum("btd,od->bto", h, params["w_gate_up"])
+    gate_up = linear(h, params["w_gate_up"])
     gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-    return x + jnp.einsum("btf,of->bto", jax.nn.silu(gate) * up, params["w_down"])
+    return x + linear(jax.nn.silu(gate) * up, params["w_down"])
 
 
 def head_logits(config: Eagle3Config, params: Params, shared: Params, prenorm: Array) -> Array:
@@ -288,8 +290,22 @@ def decoder_compute(
     k = qkv.k.astype(cache.k[0].dtype)
     v = qkv.v.astype(cache.v[0].dtype)
     chunk = min(CACHE_CHUNK, cache.capacity)
-    n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
-    attn = _layer_attention(lc, 0, qkv.q, k, v, positions_BT, cache, n_chunks, extra)
+    used = used_cells(cache.pos)
+    n_chunks = (used + chunk - 1) // chunk
+    # decode weights in the native kernel's form (`kernel_params`): the native attention too
+    native_used = used if isinstance(params["wqkv"], KernelWeight) else None
+    attn = _layer_attention(lc, 0, qkv.q, k, v, positions_BT, cache, n_chunks, extra, native_used)
     prenorm = decoder_out(config, params, attn, qkv.residual)
     out = head_logits(config, params, shared, prenorm) if logits else None
     return DecoderCompute(out, (k,), (v,), prenorm)
+
+
+#: The head's linear weights `kernel_params` gives the native CPU kernel's form.
+LINEAR_WEIGHTS = ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
+
+
+def kernel_params(params: Params) -> Params:
+    """`params` with the linear weights as `llama.KernelWeight` (decode and draft steps on
+    `specjax.cpu_kernels`, the attention on its native kernel too). For CPU with the kernel
+    available; `api` makes this form for the engine, training keeps plain arrays."""
+    return {k: kernel_weight(v) if k in LINEAR_WEIGHTS else v for k, v in params.items()}

@@ -132,22 +132,23 @@ def input_major(params: Params) -> Params:
     return _decode_form(params, lambda w: InputMajor(t=w.T))
 
 
+def kernel_weight(w: Array) -> KernelWeight:
+    """`w` as a `KernelWeight` (host-side: float16 rows when they hold `w` exactly)."""
+    if w.dtype == jnp.float32:
+        # on the host: eager device ops here cost a dispatch (and a compile or a
+        # compilation-cache read) per distinct shape: 0.7 s of a CLI start (cProfile, on a
+        # loaded machine)
+        host = np.asarray(w)
+        half = host.astype(np.float16)
+        if np.array_equal(half.astype(np.float32), host):
+            return KernelWeight(rows=jax.device_put(half, w.sharding), stored=w)
+    return KernelWeight(rows=w, stored=w)
+
+
 def kernel_weights(params: Params) -> Params:
     """`params` with every layer's linear weights and the LM head as `KernelWeight`
     (host-side: decides per matrix whether float16 holds it exactly)."""
-
-    def make(w: Array) -> KernelWeight:
-        if w.dtype == jnp.float32:
-            # on the host: eager device ops here cost a dispatch (and a compile or a
-            # compilation-cache read) per distinct shape: 0.7 s of a CLI start (cProfile, on
-            # a loaded machine)
-            host = np.asarray(w)
-            half = host.astype(np.float16)
-            if np.array_equal(half.astype(np.float32), host):
-                return KernelWeight(rows=jax.device_put(half, w.sharding), stored=w)
-        return KernelWeight(rows=w, stored=w)
-
-    return _decode_form(params, make)
+    return _decode_form(params, kernel_weight)
 
 
 def rms_norm(x: Array, weight: Array, eps: float) -> Array:
