@@ -331,7 +331,7 @@ def _mapped_regions() -> int:
 #: Decode forms of recently used parameter pytrees, by id and form; each entry keeps the
 #: original's leaves (arrays are immutable: the same leaves mean the copy is still right, even
 #: if the dict holding them was edited in place).
-_DECODE_PARAMS: dict[tuple[int, Any], tuple[list[Any], Params]] = {}
+_DECODE_PARAMS: dict[tuple[int, str], tuple[list[Any], Params]] = {}
 _DECODE_PARAMS_MAX = 4
 
 
@@ -346,12 +346,18 @@ def decode_params(params: Params) -> Params:
     # the fused Q/K/V matrix the decode forms convert marks a Llama-family pytree
     if jax.default_backend() != "cpu" or not (layers and LINEAR_WEIGHTS[0] in layers[0]):
         return params
-    kernel = cpu_kernels.available()
+    if cpu_kernels.available():
+        return _cached_form(params, "kernel", kernel_weights)
+    return _cached_form(params, "input_major", jax.jit(input_major))
+
+
+def _cached_form(params: Any, form: str, make: Any) -> Any:
+    """`make(params)`, made once per set of weights (`_DECODE_PARAMS`, by id and form)."""
     leaves = jax.tree.leaves(params)
-    key = (id(params), kernel)
+    key = (id(params), form)
     hit = _DECODE_PARAMS.pop(key, None)
     if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
-        hit = (leaves, kernel_weights(params) if kernel else jax.jit(input_major)(params))
+        hit = (leaves, make(params))
     _lru_put(_DECODE_PARAMS, key, hit, lambda d: len(d) > _DECODE_PARAMS_MAX)
     return hit[1]
 
@@ -366,17 +372,14 @@ def drafter_decode_params(name: str, params: Any) -> Any:
         return decode_params(params)
     if name != "draft-eagle3" or jax.default_backend() != "cpu" or not cpu_kernels.available():
         return params
-    leaves = jax.tree.leaves(params)
-    key = (id(params), "draft-eagle3")
-    hit = _DECODE_PARAMS.pop(key, None)
-    if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
-        shared = dict(params["shared"])
-        if isinstance(shared.get("lm_head"), jax.Array):
-            shared["lm_head"] = kernel_weight(shared["lm_head"])
-        form = {**params, "head": eagle3.kernel_params(params["head"]), "shared": shared}
-        hit = (leaves, form)
-    _lru_put(_DECODE_PARAMS, key, hit, lambda d: len(d) > _DECODE_PARAMS_MAX)
-    return hit[1]
+    return _cached_form(params, "draft-eagle3", _eagle3_kernel_form)
+
+
+def _eagle3_kernel_form(params: Any) -> Any:
+    shared = dict(params["shared"])
+    if isinstance(shared.get("lm_head"), jax.Array):
+        shared["lm_head"] = kernel_weight(shared["lm_head"])
+    return {**params, "head": eagle3.kernel_params(params["head"]), "shared": shared}
 
 
 def _lru_put(cache: dict[Any, Any], key: Any, value: Any, over: Any) -> None:
