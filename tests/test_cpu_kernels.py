@@ -197,12 +197,15 @@ def _np_attend_state(q, k, v, k_pos, q_pos, n_used, window):
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("window", [0, 37])
-def test_attend_cache_matches_float64(dtype, window):
-    """A verify block (T = 3 tokens, R = 2 heads per group), F16 and F32 caches, a hole, a row
-    holding fewer cells, a padding token (q_pos = -1: sees nothing), a sliding window, E = 24
-    (off the 16-lane width) and cells at and above n_used that must not be read."""
+@pytest.mark.parametrize("heads, n_cells, n_used, dim", [(2, 96, 70, 24), (1, 203, 203, 40)])
+def test_attend_cache_matches_float64(dtype, window, heads, n_cells, n_used, dim):
+    """A verify block (T = 3 tokens, `heads` per group: an odd row count with one), F16 and
+    F32 caches, a hole, a row holding fewer cells, a padding token (q_pos = -1: sees
+    nothing), a sliding window, E off the vector width, cells at and above n_used that must
+    not be read, and (second shape) several softmax chunks ending in a block the cache cannot
+    fill (S = 203)."""
     rng = np.random.default_rng(5)
-    B, G, R, T, E, S, n_used = 2, 2, 2, 3, 24, 96, 70
+    B, G, R, T, E, S = 2, 2, heads, 3, dim, n_cells
     k = rng.standard_normal((B, G, S, E)).astype(dtype)
     v = rng.standard_normal((B, G, S, E)).astype(dtype)
     k_pos = np.full((B, S), -1, np.int32)
@@ -210,7 +213,7 @@ def test_attend_cache_matches_float64(dtype, window):
     k_pos[0, 11] = -1
     k_pos[1, :50] = np.arange(50)
     k_pos[:, n_used:] = 5  # visible if read: the kernel must stop at n_used
-    q_pos = np.array([[70, 71, 72], [50, 51, -1]], np.int32)
+    q_pos = np.array([[n_used, n_used + 1, n_used + 2], [50, 51, -1]], np.int32)
     q = rng.standard_normal((B, G, R * T, E)).astype(np.float32)
     m, total, acc = jax.jit(cpu_kernels.attend_cache, static_argnums=6)(
         q, k, v, k_pos, q_pos, jnp.int32(n_used), window
@@ -219,7 +222,15 @@ def test_attend_cache_matches_float64(dtype, window):
     np.testing.assert_allclose(np.asarray(m), want_m, rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.asarray(total), want_total, rtol=1e-4, atol=1e-5)
     np.testing.assert_allclose(np.asarray(acc), want_acc, rtol=1e-4, atol=1e-4)
-    assert np.isneginf(np.asarray(m)[1, :, 2::3]).all()  # the padding token's rows
+    assert np.isneginf(np.asarray(m)[1, :, T - 1 :: T]).all()  # the padding token's rows
+    # A query row's bits do not depend on the other rows of the call (rows are processed in
+    # pairs): each row alone, as a 1-token call, gives the same state.
+    for r in range(R * T):
+        alone = cpu_kernels.attend_cache(
+            q[:, :, r : r + 1], k, v, k_pos, q_pos[:, r % T : r % T + 1], n_used, window
+        )
+        for got, one in zip((m, total, acc), alone, strict=True):
+            np.testing.assert_array_equal(np.asarray(got)[:, :, r], np.asarray(one)[:, :, 0])
 
 
 @needs_kernel

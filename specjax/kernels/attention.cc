@@ -17,9 +17,14 @@
 //
 // Why: XLA runs the cache part as a while loop over 256-cell chunks, each a dozen small
 // kernels (slices, F16 converts, dots, exp), ~30 us per chunk and layer on the development
-// machine: most of a decode step once the linear layers ran on specjax_linear. Here a (row,
-// group) pair converts each used K/V row once, for all its query rows, and scores, softmax
-// weights and value sums run a vector of cells (16 with AVX-512, 8 with AVX2) at a time.
+// machine: most of a decode step once the linear layers ran on specjax_linear. Here each
+// (row, group) item walks its cells in chunks (one online-softmax update per query row and
+// chunk), query rows two at a time so that every K and V vector read (and converted from
+// F16) feeds two rows' FMAs; scores, softmax weights and value sums run a vector of cells
+// (16 with AVX-512, 8 with AVX2) at a time.
+//
+// Invariant: a query row's result does not depend on the other rows of the call (its
+// partner in a pair, Q, T): it has its own accumulators, summed in the same order.
 
 #include <cmath>
 #include <limits>
@@ -59,11 +64,17 @@ inline f32xn exp_nonpositive(f32xn x) {
 }
 
 inline bool any_lane(i32xn mask) {
+#if defined(__AVX512F__)
+  return _mm512_test_epi32_mask((__m512i)mask, (__m512i)mask) != 0;
+#elif defined(__AVX2__)
+  return !_mm256_testz_si256((__m256i)mask, (__m256i)mask);
+#else
   int32_t lanes[kNativeLanes];
   std::memcpy(lanes, &mask, sizeof lanes);
   int32_t any = 0;
   for (int i = 0; i < kNativeLanes; ++i) any |= lanes[i];
   return any != 0;
+#endif
 }
 
 inline float reduce_max(f32xn v) {
@@ -149,119 +160,244 @@ inline f32xn transpose_reduce(const f32xn* v) {
 #endif
 }
 
-// acc[0 : N NC] += sum_j w[j] * vb[j E : j E + N NC] (N native lanes) over the block's n
-// cells: NC chunks side by side and even / odd cells in separate sums, so the FMAs do not
-// wait on each other (one chain of n dependent FMAs per chunk made this loop latency-bound).
-template <int NC>
-inline void weigh_values(float* acc, const float* vb, int64_t E, f32xn w, int64_t n) {
+// Query rows are processed in pairs (a last odd row is paired with itself): each K or V
+// vector loaded (and, read from an F16 cache, converted) serves two rows' FMAs, which moves
+// the loops from load-bound to FMA-bound. A row's sums do not depend on its partner: each
+// has its own accumulators, in the same order whatever the pairing.
+constexpr int kHalf = kBlock / 2;
+
+// Left alone, GCC folds a vector load into every FMA that uses it: each K (or V) vector and
+// each query vector would be read once per use, and the loops would stay load-bound. An empty
+// asm makes the value a register (these loops need ~11 of AVX2's 16).
+inline void in_register(f32xn& v) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  asm("" : "+x"(v));
+#else
+  (void)v;
+#endif
+}
+
+// Lanes 0..H-1 of a and b side by side (lo) and lanes H..N-1 of both (hi), H = N / 2.
+inline f32xn lower_halves(f32xn a, f32xn b) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 4, 5, 6, 7, 16, 17, 18, 19, 20, 21, 22, 23);
+#else
+  return __builtin_shufflevector(a, b, 0, 1, 2, 3, 8, 9, 10, 11);
+#endif
+}
+inline f32xn upper_halves(f32xn a, f32xn b) {
+#if defined(__AVX512F__)
+  return __builtin_shufflevector(a, b, 8, 9, 10, 11, 12, 13, 14, 15, 24, 25, 26, 27, 28, 29, 30,
+                                 31);
+#else
+  return __builtin_shufflevector(a, b, 4, 5, 6, 7, 12, 13, 14, 15);
+#endif
+}
+
+// Unscaled scores of query rows q0 and q1 against kBlock cells (rows of E values from kb):
+// per row a vector of kBlock dot products. Two halves of kHalf cells, each reduced for both
+// rows at once by transpose_reduce (lanes 0..H-1: row 0's cells, H..N-1: row 1's).
+template <typename Src>
+inline void pair_scores(const float* q0, const float* q1, const Src* kb, int64_t E, int64_t e_vec,
+                        f32xn& s0, f32xn& s1) {
+  f32xn halves[2];
+  for (int h = 0; h < 2; ++h) {
+    const Src* kh = kb + h * kHalf * E;
+    f32xn part[kBlock];
+    for (int j = 0; j < kBlock; ++j) part[j] = f32xn{};
+    for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
+      f32xn a = loadn(q0 + i), b = loadn(q1 + i);
+      in_register(a);
+      in_register(b);
+      for (int j = 0; j < kHalf; ++j) {
+        f32xn kv = loadn(kh + j * E + i);
+        in_register(kv);
+        part[j] += kv * a;
+        part[kHalf + j] += kv * b;
+      }
+    }
+    halves[h] = transpose_reduce(part);
+  }
+  s0 = lower_halves(halves[0], halves[1]);
+  s1 = upper_halves(halves[0], halves[1]);
+  for (int j = 0; j < kBlock; ++j)
+    for (int64_t i = e_vec; i < E; ++i) {
+      const float kv = to_float(kb[j * E + i]);
+      s0[j] += kv * q0[i];
+      s1[j] += kv * q1[i];
+    }
+}
+
+// acc0[0 : N NC] += sum_j w0[j] * vb[j E : j E + N NC] over n cells, and the same for acc1
+// with w1 (N native lanes): 2 NC accumulators in registers, each V vector read once.
+// Not inlined: inlined into attend_pair, GCC kept a copy of the accumulators on the stack,
+// stored on every cell (the loop ran ~1.5x slower).
+template <int NC, typename Src>
+__attribute__((noinline)) void weigh_pair(float* acc0, float* acc1, const Src* vb, int64_t E,
+                                          const float* w0, const float* w1, int64_t n) {
   f32xn a[NC], b[NC];
   for (int c = 0; c < NC; ++c) {
-    a[c] = loadn(acc + c * kNativeLanes);
-    b[c] = f32xn{};
+    a[c] = loadn(acc0 + c * kNativeLanes);
+    b[c] = loadn(acc1 + c * kNativeLanes);
   }
-  int64_t j = 0;
-  for (; j + 1 < n; j += 2) {
-    const float* x = vb + j * E;
-    const float* y = x + E;
+  for (int64_t j = 0; j < n; ++j) {
+    const Src* x = vb + j * E;
+    const float u = w0[j], t = w1[j];
     for (int c = 0; c < NC; ++c) {
-      a[c] += w[j] * loadn(x + c * kNativeLanes);
-      b[c] += w[j + 1] * loadn(y + c * kNativeLanes);
+      f32xn xv = loadn(x + c * kNativeLanes);
+      in_register(xv);
+      a[c] += u * xv;
+      b[c] += t * xv;
     }
   }
-  if (j < n)
-    for (int c = 0; c < NC; ++c) a[c] += w[j] * loadn(vb + j * E + c * kNativeLanes);
   for (int c = 0; c < NC; ++c) {
-    const f32xn t = a[c] + b[c];
-    std::memcpy(acc + c * kNativeLanes, &t, sizeof t);
+    std::memcpy(acc0 + c * kNativeLanes, &a[c], sizeof a[c]);
+    std::memcpy(acc1 + c * kNativeLanes, &b[c], sizeof b[c]);
   }
+}
+
+// Cells per chunk: the unit of the online softmax (one max update, one rescale and one pass
+// of exponentials per query row and chunk), a multiple of kBlock.
+constexpr int64_t kChunkFloats = 2048;
+constexpr int64_t kMaxChunk = 128;
+
+inline int64_t chunk_cells(int64_t E) {
+  const int64_t c = std::min<int64_t>(kMaxChunk, std::max<int64_t>(1, kChunkFloats / E));
+  return std::max<int64_t>(kBlock, c - c % kBlock);
+}
+
+// The online-softmax state of one query row (m, l, acc[E]) updated with a chunk's scores
+// (kBlock-cell vectors, masked cells -inf): one max update and rescale, then the weights a
+// vector of cells at a time (a scalar expf per score was half of the kernel's time once),
+// written to w. Returns false (w untouched, state as it was) if no cell is visible.
+inline bool softmax_update(const f32xn* s, int64_t blocks, bool any_visible, float& m, float& l,
+                           float* acc, int64_t e_vec, int64_t E, float* w) {
+  if (!any_visible) return false;
+  f32xn chunk_max = s[0];
+  for (int64_t b = 1; b < blocks; ++b) chunk_max = chunk_max > s[b] ? chunk_max : s[b];
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const float m_new = std::max(m, reduce_max(chunk_max));
+  if (m != neg_inf && m_new != m) {
+    const float rescale = std::exp(m - m_new);
+    l *= rescale;
+    scale_in_place(acc, rescale, e_vec, E);
+  }
+  m = m_new;
+  f32xn w_sum = f32xn{};
+  for (int64_t b = 0; b < blocks; ++b) {
+    const f32xn wb = exp_nonpositive(s[b] - m_new);
+    w_sum += wb;
+    std::memcpy(w + b * kBlock, &wb, sizeof wb);
+  }
+  l += reduce_native(w_sum);
+  return true;
+}
+
+// Query rows r0 and r1 (possibly equal) of one group over one chunk of cells: K and V rows
+// from kb / vb as stored (F16 or float), kBlock-cell vectors of their positions in kp.
+template <typename Src>
+void attend_pair(const float* q, const Src* kb, const Src* vb, const i32xn* kp, int64_t n,
+                 int64_t blocks, int64_t r0, int64_t r1, int32_t qp0, int32_t qp1, int64_t E,
+                 int64_t window, float* m_out, float* l_out, float* acc_out) {
+  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));
+  const float neg_inf = -std::numeric_limits<float>::infinity();
+  const int64_t e_vec = E - E % kNativeLanes;
+  f32xn s0[kMaxChunk / kBlock], s1[kMaxChunk / kBlock];
+  alignas(64) float w0[kMaxChunk], w1[kMaxChunk];
+  bool any0 = false, any1 = false;
+  for (int64_t b = 0; b < blocks; ++b) {
+    // visible: k_pos >= 0, k_pos <= q_pos, inside the window (lane masks); q_pos < 0 = none
+    i32xn vis0 = (kp[b] >= 0) & (kp[b] <= qp0), vis1 = (kp[b] >= 0) & (kp[b] <= qp1);
+    if (window > 0) {
+      vis0 &= (qp0 - kp[b]) < static_cast<int32_t>(window);
+      vis1 &= (qp1 - kp[b]) < static_cast<int32_t>(window);
+    }
+    if (qp0 < 0) vis0 = i32xn{};
+    if (qp1 < 0) vis1 = i32xn{};
+    const bool some0 = any_lane(vis0), some1 = any_lane(vis1);
+    if (!some0 && !some1) {
+      s0[b] = s1[b] = f32xn{} + neg_inf;
+      continue;
+    }
+    any0 |= some0;
+    any1 |= some1;
+    f32xn a, c;
+    pair_scores(q + r0 * E, q + r1 * E, kb + b * kBlock * E, E, e_vec, a, c);
+    s0[b] = vis0 ? a * scale : f32xn{} + neg_inf;
+    s1[b] = vis1 ? c * scale : f32xn{} + neg_inf;
+  }
+  float* acc0 = acc_out + r0 * E;
+  float* acc1 = acc_out + r1 * E;
+  const bool use0 = softmax_update(s0, blocks, any0, m_out[r0], l_out[r0], acc0, e_vec, E, w0);
+  // (a row paired with itself: updated once)
+  const bool use1 = r1 != r0 &&
+                    softmax_update(s1, blocks, any1, m_out[r1], l_out[r1], acc1, e_vec, E, w1);
+  if (!use0 && !use1) return;
+  // A row without a visible cell here weighs nothing; a row paired with itself sends its
+  // partner's sums to a scratch row.
+  if (!use0) std::fill(w0, w0 + n, 0.0f);
+  if (!use1) std::fill(w1, w1 + n, 0.0f);
+  thread_local std::vector<float> sink;
+  float* out1 = acc1;
+  if (r1 == r0) {
+    sink.resize(static_cast<size_t>(E));
+    out1 = sink.data();
+  }
+  int64_t i = 0;
+  for (; i + 4 * kNativeLanes <= e_vec; i += 4 * kNativeLanes)
+    weigh_pair<4>(acc0 + i, out1 + i, vb + i, E, w0, w1, n);
+  for (; i < e_vec; i += kNativeLanes) weigh_pair<1>(acc0 + i, out1 + i, vb + i, E, w0, w1, n);
+  for (int64_t i = e_vec; i < E; ++i)
+    for (int64_t j = 0; j < n; ++j) {
+      const float x = to_float(vb[j * E + i]);
+      acc0[i] += w0[j] * x;
+      out1[i] += w1[j] * x;
+    }
 }
 
 template <typename KV>
 void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos,
-                  const int32_t* q_pos, int64_t n_used, int64_t Q, int64_t T, int64_t E,
-                  int64_t window, float* m_out, float* l_out, float* acc_out) {
-  const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));
+                  const int32_t* q_pos, int64_t n_used, int64_t S, int64_t Q, int64_t T,
+                  int64_t E, int64_t window, float* m_out, float* l_out, float* acc_out) {
   const float neg_inf = -std::numeric_limits<float>::infinity();
-  const int64_t e_vec = E - E % kNativeLanes;
-  // Per-thread scratch, reused across calls (no allocation per layer and step): the block's
-  // K and V converted to float once for all query rows. Raw pointers below.
-  thread_local std::vector<float> k_buf, v_buf;
-  k_buf.resize(static_cast<size_t>(kBlock) * E);
-  v_buf.resize(static_cast<size_t>(kBlock) * E);
-  float* const kb = k_buf.data();
-  float* const vb = v_buf.data();
+  const int64_t C = chunk_cells(E);
+  i32xn kp[kMaxChunk / kBlock];
   for (int64_t r = 0; r < Q; ++r) {
     m_out[r] = neg_inf;
     l_out[r] = 0.0f;
   }
   std::fill(acc_out, acc_out + Q * E, 0.0f);
-  for (int64_t s0 = 0; s0 < n_used; s0 += kBlock) {
-    const int64_t n = std::min<int64_t>(kBlock, n_used - s0);
-    i32xn kpv = i32xn{} - 1;
-    for (int64_t j = 0; j < n; ++j) kpv[j] = k_pos[s0 + j];
-    if (!any_lane(kpv >= 0)) continue;
-    // Convert the block's K and V rows a vector at a time (cells past n: zeros, masked).
-    for (int64_t j = 0; j < kBlock; ++j) {
-      float* kr = kb + j * E;
-      float* vr = vb + j * E;
-      if (j >= n) {
-        std::fill(kr, kr + E, 0.0f);
-        std::fill(vr, vr + E, 0.0f);
-        continue;
-      }
-      const KV* ks = k + (s0 + j) * E;
-      const KV* vs = v + (s0 + j) * E;
-      for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
-        const f32xn x = loadn(ks + i), y = loadn(vs + i);
-        std::memcpy(kr + i, &x, sizeof x);
-        std::memcpy(vr + i, &y, sizeof y);
-      }
-      for (int64_t i = e_vec; i < E; ++i) {
-        kr[i] = to_float(ks[i]);
-        vr[i] = to_float(vs[i]);
-      }
+  for (int64_t c0 = 0; c0 < n_used; c0 += C) {
+    const int64_t n = std::min<int64_t>(C, n_used - c0);
+    const int64_t blocks = (n + kBlock - 1) / kBlock;
+    bool any_cell = false;
+    for (int64_t b = 0; b < blocks; ++b) {
+      i32xn kpv = i32xn{} - 1;
+      for (int64_t j = 0; j < kBlock && b * kBlock + j < n; ++j)
+        kpv[j] = k_pos[c0 + b * kBlock + j];
+      kp[b] = kpv;
+      any_cell |= any_lane(kpv >= 0);
     }
-    for (int64_t r = 0; r < Q; ++r) {
-      const int32_t qp = q_pos[r % T];
-      const float* q_row = q + r * E;
-      // Scores of the block's cells (masked cells -inf): independent partial sums, one per
-      // cell (a chain of dependent FMAs per cell made this loop latency-bound).
-      f32xn part[kBlock];
-      for (int64_t j = 0; j < kBlock; ++j) part[j] = f32xn{};
-      for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
-        const f32xn qv = loadn(q_row + i);
-        for (int64_t j = 0; j < kBlock; ++j) part[j] += loadn(kb + j * E + i) * qv;
-      }
-      f32xn s = transpose_reduce(part);
-      if (e_vec < E)
-        for (int64_t j = 0; j < kBlock; ++j)
-          for (int64_t i = e_vec; i < E; ++i) s[j] += kb[j * E + i] * q_row[i];
-      // visible: k_pos >= 0, q_pos >= 0, k_pos <= q_pos, inside the window (lane masks)
-      i32xn visible = (kpv >= 0) & (kpv <= qp);
-      if (qp < 0) visible = i32xn{};
-      if (window > 0) visible &= (qp - kpv) < static_cast<int32_t>(window);
-      if (!any_lane(visible)) continue;
-      s = visible ? s * scale : f32xn{} + neg_inf;
-      // New running max, rescale, weights (a vector of cells at once: a scalar expf per
-      // score was half of the kernel's time).
-      const float block_max = reduce_max(s);
-      const float m_new = std::max(m_out[r], block_max);
-      float* acc = acc_out + r * E;
-      if (m_out[r] != neg_inf && m_new != m_out[r]) {
-        const float rescale = std::exp(m_out[r] - m_new);
-        l_out[r] *= rescale;
-        scale_in_place(acc, rescale, e_vec, E);
-      }
-      m_out[r] = m_new;
-      const f32xn w = exp_nonpositive(s - m_new);
-      l_out[r] += reduce_native(w);
-      // Weighted values, the accumulators held in registers across the block's cells.
-      int64_t i = 0;
-      for (; i + 4 * kNativeLanes <= e_vec; i += 4 * kNativeLanes)
-        weigh_values<4>(acc + i, vb + i, E, w, n);
-      for (; i < e_vec; i += kNativeLanes) weigh_values<1>(acc + i, vb + i, E, w, n);
-      for (int64_t i = e_vec; i < E; ++i)
-        for (int64_t j = 0; j < n; ++j) acc[i] += w[j] * vb[j * E + i];
+    if (!any_cell) continue;
+    // The rows are read as stored (F16 converted in registers: converting a chunk to float
+    // scratch once for all query rows was slower at every row count measured, up to 128). The
+    // scores read whole blocks: a last block that would read past the cache is copied,
+    // zero-padded, first.
+    const KV* kc = k + c0 * E;
+    const KV* vc = v + c0 * E;
+    if (c0 + blocks * kBlock > S) {
+      thread_local std::vector<KV> k_tail, v_tail;
+      k_tail.assign(static_cast<size_t>(blocks * kBlock * E), KV{});
+      v_tail.assign(static_cast<size_t>(blocks * kBlock * E), KV{});
+      std::copy(kc, kc + n * E, k_tail.begin());
+      std::copy(vc, vc + n * E, v_tail.begin());
+      kc = k_tail.data();
+      vc = v_tail.data();
+    }
+    for (int64_t r = 0; r < Q; r += 2) {
+      const int64_t r1 = std::min(r + 1, Q - 1);
+      attend_pair(q, kc, vc, kp, n, blocks, r, r1, q_pos[r % T], q_pos[r1 % T], E, window,
+                  m_out, l_out, acc_out);
     }
   }
 }
@@ -280,8 +416,9 @@ void attend(ffi::ThreadPool& pool, ffi::Buffer<ffi::F32>& q, ffi::AnyBuffer& k, 
   parallel_for(pool, B * G, n_used * Q * E * B * G < (int64_t(1) << 14), [&](int64_t bg) {
     const int64_t b = bg / G;
     attend_group(q.typed_data() + bg * Q * E, kd + bg * S * E, vd + bg * S * E,
-                 k_pos.typed_data() + b * S, q_pos.typed_data() + b * T, n_used, Q, T, E, window,
-                 m->typed_data() + bg * Q, l->typed_data() + bg * Q, acc->typed_data() + bg * Q * E);
+                 k_pos.typed_data() + b * S, q_pos.typed_data() + b * T, n_used, S, Q, T, E,
+                 window, m->typed_data() + bg * Q, l->typed_data() + bg * Q,
+                 acc->typed_data() + bg * Q * E);
   });
 }
 
