@@ -149,10 +149,16 @@ def estimates(gov: Governor, ahead: Array | int = 0) -> tuple[Array, Array]:
 
 def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
     """E_r(k) for k = 0..k_max: [B, k_max + 1]."""
+    k_Bk = jnp.broadcast_to(jnp.arange(k_max + 1), (hit_B.shape[0], k_max + 1))
+    return _expected_tokens_at(hit_B, accept_B, k_Bk)
+
+
+def _expected_tokens_at(hit_B: Array, accept_B: Array, k_Bk: Array) -> Array:
+    """E_r(k) at the draft lengths k_Bk ([B, n] int): 1 + h_r (a_r + ... + a_r^k)."""
     # a + a^2 + ... + a^k = a (1 - a^k) / (1 - a) in closed form (a cumsum is a kernel of its
     # own on XLA CPU, every round); 1 - a^k by expm1/log1p and 1 - a exact (Sterbenz) keep
     # it accurate as a nears 1; k where a = 1, 0 where a = 0
-    k = jnp.arange(k_max + 1, dtype=jnp.float32)[None, :]
+    k = k_Bk.astype(jnp.float32)
     a = accept_B[:, None]
     one_minus_a_k = -jnp.expm1(k * jnp.log1p(a - 1.0))
     geometric = a * one_minus_a_k / jnp.where(a == 1.0, 1.0, 1.0 - a)
@@ -202,12 +208,13 @@ def rounds_off_ahead(
     whatever its own budget. Budgets that reach 0 do not end the count."""
     ahead = jnp.arange(1, horizon + 1, dtype=jnp.int32)
 
-    def best_after(n: Array) -> Array:
+    def drafts_after(n: Array) -> Array:
         hit, accept = estimates(gov, n)
-        return _best_k(hit, accept, cost, budget_B, active_B, k_max, widths)
+        return _drafts(hit, accept, cost, budget_B, active_B, k_max, widths)
 
-    drafts = jax.vmap(best_after)(ahead) > 0  # [horizon]
-    return jnp.where(jnp.any(drafts), jnp.argmax(drafts), horizon).astype(jnp.int32)
+    drafts = jax.vmap(drafts_after)(ahead)  # [horizon]
+    # the first round that drafts (min, not argmax: a variadic reduce is slow on XLA CPU)
+    return jnp.min(jnp.where(drafts, ahead - 1, horizon)).astype(jnp.int32)
 
 
 def advance(gov: Governor, rounds: Array, counted: Array) -> Governor:
@@ -232,11 +239,43 @@ def _best_k(
     widths: tuple[int, ...] | None,
 ) -> Array:
     """k* of the module's rule ([] int32; k_max when the cost model is off)."""
+    ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
+    best = jnp.argmax(ratio_k).astype(jnp.int32)
+    return jnp.where(cost.enabled, best, k_max)
+
+
+def _drafts(
+    hit: Array,
+    accept: Array,
+    cost: CostModel,
+    budget_B: Array,
+    active_B: Array,
+    k_max: int,
+    widths: tuple[int, ...] | None,
+) -> Array:
+    """`_best_k(...) > 0` ([] bool) without the argmax: some k > 0 beats k = 0 strictly
+    (argmax takes the first of equal values). A max is one plain reduction; an argmax is a
+    variadic one, which XLA CPU runs ~10x slower (it dominated `rounds_off_ahead`)."""
+    if k_max == 0:
+        return jnp.asarray(False)
+    ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
+    return jnp.where(cost.enabled, jnp.max(ratio_k[1:]) > ratio_k[0], True)
+
+
+def _tokens_per_cost(
+    hit: Array,
+    accept: Array,
+    cost: CostModel,
+    budget_B: Array,
+    active_B: Array,
+    k_max: int,
+    widths: tuple[int, ...] | None,
+) -> Array:
+    """sum_r E_r(min(k, budget_r)) / cost(k) for k = 0..k_max ([k_max + 1])."""
     k = jnp.arange(k_max + 1, dtype=jnp.int32)
-    e_Bk = expected_tokens(hit, accept, k_max)
-    # a row cannot draft beyond its own budget: E_r(min(k, budget_r))
+    # a row cannot draft beyond its own budget: E_r(min(k, budget_r)), evaluated there
     capped = jnp.minimum(k[None, :], budget_B[:, None])
-    e_Bk = jnp.take_along_axis(e_Bk, capped, axis=1)
+    e_Bk = _expected_tokens_at(hit, accept, capped)
     tokens_k = jnp.sum(jnp.where(active_B[:, None], e_Bk, 0.0), axis=0)
     n_rows = jnp.sum(active_B).astype(jnp.float32)
     kf = k.astype(jnp.float32)
@@ -250,8 +289,7 @@ def _best_k(
     verify = p_some * fwd(n_rows * width_k.astype(jnp.float32)) + (1.0 - p_some) * fwd(n_rows)
     draft = kf * cost.draft_step * fwd(n_rows)
     total = verify + draft + jnp.where(k > 0, cost.call, 0.0)
-    best = jnp.argmax(tokens_k / total).astype(jnp.int32)
-    return jnp.where(cost.enabled, best, k_max)
+    return tokens_k / total
 
 
 def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Array) -> Governor:
