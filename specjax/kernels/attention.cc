@@ -170,7 +170,9 @@ constexpr int kHalf = kBlock / 2;
 // each query vector would be read once per use, and the loops would stay load-bound. An empty
 // asm makes the value a register (these loops need ~11 of AVX2's 16).
 inline void in_register(f32xn& v) {
-#if defined(__x86_64__) && defined(__GNUC__)
+#if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX512F__)
+  asm("" : "+v"(v));  // any of the 32 vector registers
+#elif defined(__x86_64__) && defined(__GNUC__)
   asm("" : "+x"(v));
 #else
   (void)v;
