@@ -240,10 +240,7 @@ def _best_k(
 ) -> Array:
     """k* of the module's rule ([] int32; k_max when the cost model is off)."""
     ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
-    # argmax (the first of equal values) as two plain reductions: XLA CPU runs an argmax, a
-    # variadic reduce, element by element (every planned round pays it)
-    k = jnp.arange(k_max + 1, dtype=jnp.int32)
-    best = jnp.min(jnp.where(ratio_k == jnp.max(ratio_k), k, k_max))
+    best = jnp.argmax(ratio_k).astype(jnp.int32)
     return jnp.where(cost.enabled, best, k_max)
 
 
@@ -256,9 +253,9 @@ def _drafts(
     k_max: int,
     widths: tuple[int, ...] | None,
 ) -> Array:
-    """`_best_k(...) > 0` ([] bool) in one reduction: some k > 0 beats k = 0 strictly (the
-    first of equal values wins). An argmax over every horizon's ratios, a variadic reduce
-    run element by element on XLA CPU, was ~24 us of each `rounds_off_ahead`."""
+    """`_best_k(...) > 0` ([] bool) without the argmax: some k > 0 beats k = 0 strictly
+    (argmax takes the first of equal values). A max is one plain reduction; an argmax is a
+    variadic one, which XLA CPU runs ~10x slower (it dominated `rounds_off_ahead`)."""
     if k_max == 0:
         return jnp.asarray(False)
     ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
