@@ -199,12 +199,12 @@ inline f32xn upper_halves(f32xn a, f32xn b) {
 // Unscaled scores of query rows q0 and q1 against kBlock cells (rows of E values from kb):
 // per row a vector of kBlock dot products. Two halves of kHalf cells, each reduced for both
 // rows at once by transpose_reduce (lanes 0..H-1: row 0's cells, H..N-1: row 1's).
-template <typename Src>
-inline void pair_scores(const float* q0, const float* q1, const Src* kb, int64_t E, int64_t e_vec,
+template <typename KV>
+inline void pair_scores(const float* q0, const float* q1, const KV* kb, int64_t E, int64_t e_vec,
                         f32xn& s0, f32xn& s1) {
   f32xn halves[2];
   for (int h = 0; h < 2; ++h) {
-    const Src* kh = kb + h * kHalf * E;
+    const KV* kh = kb + h * kHalf * E;
     f32xn part[kBlock];
     for (int j = 0; j < kBlock; ++j) part[j] = f32xn{};
     for (int64_t i = 0; i < e_vec; i += kNativeLanes) {
@@ -234,8 +234,8 @@ inline void pair_scores(const float* q0, const float* q1, const Src* kb, int64_t
 // with w1 (N native lanes): 2 NC accumulators in registers, each V vector read once.
 // Not inlined: inlined into attend_pair, GCC kept a copy of the accumulators on the stack,
 // stored on every cell (the loop ran ~1.5x slower).
-template <int NC, typename Src>
-__attribute__((noinline)) void weigh_pair(float* acc0, float* acc1, const Src* vb, int64_t E,
+template <int NC, typename KV>
+__attribute__((noinline)) void weigh_pair(float* acc0, float* acc1, const KV* vb, int64_t E,
                                           const float* w0, const float* w1, int64_t n) {
   f32xn a[NC], b[NC];
   for (int c = 0; c < NC; ++c) {
@@ -243,7 +243,7 @@ __attribute__((noinline)) void weigh_pair(float* acc0, float* acc1, const Src* v
     b[c] = loadn(acc1 + c * kNativeLanes);
   }
   for (int64_t j = 0; j < n; ++j) {
-    const Src* x = vb + j * E;
+    const KV* x = vb + j * E;
     const float u = w0[j], t = w1[j];
     for (int c = 0; c < NC; ++c) {
       f32xn xv = loadn(x + c * kNativeLanes);
@@ -297,8 +297,8 @@ inline bool softmax_update(const f32xn* s, int64_t blocks, bool any_visible, flo
 
 // Query rows r0 and r1 (possibly equal) of one group over one chunk of cells: K and V rows
 // from kb / vb as stored (F16 or float), kBlock-cell vectors of their positions in kp.
-template <typename Src>
-void attend_pair(const float* q, const Src* kb, const Src* vb, const i32xn* kp, int64_t n,
+template <typename KV>
+void attend_pair(const float* q, const KV* kb, const KV* vb, const i32xn* kp, int64_t n,
                  int64_t blocks, int64_t r0, int64_t r1, int32_t qp0, int32_t qp1, int64_t E,
                  int64_t window, float* m_out, float* l_out, float* acc_out) {
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(E)));

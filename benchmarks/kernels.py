@@ -1,0 +1,87 @@
+"""Per-call times of the native CPU attention kernel. Prints one JSON object.
+
+    python benchmarks/kernels.py [--calls 300] [--repeats 7] [--out FILE]
+
+`cpu_kernels.attend_cache` at the shipped target's attention shapes (2 KV groups, head size
+64, F16 cache of 2048 cells) for a decode step (2 query rows per group: 1 token x 2 heads) and
+a 5-token verify (10 rows), over 450 and 2000 used cells: microseconds per call, the minimum
+over repeats of a jitted loop of `--calls` calls (each call's query depends on the last
+result, so none is skipped). Run it at two commits to compare kernels; a generation's
+end-to-end speed is benchmarks/decode.py's and benchmarks/peers.py's.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import emit, machine
+
+from specjax import cpu_kernels
+
+GROUPS, HEAD, CELLS = 2, 64, 2048
+CASES = {"decode": (2, 1), "verify5": (10, 5)}  # (query rows per group, tokens)
+
+
+def per_call_us(rows: int, tokens: int, used: int, calls: int, repeats: int) -> float:
+    rng = np.random.default_rng(0)
+    k, v = (
+        jnp.asarray(rng.standard_normal((1, GROUPS, CELLS, HEAD)), jnp.float16) for _ in range(2)
+    )
+    k_pos = jnp.where(jnp.arange(CELLS) < used, jnp.arange(CELLS), -1)[None].astype(jnp.int32)
+    q_pos = (used + jnp.arange(tokens))[None].astype(jnp.int32)
+    q0 = jnp.asarray(rng.standard_normal((1, GROUPS, rows, HEAD)), jnp.float32)
+
+    @jax.jit
+    def loop(q: jax.Array) -> jax.Array:
+        def body(_: jax.Array, q: jax.Array) -> jax.Array:
+            _, total, acc = cpu_kernels.attend_cache(q, k, v, k_pos, q_pos, used, 0)
+            return q + 1e-3 * acc / total[..., None]
+
+        return jax.lax.fori_loop(0, calls, body, q)
+
+    loop(q0).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loop(q0).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--calls", type=int, default=300)
+    ap.add_argument("--repeats", type=int, default=7)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    if not cpu_kernels.available():
+        print(f"native CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
+        return
+    attend = {
+        f"{name}/cells{used}": per_call_us(rows, tokens, used, args.calls, args.repeats)
+        for name, (rows, tokens) in CASES.items()
+        for used in (450, 2000)
+    }
+    result = {
+        "benchmark": "kernels",
+        "machine": machine(),
+        "shapes": {"groups": GROUPS, "head": HEAD, "cells": CELLS, "cache": "f16"},
+        "attend_cache_us_per_call": attend,
+    }
+    if args.out:
+        emit(result, args.out)
+    else:
+        print(json.dumps(result, indent=2))
+
+
+if __name__ == "__main__":
+    main()
