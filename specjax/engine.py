@@ -416,10 +416,12 @@ def _verify_round(
     state: GenState,
     run: RunParams,
     narrowest: bool = False,
+    drafted: bool = False,
 ) -> tuple[KVCache, Array, Array, tuple[Array, ...]]:
     """Steps 3-4: target forward over the verify batch and acceptance, at the narrowest
     compiled width (`engine.verify_widths()`) that holds every row's draft (`narrowest`,
-    static: the caller knows no row drafted, so width 1 runs without a loop around it).
+    static: the caller knows no row drafted, so width 1 runs without a loop around it;
+    `drafted`, static: the caller knows some row drafted, so width 1 is never compiled).
 
     Each width is its own loop run 0 or 1 times, holding the forward, the acceptance and the
     cache write at that width: a round in which no row drafted costs a 1-token forward and
@@ -491,7 +493,11 @@ def _verify_round(
     zeros_B = jnp.zeros((B,), jnp.int32)
     hidden0 = tuple(jnp.zeros((B, T, D), jnp.float32) for _ in engine.hidden_layers)
     carry = (cache, zeros_B, zeros_B, hidden0)
-    if len(widths) == 1 or narrowest:
+    if narrowest:
+        return at_width(widths[0])(carry)
+    if drafted:
+        widths = widths[1:]
+    if len(widths) == 1:
         return at_width(widths[0])(carry)
     assert widths[-1] == K + 1
     index = jnp.sum(jnp.asarray(widths[:-1], jnp.int32) < jnp.max(draft_len_B) + 1)
@@ -550,15 +556,17 @@ def spec_step(
     no row may draft this round (every budget is 0) and that the chain's idle calls may be
     skipped (`idle_rounds_are_plain`): the round is built without the drafter calls and with
     the 1-token verify at top level, no loop around either. It does what the same round does
-    with `off=False`, where those loops run 0 times and the verify loop at width 1 once."""
-    B, S = state.length.shape[0], engine.capacity
+    with `off=False`, where those loops run 0 times and the verify loop at width 1 once.
+
+    For a chain whose drafters change nothing after a round without drafts
+    (`empty_rounds_are_plain`), a round in which the relay found no draft for any row is
+    finished as an off round too, after the governor and the statistics have counted it."""
+    B = state.length.shape[0]
     # Draft columns of this round's arrays: none in an off round, whose verify batch is the
     # 1-token one (K-wide arrays there only add small kernels to a round that should cost
     # what a plain one costs; benchmarks/idle_rounds.py counts them).
     K = 0 if off else engine.k_max
-    out_cap = engine.out_capacity
     active = ~state.done
-    remaining_new = run.max_new - state.out_len
     budget, governor = draft_budget(engine, state, run) if plan is None else plan
 
     # A chain of `idle_noop` drafters is not called in a round in which no row may draft
@@ -597,6 +605,83 @@ def spec_step(
             (),
             state.stats,
         )
+    relay_out = _Relayed(
+        tokens=d_tokens,
+        valid=d_valid,
+        q=q,
+        has_q=has_q,
+        winner=winner,
+        budget=budget,
+        asking=asking,
+    )
+    state = replace(state, drafter_states=dstates, stats=stats, governor=governor)
+    if off or not empty_rounds_are_plain(engine):
+        return _finish_round(engine, target_params, drafter_params, state, run, relay_out, off)
+
+    # A round in which no row got a draft is finished as an off round (its verify the 1-token
+    # forward at top level, no K-wide arrays, no feedback: the chain's drafters leave their
+    # states as they are when nothing was drafted), after the governor has seen the misses.
+    # A round with drafts is never verified at width 1. Each loop runs 0 or 1 times.
+    found = jnp.any(jnp.sum(d_valid, axis=1) > 0)
+    zeros_B = jnp.zeros((B,), jnp.int32)
+
+    def nothing_found(c: tuple[GenState, _Relayed]) -> tuple[GenState, _Relayed]:
+        s, r = c
+        asked = active & (r.budget > 0)
+        governor = adaptive.observe(s.governor, asked, zeros_B, zeros_B)
+        plan = (zeros_B, governor)
+        return spec_step(engine, target_params, drafter_params, s, run, plan, off=True), r
+
+    def drafts_found(c: tuple[GenState, _Relayed]) -> tuple[GenState, _Relayed]:
+        s, r = c
+        return _finish_round(engine, target_params, drafter_params, s, run, r, drafted=True), r
+
+    carry = run_once(~found, nothing_found, (state, relay_out))
+    return run_once(found, drafts_found, carry)[0]
+
+
+@pytree_dataclass
+class _Relayed:
+    """What a round's relay produced, handed to the rest of the round."""
+
+    tokens: Array  # [B, K] int32
+    valid: Array  # [B, K] bool
+    q: Array | None  # [B, K, V] float32 (probabilistic chains) or None
+    has_q: Array  # [B] bool
+    winner: Array  # [B] int32, chain index of the row's drafter, -1 = none
+    budget: Array  # [B] int32, the round's draft budget
+    asking: Array  # [] bool, some row had a budget (the chain was called)
+
+
+def _finish_round(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+    relayed: _Relayed,
+    off: bool = False,
+    drafted: bool = False,
+) -> GenState:
+    """Steps 3-5 of `spec_step` after the relay: verify, commit, emit, feedback. `state`
+    holds the drafter states, statistics and governor the relay and plan left; `drafted`
+    (static): the caller knows some row drafted (the verify never runs at width 1)."""
+    B, S = state.length.shape[0], engine.capacity
+    K = 0 if off else engine.k_max
+    out_cap = engine.out_capacity
+    active = ~state.done
+    remaining_new = run.max_new - state.out_len
+    d_tokens, d_valid, q, has_q, winner = (
+        relayed.tokens,
+        relayed.valid,
+        relayed.q,
+        relayed.has_q,
+        relayed.winner,
+    )
+    budget, asking = relayed.budget, relayed.asking
+    dstates, stats, governor = state.drafter_states, state.stats, state.governor
+    skip_idle = idle_rounds_are_plain(engine)
+
     draft_len = jnp.sum(d_valid, axis=1).astype(jnp.int32)
     had_draft = draft_len > 0
 
@@ -606,7 +691,7 @@ def spec_step(
     draft = DraftOutput(tokens=d_tokens, valid=d_valid, q=q)
     cache, n_acc, next_token, hidden = _verify_round(
         engine, target_params, state.cache, v_tokens, v_pos, draft, draft_len, has_q, state, run,
-        narrowest=off,
+        narrowest=off, drafted=drafted,
     )  # fmt: skip
     n_acc = jnp.where(active, n_acc, 0)
 
@@ -659,11 +744,14 @@ def spec_step(
                 new_states.append(s)
             return tuple(new_states)
 
-        if not off:  # (an off round verifies no draft: the counters would not move)
-            dstates = run_once(asking, feedback, dstates) if skip_idle else feedback(dstates)
+        if drafted or not skip_idle:
+            dstates = feedback(dstates)
+        elif not off:  # (an off round verifies no draft: the states would not move)
+            dstates = run_once(asking, feedback, dstates)
+        # (nor would the counters; the caller of an off round advances the governor)
+        if not off:
             stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
             stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
-        if not off:  # (the caller of an off round advances the governor: `_off_rounds`)
             governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
@@ -684,6 +772,16 @@ def spec_step(
         governor=governor,
         n_rounds=state.n_rounds + 1,
         drafted=None if state.drafted is None else state.drafted + draft_len,
+    )
+
+
+def empty_rounds_are_plain(engine: Engine) -> bool:
+    """Whether `spec_step` may finish a round in which the relay found no draft as an off
+    round: the chain's idle calls may be skipped (`idle_rounds_are_plain`) and every drafter
+    declares `quiet_without_draft` (its `process`, `accept` and `rollback` leave its state as
+    it is in a round in which no row got a draft)."""
+    return idle_rounds_are_plain(engine) and all(
+        getattr(d, "quiet_without_draft", False) for d in engine.drafters
     )
 
 

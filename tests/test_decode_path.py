@@ -133,6 +133,54 @@ def test_round_without_a_draft_pads_nothing_to_the_widest_verify():
     assert _cache_copies(hlo, capacity) == []
 
 
+@pytest.mark.parametrize("adaptive, temperature", [(False, 0.0), (True, 0.8)])
+def test_round_without_drafts_ends_as_an_off_round(monkeypatch, adaptive, temperature):
+    """For a model-free chain, a round in which the relay found a draft for no row is finished
+    as an off round (1-token verify at top level, no drafter feedback): tokens, every
+    statistic (per drafter, governor counters) and the number of rounds are those of the full
+    round it stands for. Rounds with drafts, rejected drafts and rounds without occur."""
+    from specjax import compile_cache
+    from specjax.drafters.base import ModelFreeDrafter
+
+    target = tiny_model(2)
+    prompts = [list(range(50, 62)), list(range(30, 37))]
+    spec = SpecConfig(
+        types=("ngram-simple", "ngram-map-k", "ngram-mod"),
+        k_max=4,
+        adaptive=adaptive,
+        **dict(ngram_simple_size_n=1, ngram_simple_size_m=4),
+        **dict(ngram_map_k_size_n=2, ngram_map_k_size_m=4),
+        **dict(ngram_mod_n_match=2, ngram_mod_n_min=1, ngram_mod_n_max=4),
+        ngram_mod_pool_size=4096,
+    )
+
+    def run():
+        api._COMPILED.clear()  # (the shortcut is static: a program of its own, traced anew)
+        jax.clear_caches()
+        out = generate(
+            target, prompts, max_new_tokens=40, spec=spec, temperature=temperature, seed=[3, 4]
+        )
+        (loop,) = [e for k, e in api._COMPILED.items() if k[0] is api.eng.generate_loop_jit]
+        return (out.tokens, out.stats.to_dict(), out.timings["n_rounds"]), loop.as_text()
+
+    shortcut, with_shortcut = run()
+    kept_dir = compile_cache.current()
+    compile_cache.set_compile_cache(None)  # (stored executables do not key class attributes)
+    try:
+        monkeypatch.setattr(ModelFreeDrafter, "quiet_without_draft", False)
+        full, without = run()
+    finally:
+        compile_cache.set_compile_cache(kept_dir)
+        api._COMPILED.clear()
+        jax.clear_caches()
+    assert with_shortcut != without  # two programs ...
+    assert shortcut == full  # ... one result
+    tokens, stats, n_rounds = shortcut
+    drafts = sum(d["n_gen_drafts"] for d in stats["drafters"].values())
+    assert 0 < drafts and n_rounds - drafts >= 5  # some rounds without a draft in any row
+    assert stats["num_accepted_tokens"] < stats["num_draft_tokens"]  # some rejected
+
+
 # -------------------------------------------------------------------- input-major weights
 
 

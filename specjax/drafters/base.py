@@ -178,6 +178,11 @@ class ModelFreeDrafter:
     """Mixin with the no-op methods model-free drafters share."""
 
     hidden_layers: ClassVar[tuple[int, ...]] = ()
+    #: `process`, `accept` and `rollback` leave the state as it is in a round in which no row
+    #: got a draft (`accept` only touches a row's own verified draft), so `engine.spec_step`
+    #: may finish such a round without them (`engine.empty_rounds_are_plain`). A subclass
+    #: whose feedback does more must set it False.
+    quiet_without_draft: ClassVar[bool] = True
 
     def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
         del params, batch
