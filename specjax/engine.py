@@ -15,6 +15,11 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
                slots are padding (-1). Width is bucketed (`Engine.verify_widths`, one loop
                run 0 or 1 times per width, holding that width's forward, acceptance and cache
                write), so a round without drafts costs a 1-token forward and nothing wider.
+               For a chain whose drafters all declare `quiet_without_draft` (model-free), a
+               round whose relay found no draft for any row is finished as an off round
+               (1-token verify, no K-wide arrays; of step 6 only the relay's statistics and
+               the governor's estimates move), and a round with drafts never compiles the
+               width-1 verify
     4 accept   per row: synthetic -> rejection (temp > 0, q present) -> match (the replay
                branch of specjax.verify is not taken: there are no checkpoints yet)
     5 commit   keep positions < length + n_acc + 1 (seq_rm on target and drafter memory),
