@@ -27,10 +27,9 @@ k is chosen for the batch. Estimates start from an optimistic prior and rounds w
 drafting pull them back towards it, so a turned-off batch probes again after a while. The
 pull backs off: each asked round in a row that drafted nothing (`miss_streak`) halves it,
 down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps finding nothing
-(ngram lookups over text that does not repeat) is asked in its first ~20 rounds, then about
-one round in 33 (with the CPU defaults: `verify_token` 0.4, `call` 0.02, K = 4; most rounds
-without the backoff), while one that finds drafts again is back at full speed after a single
-hit.
+(ngram lookups over text that does not repeat) is asked in its first ~25 rounds, then about
+one round in 13 (most rounds without the backoff, with the default `call`), while one that finds
+drafts again is back at full speed after a single hit.
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 

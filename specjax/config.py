@@ -106,7 +106,7 @@ class SpecConfig:
     #: the cost model below. False = llama.cpp's behaviour (always draft the full budget).
     adaptive: bool = True
     #: Extra cost of each extra token in a target forward, in 1-token steps (None = backend
-    #: default: 0.4 on CPU, 0.01 on accelerators).
+    #: default: 0.12 on CPU, 0.01 on accelerators).
     cost_verify_token: float | None = None
     #: Cost of one draft-model step in 1-token target steps (None = the draft's share of the
     #: target's layers, at least its share of parameters).

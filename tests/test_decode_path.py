@@ -148,7 +148,6 @@ def test_round_without_drafts_ends_as_an_off_round(monkeypatch, adaptive, temper
         types=("ngram-simple", "ngram-map-k", "ngram-mod"),
         k_max=4,
         adaptive=adaptive,
-        cost_verify_token=0.1,  # (priced so that the governor lets drafts through)
         **dict(ngram_simple_size_n=1, ngram_simple_size_m=4),
         **dict(ngram_map_k_size_n=2, ngram_map_k_size_m=4),
         **dict(ngram_mod_n_match=2, ngram_mod_n_min=1, ngram_mod_n_max=4),
