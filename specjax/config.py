@@ -106,13 +106,13 @@ class SpecConfig:
     #: the cost model below. False = llama.cpp's behaviour (always draft the full budget).
     adaptive: bool = True
     #: Extra cost of each extra token in a target forward, in 1-token steps (None = backend
-    #: default: 0.12 on CPU, 0.01 on accelerators).
+    #: default: 0.4 on CPU, 0.01 on accelerators).
     cost_verify_token: float | None = None
     #: Cost of one draft-model step in 1-token target steps (None = the draft's share of the
     #: target's layers, at least its share of parameters).
     cost_draft_step: float | None = None
     #: Fixed per-round cost of running the drafters, in 1-token target steps.
-    cost_call: float = 0.02
+    cost_call: float = 0.08
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "types", types_from_names(self.types) if self.types else ())

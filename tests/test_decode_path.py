@@ -148,6 +148,7 @@ def test_round_without_drafts_ends_as_an_off_round(monkeypatch, adaptive, temper
         types=("ngram-simple", "ngram-map-k", "ngram-mod"),
         k_max=4,
         adaptive=adaptive,
+        cost_verify_token=0.1,  # (priced so that the governor lets drafts through)
         **dict(ngram_simple_size_n=1, ngram_simple_size_m=4),
         **dict(ngram_map_k_size_n=2, ngram_map_k_size_m=4),
         **dict(ngram_mod_n_match=2, ngram_mod_n_min=1, ngram_mod_n_max=4),
@@ -335,8 +336,9 @@ def _python_probes(rounds, hit_from, k_max, verify, call):
     """Transcription of the module docstring's estimates for one row whose relay drafts (one
     token, accepted) only the first time it is asked at or after round `hit_from`: the
     rounds it is asked."""
-    num, den, streak, asked, seen = 2 * 0.9, 2.0, 0, [], False
-    a_num, a_den = 2 * 0.8, 2.0
+    prior_hit, prior_accept = adaptive.PRIOR_HIT, adaptive.PRIOR_ACCEPT
+    num, den, streak, asked, seen = 2 * prior_hit, 2.0, 0, [], False
+    a_num, a_den = 2 * prior_accept, 2.0
     for t in range(rounds):
         h, a = num / den, a_num / a_den
         # one row: P(some row drafts) = h; the verify of k + 1 tokens only when it drafts
@@ -355,12 +357,14 @@ def _python_probes(rounds, hit_from, k_max, verify, call):
                 a_num, a_den = 0.9 * a_num + 1, 0.9 * a_den + 1
             else:
                 pull = 0.03 / 2 ** min(streak, 6)
-                a_num, a_den = (1 - pull) * a_num + pull * 2 * 0.8, (1 - pull) * a_den + pull * 2
+                a_num = (1 - pull) * a_num + pull * 2 * prior_accept
+                a_den = (1 - pull) * a_den + pull * 2
             streak = 0 if hit else streak + 1
         else:
             pull = 0.03 / 2 ** min(streak, 6)
-            num, den = (1 - pull) * num + pull * 2 * 0.9, (1 - pull) * den + pull * 2
-            a_num, a_den = (1 - pull) * a_num + pull * 2 * 0.8, (1 - pull) * a_den + pull * 2
+            num, den = (1 - pull) * num + pull * 2 * prior_hit, (1 - pull) * den + pull * 2
+            a_num = (1 - pull) * a_num + pull * 2 * prior_accept
+            a_den = (1 - pull) * a_den + pull * 2
     return asked
 
 
@@ -368,7 +372,7 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
     """A drafter that never drafts is asked less and less often (the pull towards the prior
     halves with every miss in a row), a single hit restores the fast pull, and the rounds
     asked are those of the rule's plain-Python transcription."""
-    K, verify, call, rounds, hit_from = 4, 0.12, 0.02, 256, 150
+    K, verify, call, rounds, hit_from = 4, 0.4, 0.08, 256, 150  # the CPU defaults
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),
@@ -395,7 +399,7 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
     assert gaps[0] == 1 and gaps[-1] >= 10  # asked at first, then backed off ...
     after = [t for t in asked if t > hit]
     assert after[:3] == [hit + 1, hit + 2, hit + 3]  # ... and a hit brings the probes back
-    assert len(asked) <= rounds // 3  # without the backoff: 208 of 256 rounds
+    assert len(asked) <= rounds // 3
 
 
 def test_off_rounds_planned_ahead_are_the_rounds_the_rule_turns_off():
@@ -403,7 +407,7 @@ def test_off_rounds_planned_ahead_are_the_rounds_the_rule_turns_off():
     plain-Python transcription of the rule leaves off before it asks again (up to the
     horizon), over a drafter that finds nothing (the backoff stretches the gaps) and then
     finds drafts; a row that is not active (done) changes nothing."""
-    K, verify, call, rounds, hit_from, horizon = 4, 0.12, 0.02, 256, 150, 16
+    K, verify, call, rounds, hit_from, horizon = 4, 0.4, 0.08, 256, 150, 16
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),
