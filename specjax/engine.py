@@ -611,13 +611,10 @@ def spec_step(
             state.stats,
         )
     relay_out = _Relayed(
-        tokens=d_tokens,
-        valid=d_valid,
-        q=q,
+        draft=DraftOutput(tokens=d_tokens, valid=d_valid, q=q),
         has_q=has_q,
         winner=winner,
         budget=budget,
-        asking=asking,
     )
     state = replace(state, drafter_states=dstates, stats=stats, governor=governor)
     if off or not empty_rounds_are_plain(engine):
@@ -627,35 +624,29 @@ def spec_step(
     # forward at top level, no K-wide arrays, no feedback: the chain's drafters leave their
     # states as they are when nothing was drafted), after the governor has seen the misses.
     # A round with drafts is never verified at width 1. Each loop runs 0 or 1 times.
-    found = jnp.any(jnp.sum(d_valid, axis=1) > 0)
-    zeros_B = jnp.zeros((B,), jnp.int32)
+    found = jnp.any(d_valid)
 
-    def nothing_found(c: tuple[GenState, _Relayed]) -> tuple[GenState, _Relayed]:
-        s, r = c
-        asked = active & (r.budget > 0)
-        governor = adaptive.observe(s.governor, asked, zeros_B, zeros_B)
-        plan = (zeros_B, governor)
-        return spec_step(engine, target_params, drafter_params, s, run, plan, off=True), r
+    def nothing_found(s: GenState) -> GenState:
+        zeros_B = jnp.zeros((B,), jnp.int32)
+        governor = adaptive.observe(s.governor, active & (budget > 0), zeros_B, zeros_B)
+        return spec_step(
+            engine, target_params, drafter_params, s, run, (zeros_B, governor), off=True
+        )
 
-    def drafts_found(c: tuple[GenState, _Relayed]) -> tuple[GenState, _Relayed]:
-        s, r = c
-        return _finish_round(engine, target_params, drafter_params, s, run, r, drafted=True), r
+    def drafts_found(s: GenState) -> GenState:
+        return _finish_round(engine, target_params, drafter_params, s, run, relay_out, drafted=True)
 
-    carry = run_once(~found, nothing_found, (state, relay_out))
-    return run_once(found, drafts_found, carry)[0]
+    return run_once(found, drafts_found, run_once(~found, nothing_found, state))
 
 
 @pytree_dataclass
 class _Relayed:
     """What a round's relay produced, handed to the rest of the round."""
 
-    tokens: Array  # [B, K] int32
-    valid: Array  # [B, K] bool
-    q: Array | None  # [B, K, V] float32 (probabilistic chains) or None
+    draft: DraftOutput  # [B, K] tokens and validity, q [B, K, V] or None
     has_q: Array  # [B] bool
     winner: Array  # [B] int32, chain index of the row's drafter, -1 = none
-    budget: Array  # [B] int32, the round's draft budget
-    asking: Array  # [] bool, some row had a budget (the chain was called)
+    budget: Array  # [B] int32, the round's draft budget (some row > 0: the chain was called)
 
 
 def _finish_round(
@@ -668,7 +659,7 @@ def _finish_round(
     off: bool = False,
     drafted: bool = False,
 ) -> GenState:
-    """Steps 3-5 of `spec_step` after the relay: verify, commit, emit, feedback. `state`
+    """Steps 3-6 of `spec_step` after the relay: verify, accept, commit, feedback. `state`
     holds the drafter states, statistics and governor the relay and plan left; `drafted`
     (static): the caller knows some row drafted (the verify never runs at width 1)."""
     B, S = state.length.shape[0], engine.capacity
@@ -676,14 +667,8 @@ def _finish_round(
     out_cap = engine.out_capacity
     active = ~state.done
     remaining_new = run.max_new - state.out_len
-    d_tokens, d_valid, q, has_q, winner = (
-        relayed.tokens,
-        relayed.valid,
-        relayed.q,
-        relayed.has_q,
-        relayed.winner,
-    )
-    budget, asking = relayed.budget, relayed.asking
+    draft, has_q, winner, budget = relayed.draft, relayed.has_q, relayed.winner, relayed.budget
+    d_tokens, d_valid = draft.tokens, draft.valid
     dstates, stats, governor = state.drafter_states, state.stats, state.governor
     skip_idle = idle_rounds_are_plain(engine)
 
@@ -693,7 +678,6 @@ def _finish_round(
     v_tokens = jnp.concatenate([state.last_token[:, None], d_tokens], axis=1)  # [B, K+1]
     v_valid = jnp.concatenate([active[:, None], d_valid & active[:, None]], axis=1)
     v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
-    draft = DraftOutput(tokens=d_tokens, valid=d_valid, q=q)
     cache, n_acc, next_token, hidden = _verify_round(
         engine, target_params, state.cache, v_tokens, v_pos, draft, draft_len, has_q, state, run,
         narrowest=off, drafted=drafted,
@@ -752,7 +736,7 @@ def _finish_round(
         if drafted or not skip_idle:
             dstates = feedback(dstates)
         elif not off:  # (an off round verifies no draft: the states would not move)
-            dstates = run_once(asking, feedback, dstates)
+            dstates = run_once(jnp.any(budget > 0), feedback, dstates)
         # (nor would the counters; the caller of an off round advances the governor)
         if not off:
             stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
