@@ -38,7 +38,8 @@ Measured (sections of the JSON):
                 spec tok/s / plain tok/s;
   draft_simple_round  specjax's draft-simple round (governor off, 4 tokens drafted every
                 round) over its parts timed alone: one 5-token target forward + 4 draft-model
-                steps (jitted loops of forwards on the decode weights);
+                steps (jitted loops of forwards on the decode weights), and the governor's
+                CPU prices those times give (`verify_token`, `draft_step`);
   cli           wall time of one whole `specjax generate` (cold compilation cache, then the
                 second run) vs llama-completion; startup = wall - decode time;
   memory        host peak RSS of each CLI process, KV cache bytes at -c 2048 / 8192.
@@ -379,12 +380,17 @@ def draft_simple_round(sj: Specjax, prompt: list[int], k: int, repeats: int) -> 
         verify_s, step_s = verify(), step()
         rows.append((round_s, verify_s, step_s, round_s / (verify_s + k * step_s), r))
     med = statistics.median
+    target_step_s = target_step()
     return {
         "k": k,
         "round_seconds": med(x[0] for x in rows),
         "verify_seconds": med(x[1] for x in rows),
         "draft_step_seconds": med(x[2] for x in rows),
-        "target_step_seconds": target_step(),
+        "target_step_seconds": target_step_s,
+        # the governor's prices measured (SpecConfig.cost_verify_token / cost_draft_step):
+        # each token past the first of a verify, and a draft step, in 1-token target forwards
+        "verify_token": (med(x[1] for x in rows) / target_step_s - 1.0) / k,
+        "draft_step": med(x[2] for x in rows) / target_step_s,
         "round_over_parts": med(x[3] for x in rows),
         "round_over_parts_runs": [x[3] for x in rows],
         "tokens_per_round": med(x[4]["tokens_per_forward"] for x in rows),

@@ -597,8 +597,9 @@ def cost_model(
     """The draft governor's cost model for a run (see specjax.adaptive); traced values."""
     on_cpu = jax.default_backend() == "cpu"
     # CPU: a forward of n tokens costs ~1 + 0.4 (n - 1) 1-token forwards for the shipped
-    # target on the native kernels (benchmarks/peers.py's draft_simple_round: 0.30-0.47 over
-    # nine runs); 0.12 predated them, and drafts the governor took for paying did not.
+    # target on the native kernels (benchmarks/peers.py's `draft_simple_round.verify_token`:
+    # median 0.41, 0.16-0.58, over the eleven runs in benchmarks/results/peers-avx2*.json,
+    # peers-empty-off*.json and peers-prices.json); 0.12 predated the kernels.
     verify = 0.4 if on_cpu else 0.01
     draft_step, call, enabled = 0.0, 0.0, False
     if spec is not None:
