@@ -26,11 +26,13 @@ prompt file and prepends BOS (the shipped GGUFs say add_bos_token), so specjax i
 Measured (sections of the JSON):
   decode        plain greedy tok/s, 256 new tokens, -c 2048 (llama-completion's "eval" rate;
                 specjax: tokens produced by decode steps / decode_seconds); specjax at
-                n_ctx 512 and 8192 on the short prompt (ratio 8192/512, capacity independence);
+                n_ctx 512 and 8192 on the short prompt (ratio 8192/512, capacity independence:
+                the median of each repeat's ratio, the two run back to back);
   prefill       prompt tok/s of the ~360-token prompt (llama.cpp's "prompt eval");
   speculative   for each drafter and prompt: spec tok/s over the same side's plain tok/s
                 (llama.cpp: llama-speculative-simple's "decoded" rate over llama-completion's
-                eval rate), mean acceptance length as llama.cpp prints it (1 + accepted /
+                eval rate), each repeat's spec run over a plain run of the same prompt made
+                right before it, median of those ratios; mean acceptance length as llama.cpp prints it (1 + accepted /
                 accept calls, both sides), tokens per target forward; specjax's compile time
                 (first call, excluded from the timings) separately;
   no_draft      drafters that run every round and propose nothing (lookup n-gram of 1024
@@ -520,18 +522,35 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             ngram_mod_n_match=NO_MATCH_N,
         )
 
+    # A speedup is a ratio of two short runs (~0.1-0.5 s) on a machine whose speed drifts
+    # by tens of percent within minutes, so each speculative case runs its own plain
+    # decoding right before it, on each side, and its speedup is the median of these
+    # per-repeat ratios (`*_speedup_runs`): the plain case at the top of a repeat ran
+    # minutes earlier (unpaired medians moved by +-25% between runs of the same code).
     runs: dict[str, dict[str, list[dict[str, Any]]]] = {
-        c[0]: {"llama": [], "specjax": []} for c in cases
+        c[0]: {"llama": [], "specjax": [], "llama_plain": [], "specjax_plain": []} for c in cases
     }
+
+    def specjax_run(thunk: Callable[[], dict[str, Any]]) -> dict[str, Any]:
+        try:
+            return thunk()
+        except Exception as err:  # a failing configuration must not stop the benchmark
+            return {"error": f"{type(err).__name__}: {err}"[:400]}
+
     for rep in range(args.repeats):
         for name, cmd, thunk, prompt in cases:
-            if cmd is not None:
-                prompt_text = texts[prompt][:-1] if texts[prompt].endswith("\n") else texts[prompt]
-                runs[name]["llama"].append(llama.run(cmd, prompt_text) if llama else {})
-            try:
-                runs[name]["specjax"].append(thunk())
-            except Exception as err:  # a failing configuration must not stop the benchmark
-                runs[name]["specjax"].append({"error": f"{type(err).__name__}: {err}"[:400]})
+            prompt_text = texts[prompt][:-1] if texts[prompt].endswith("\n") else texts[prompt]
+            paired = name.startswith(("spec/", "nodraft/"))
+            if cmd is not None and llama is not None:
+                if paired:
+                    plain_cmd = llama.completion(PROMPT_FILES[prompt], 2048)
+                    runs[name]["llama_plain"].append(llama.run(plain_cmd, prompt_text))
+                runs[name]["llama"].append(llama.run(cmd, prompt_text))
+            if paired:
+                runs[name]["specjax_plain"].append(
+                    specjax_run(lambda p=prompt: sj.run(f"plain/{p}/c2048", ids[p], 2048))
+                )
+            runs[name]["specjax"].append(specjax_run(thunk))
             print(f"peers: repeat {rep + 1}/{args.repeats} {name}", file=sys.stderr)
 
     keys = ("decode_tps", "spec_tps", "prefill_tps", "tokens_per_forward", "kv_cache_bytes")
@@ -552,6 +571,30 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ok = [r for r in runs.get(case, {}).get(who, []) if "error" not in r]
         return ok[-1] if ok else {}
 
+    def speedup_runs(case: str, who: str, key: str) -> list[float]:
+        """Per-repeat spec / plain tok/s of a case and the plain run right before it."""
+        pairs = zip(runs[case][who], runs[case][f"{who}_plain"])
+        return [
+            s[key] / p["decode_tps"]
+            for s, p in pairs
+            if isinstance(s.get(key), int | float) and p.get("decode_tps")
+        ]
+
+    def paired_speedup(case: str, who: str, key: str) -> float | None:
+        ratios = speedup_runs(case, who, key)
+        return statistics.median(ratios) if ratios else None
+
+    def capacity_ratio(who: str) -> float | None:
+        small, large = runs.get("plain/short/c512"), runs.get("plain/short/c8192")
+        if not small or not large:
+            return None
+        ratios = [
+            b["decode_tps"] / a["decode_tps"]
+            for a, b in zip(small[who], large[who])
+            if a.get("decode_tps") and b.get("decode_tps")
+        ]
+        return statistics.median(ratios) if ratios else None
+
     report: dict[str, Any] = {}
     main = "plain/main/c2048"
     sj_text, ll_text = last(main, "specjax").get("text", ""), last(main, "llama").get("text")
@@ -565,14 +608,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "llama_tps_c8192": side("plain/short/c8192", "llama", "decode_tps"),
         "specjax_tps_c512": side("plain/short/c512", "specjax", "decode_tps"),
         "specjax_tps_c8192": side("plain/short/c8192", "specjax", "decode_tps"),
-        "specjax_c8192_over_c512": _ratio(
-            side("plain/short/c8192", "specjax", "decode_tps"),
-            side("plain/short/c512", "specjax", "decode_tps"),
-        ),
-        "llama_c8192_over_c512": _ratio(
-            side("plain/short/c8192", "llama", "decode_tps"),
-            side("plain/short/c512", "llama", "decode_tps"),
-        ),
+        # the two capacities run one after the other in each repeat: median of their ratios
+        "specjax_c8192_over_c512": capacity_ratio("specjax"),
+        "llama_c8192_over_c512": capacity_ratio("llama"),
         "agreement": None
         if ll_text is None
         else {
@@ -619,12 +657,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "kind": kind,
                 "prompt": prompt,
                 "drafter": spec_type,
-                "llama_speedup": _ratio(
-                    side(name, "llama", "spec_tps"), side(plain, "llama", "decode_tps")
-                ),
-                "specjax_speedup": _ratio(
-                    side(name, "specjax", "decode_tps"), side(plain, "specjax", "decode_tps")
-                ),
+                "llama_speedup": paired_speedup(name, "llama", "spec_tps"),
+                "specjax_speedup": paired_speedup(name, "specjax", "decode_tps"),
+                "llama_speedup_runs": speedup_runs(name, "llama", "spec_tps"),
+                "specjax_speedup_runs": speedup_runs(name, "specjax", "decode_tps"),
                 "llama_spec_tps": side(name, "llama", "spec_tps"),
                 "specjax_spec_tps": side(name, "specjax", "decode_tps"),
                 "llama_mean_acc_len": side(name, "llama", "mean_acc_len"),
