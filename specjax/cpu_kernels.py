@@ -3,8 +3,10 @@
 At one to a few dozen activation rows a linear layer is a matrix-vector product: it reads its
 whole weight matrix for two FLOPs per weight, so its speed is memory bandwidth. XLA's CPU dot
 runs it on one thread, and reads f16 weights only after converting the whole matrix. The
-kernel in `kernels/linear.cc` reads f16 (or f32) weights in their stored `[out, in]` layout,
-converts them in registers and splits the outputs over XLA's intra-op thread pool; it is
+kernel in `kernels/linear.cc` reads f16 (or f32) weights packed in panels of 16 outputs
+(`pack_panels`, done once per model), converts them in registers, accumulates an outer
+product per input with no horizontal sums, and splits the panels over XLA's intra-op thread
+pool; it is
 called from jitted code through the XLA FFI (`jax.ffi.ffi_call`). The attention of a few new
 tokens over the KV cache (`attend_cache`, `kernels/attention.cc`) is the other per-step cost
 XLA spreads over many small kernels; it runs there too, reading each used K/V row once. So
@@ -30,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -177,9 +180,24 @@ def disabled() -> Iterator[None]:
         _state["forced_off"] = before
 
 
-def _call(x: Array, w: Array) -> Array:
-    out_type = jax.ShapeDtypeStruct((*x.shape[:-1], w.shape[0]), jnp.float32)
-    return jax.ffi.ffi_call(TARGET, out_type)(x, w)
+#: Outputs per weight panel of `linear_panels` (`kernels/linear.cc`).
+PANEL = 16
+
+
+def pack_panels(w: Any) -> Any:
+    """`w [out, in]` as the kernel's panels `[ceil(out / 16), in, 16]`: panels[p, i, j] =
+    w[16 p + j, i], zero past the last output. NumPy in, NumPy out (host-side, done once
+    when a model's decode form is built); a JAX array is packed in the graph."""
+    xp = np if isinstance(w, np.ndarray) else jnp
+    out, inp = w.shape
+    panels = -(-out // PANEL)
+    padded = xp.pad(w, ((0, panels * PANEL - out), (0, 0)))
+    return padded.reshape(panels, PANEL, inp).transpose(0, 2, 1)
+
+
+def _call(x: Array, panels: Array, out: int) -> Array:
+    out_type = jax.ShapeDtypeStruct((*x.shape[:-1], out), jnp.float32)
+    return jax.ffi.ffi_call(TARGET, out_type)(x, panels)
 
 
 def attend_cache(
@@ -229,18 +247,37 @@ def top_k(x: Array, k: int) -> tuple[Array, Array]:
     return values, indices
 
 
-@jax.custom_batching.custom_vmap
 def linear_rows(x: Array, w: Array) -> Array:
-    """`x @ w.T` (f32 `[..., in]` by f16/f32 `[out, in]`) on the kernel; see the module doc."""
-    return _call(x, w)
+    """`x @ w.T` (f32 `[..., in]` by f16/f32 `[out, in]`) on the kernel; see the module doc.
+    The weight is packed into panels in the graph: weights used every step are packed once
+    instead (`pack_panels`, `linear_panels`)."""
+    return linear_panels(x, pack_panels(w), w.shape[0])
 
 
-@linear_rows.def_vmap
-def _linear_rows_vmap(
-    axis_size: int, in_batched: list[bool], x: Array, w: Array
+def linear_panels(x: Array, panels: Array, out: int) -> Array:
+    """`x @ w.T` for the first `out` outputs of a weight packed by `pack_panels` (f16 or f32
+    `[P, in, 16]`); float32 `[..., out]`."""
+    return _linear_panels(x, panels, out)
+
+
+@functools.partial(jax.custom_batching.custom_vmap)
+def _linear_panels_traced(x: Array, panels: Array, out_marker: Array) -> Array:
+    return _call(x, panels, out_marker.shape[0])
+
+
+@_linear_panels_traced.def_vmap
+def _linear_panels_vmap(
+    axis_size: int, in_batched: list[bool], x: Array, panels: Array, out_marker: Array
 ) -> tuple[Array, bool]:
-    x_batched, w_batched = in_batched
+    x_batched, w_batched, _ = in_batched
+    out = out_marker.shape[-1]
     if w_batched:  # a weight per batch element: no shared matrix to stream
         x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
+        w = panels.transpose(0, 1, 3, 2).reshape(axis_size, -1, panels.shape[2])[:, :out]
         return jnp.einsum("b...i,boi->b...o", x, w.astype(jnp.float32)), True
-    return _call(x, w), True  # the batch axis is just more leading rows
+    return _call(x, panels, out), True  # the batch axis is just more leading rows
+
+
+def _linear_panels(x: Array, panels: Array, out: int) -> Array:
+    # custom_vmap takes array arguments only: the output count travels as a shape
+    return _linear_panels_traced(x, panels, jnp.zeros((out,), jnp.int8))

@@ -70,8 +70,9 @@ def _weights(rng, out, inp, dtype):
     [(1, 256, 1536), (3, 40, 5), (4, 16, 130), (5, 768, 256), (9, 33, 1), (64, 256, 2048)],
 )
 def test_linear_rows_matches_float64(rows, inp, out, dtype):
-    """Inner sizes off the 16-lane width (40, 33) exercise the tail; 5 and 130 outputs the
-    partial 4-output tile; 1536 x 256 and 64 rows the thread split."""
+    """Output counts off the 16-output panel (5, 130, 1) exercise the zero-padded last panel;
+    3, 4, 5, 9 and 64 rows every row tile (6 rows at a time, then 1-5); 1536 x 256 and 64
+    rows the thread split."""
     rng = np.random.default_rng(rows * 1000 + inp + out)
     x = rng.standard_normal((rows, inp)).astype(np.float32)
     w = _weights(rng, out, inp, dtype)
@@ -124,10 +125,13 @@ def test_kernel_weights_use_float16_only_where_it_is_exact_and_linear_dispatches
     params["lm_head"] = exact
     form = llama.kernel_weights(params)
     head = form["lm_head"]
-    assert isinstance(head, llama.KernelWeight) and head.rows.dtype == jnp.float16
+    assert isinstance(head, llama.KernelWeight) and head.panels.dtype == jnp.float16
     assert head.stored is exact
+    np.testing.assert_array_equal(  # panels[p, i, j] = w[16 p + j, i]
+        np.asarray(head.panels[1, :, 3], np.float32), np.asarray(exact)[16 + 3]
+    )
     gate_up = form["layers"][0]["w_gate_up"]  # random f32 init: not exact in f16
-    assert gate_up.rows.dtype == jnp.float32 and gate_up.rows is gate_up.stored
+    assert gate_up.panels.dtype == jnp.float32
     assert llama.kernel_weights(form)["lm_head"] is head  # idempotent
 
     rng = np.random.default_rng(3)

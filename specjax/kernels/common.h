@@ -1,5 +1,6 @@
-// Shared pieces of specjax's native CPU kernels (see cpu_kernels.py): 16-lane float vectors,
-// F16 loads, a fixed-order lane reduction, and a work-claiming loop over XLA's thread pool.
+// Shared pieces of specjax's native CPU kernels (see cpu_kernels.py): native float vectors,
+// F16 loads, broadcasts, a fixed-order lane reduction, and a work-claiming loop over XLA's
+// thread pool.
 #pragma once
 
 #include <algorithm>
@@ -20,15 +21,13 @@ namespace specjax {
 
 namespace ffi = xla::ffi;
 
-// Sums are specified over 16 lanes (kLanes): lane l of a linear layer's partial sums takes
-// inputs i = l mod 16, whatever the register width, so results do not depend on it.
+// 16 lanes (kLanes): a linear layer's weight panel (16 outputs), kParts native vectors.
 constexpr int kLanes = 16;
 constexpr int kSpinsBeforeYield = 4096;
 
 // The widest vector the target holds in one register: 16 lanes with AVX-512, 8 otherwise
 // (AVX2). GCC lowers a 16-lane vector on AVX2 through memory (the accumulators of a tile
-// went to the stack on every step: ~3 GMAC/s), so the kernels run on native vectors, a
-// 16-lane value of the linear kernel being kParts of them.
+// went to the stack on every step: ~3 GMAC/s), so the kernels run on native vectors.
 #if defined(__AVX512F__)
 constexpr int kParts = 1;
 #else
@@ -56,6 +55,18 @@ inline f32xn loadn(const _Float16* p) {
 #endif
 }
 
+// *p in every lane, loaded straight into the vector (GCC turns `f32xn{} + *p` into a scalar
+// add and a register broadcast: two extra operations per use).
+inline f32xn broadcast(const float* p) {
+#if defined(__AVX512F__)
+  return (f32xn)_mm512_set1_ps(*p);
+#elif defined(__AVX__)
+  return (f32xn)_mm256_broadcast_ss(p);
+#else
+  return f32xn{} + *p;
+#endif
+}
+
 inline float to_float(float v) { return v; }
 inline float to_float(_Float16 v) { return static_cast<float>(v); }
 
@@ -75,30 +86,6 @@ inline float reduce_native(f32xn v) {
                    __builtin_shufflevector(s8, s8, 4, 5, 6, 7);
   const f32x2 s2 = __builtin_shufflevector(s4, s4, 0, 1) + __builtin_shufflevector(s4, s4, 2, 3);
   return s2[0] + s2[1];
-}
-
-// The sum of a 16-lane value held as kParts native vectors (part p = lanes p * N ...): lane i
-// += lane i + 8, then i + 4, i + 2, i + 1 on every target, so the same bits with AVX-512 and
-// AVX2 (the order is part of linear.cc's invariant).
-inline float reduce_parts(const f32xn* parts) {
-#if defined(__AVX512F__)
-  return reduce_native(parts[0]);
-#else
-  return reduce_native(parts[0] + parts[1]);
-#endif
-}
-
-// Left alone, GCC folds each x load into every FMA that uses it (4 loads of the same x
-// vector per step); keeping x in a register halves the loads of a 4 x 4 tile, which is what
-// bounds the kernel at 8-32 rows (10-25% faster there on an AVX-512 machine). AVX-512 only:
-// with AVX2's 16 registers the pinned x vectors made the accumulators spill (2-row tiles ran
-// at half the speed of letting GCC fold the loads).
-inline void keep_in_register(f32xn& v) {
-#if defined(__x86_64__) && defined(__GNUC__) && defined(__AVX512F__)
-  asm("" : "+v"(v));
-#else
-  (void)v;
-#endif
 }
 
 inline void cpu_relax() {

@@ -1,18 +1,28 @@
 // specjax_linear: y[r, o] = sum_i x[r, i] * w[o, i], for the few activation rows of decode and
-// verify steps on CPU. x is f32 [rows, in], w is f16 or f32 [out, in] (the stored layout), y
-// is f32 [rows, out].
+// verify steps on CPU. x is f32 [rows, in]; the weight comes packed in panels of 16 outputs,
+// f16 or f32 [P, in, 16] with panels[p, i, j] = w[16 p + j, i] (zero past the last output);
+// y is f32 [rows, out], out <= 16 P.
 //
 // Why: at one to a few dozen rows a linear layer reads its whole weight matrix to do a few
-// FLOPs per weight, so its speed is memory bandwidth. XLA's CPU dot runs these products on one
-// thread and cannot read f16 weights without first converting the whole matrix. This kernel
-// reads f16 (half the bytes) or f32 weights, converts a register's width at a time (16 with
-// AVX-512, 8 with AVX2), and splits the outputs over XLA's intra-op thread pool.
+// FLOPs per weight. XLA's CPU dot runs these products on one thread and cannot read f16
+// weights without first converting the whole matrix. This kernel reads f16 (half the bytes)
+// or f32 weights, converts a register's width at a time, and splits the panels over XLA's
+// intra-op thread pool.
+//
+// The panel layout makes the product an outer product: for each input i, a tile of R rows x
+// NP panels loads NP x 16 weights (one stream per panel, contiguous), broadcasts each row's
+// x[r, i], and accumulates R x NP x 16 outputs in registers with one FMA per weight vector
+// and row. No horizontal sums, nothing reduced at the end of a tile, and a weight vector
+// converted from F16 once per R rows. The earlier layout ([out, in], 16-lane partial sums per
+// output, a reduction per (row, output)) ran at ~30 / ~48 GFLOP/s per core at 1 / 5 rows on
+// the 2-core AMD EPYC (Zen 3) development machine, whose FMA peak is ~100; this one at ~65 /
+// ~100 (a standalone harness, the target's shapes).
 //
 // Invariant (tested): the value of y[r, o] depends only on x[r, :] and w[o, :], not on the
-// number of rows, their order or the thread split. Each (row, output) sum is 16 lane-wise
-// partial sums accumulated in input order, reduced by a fixed tree, plus the tail in order.
-// So a row's logits are bit-identical whether it is decoded alone, in a batch, or verified
-// among draft rows.
+// number of rows, their order, the tile shape or the thread split. Each (row, output) sum is
+// one accumulator lane updated in input order i = 0, 1, ..., in - 1 (acc = acc + x w, the
+// compiler contracting it to an FMA wherever it does). So a row's logits are bit-identical
+// whether it is decoded alone, in a batch, or verified among draft rows.
 //
 // Built by specjax.cpu_kernels on first use (g++ -O3 -march=native) and loaded with ctypes.
 
@@ -22,123 +32,111 @@ namespace {
 
 using namespace specjax;
 
-// A tile: OUT outputs sharing one pass over ROWS rows of x. Its accumulators (OUT x ROWS x
-// kParts native vectors) must stay in registers: 4 x 4 x 1 (+ 4 of x) of AVX-512's 32.
-// AVX2 has 16: 4 outputs x 1 row x 2 parts for one row, 2 x 2 x 2 (+ 4 of x) for two; for
-// more rows 1 output x up to 6 rows x 2 parts (12 accumulators, 2 for the weights, x read
-// from L1 by the FMAs), so a weight is loaded and converted from F16 once per 6 rows.
-// Converting is what bounds a multi-row product: with 2 x 2 tiles (a conversion per 2 FMAs)
-// a 5-token verify's linear layers ran at ~45% of the FMA peak, ~3x one token's time, on the
-// 2-core AMD EPYC (Zen 3).
-constexpr int kOutputsPerTile = 4;  // outputs per unit of the output split
-#if defined(__AVX512F__)
-constexpr int kRowsPerTile = 4;
-constexpr int kOutputsPerRowTile = 4;
-#else
-constexpr int kRowsPerTile = 6;
-constexpr int kOutputsPerRowTile = 1;
-#endif
-constexpr int64_t kTilesPerChunk = 16;  // unit of work handed between threads
+constexpr int kPanel = kLanes;  // outputs per panel: 16, kParts native vectors
+constexpr int kMaxTileRows = 6;
+// Panels per unit of work handed between threads (and per pass of the row groups over them:
+// 8 panels of a 256-wide F16 matrix are 64 KiB, which stay in L2 while the row groups of a
+// many-row product reuse them).
+constexpr int64_t kPanelsPerChunk = 8;
 constexpr int64_t kSerialWork = int64_t(1) << 16;  // below this many MACs, no threads
-// Software prefetch distance. A tile reads 4 weight rows side by side, which the hardware
-// prefetcher does not follow: without this the kernel waits on the cache hierarchy (measured
-// 3x slower at one row on the 2-core AMD EPYC development machine); 4 KiB ahead was best there.
-constexpr int64_t kPrefetchBytes = 4096;
-constexpr int64_t kLine = 64;
 
-// Outputs [o0, o0 + n_out) (n_out <= OUT) for ROWS consecutive rows of x.
-template <int OUT, int ROWS, typename W>
-void tile(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t o0,
-          int64_t n_out, bool prefetch) {
-  f32xn acc[OUT][ROWS][kParts];
-  for (auto& per_output : acc)
-    for (auto& per_row : per_output)
-      for (auto& a : per_row) a = f32xn{};
-  const W* w_row[OUT];
-  for (int j = 0; j < OUT; ++j) w_row[j] = w + (o0 + (j < n_out ? j : 0)) * in;
-  const int64_t in_vec = in - in % kLanes;
-  // Tiles are contiguous in memory: fetch the bytes kPrefetchBytes past this tile's start,
-  // spread over the loop (only on a tile's first pass; later row groups hit the cache).
-  const char* ahead = reinterpret_cast<const char*>(w + o0 * in) + kPrefetchBytes;
-  const char* weights_end = reinterpret_cast<const char*>(w + out * in);
-  const int64_t steps = in_vec / kLanes;
-  const int64_t tile_lines = (OUT * in * int64_t(sizeof(W)) + kLine - 1) / kLine;
-  const int64_t lines_per_step = prefetch && steps ? (tile_lines + steps - 1) / steps : 0;
-  for (int64_t i = 0; i < in_vec; i += kLanes) {
-    for (int64_t l = 0; l < lines_per_step; ++l) {
-      const char* line = ahead + ((i / kLanes) * lines_per_step + l) * kLine;
-      if (line < weights_end) __builtin_prefetch(line);
+// Panels per tile for R rows: accumulators (R x NP x kParts native vectors) plus the
+// weight vectors and a broadcast must fit in registers (AVX2: 16, AVX-512: 32), with at
+// least ~8 independent accumulators so the FMA latency is covered.
+constexpr int panels_per_tile(int rows) {
+#if defined(__AVX512F__)
+  return rows == 1 ? 8 : rows == 2 ? 4 : rows == 3 ? 4 : 2;
+#else
+  return rows == 1 ? 4 : rows == 2 ? 2 : 1;
+#endif
+}
+
+// Rows [0, R) of x (row stride `in`) times panels [0, NP) from `w` (panel stride in * 16);
+// `n_out` (<= NP * 16) outputs are written to y (row stride `out`).
+template <int R, int NP, typename W>
+inline void tile(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t n_out) {
+  constexpr int NV = NP * kParts;
+  f32xn acc[R][NV];
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r)
+#pragma GCC unroll 32
+    for (int c = 0; c < NV; ++c) acc[r][c] = f32xn{};
+  const int64_t panel_stride = in * kPanel;
+  for (int64_t i = 0; i < in; ++i) {
+    if constexpr (R == 1) {  // the broadcast first, each weight vector used as it is loaded
+      const f32xn xb = broadcast(x + i);  // (all NV loaded first would spill one of them)
+#pragma GCC unroll 32
+      for (int c = 0; c < NV; ++c)
+        acc[0][c] += xb * loadn(w + (c / kParts) * panel_stride + i * kPanel +
+                                (c % kParts) * kNativeLanes);
+      continue;
     }
-    // Lane l of a 16-lane sum takes inputs i + l: part p holds lanes p * kNativeLanes...
-    f32xn xv[ROWS][kParts];
-    for (int r = 0; r < ROWS; ++r)
-      for (int p = 0; p < kParts; ++p) {
-        xv[r][p] = loadn(x + r * in + i + p * kNativeLanes);
-        if (ROWS > 1) keep_in_register(xv[r][p]);
-      }
-    for (int j = 0; j < OUT; ++j)
-      for (int p = 0; p < kParts; ++p) {
-        const f32xn wv = loadn(w_row[j] + i + p * kNativeLanes);
-        for (int r = 0; r < ROWS; ++r) acc[j][r][p] += wv * xv[r][p];
-      }
+    f32xn wv[NV];
+#pragma GCC unroll 32
+    for (int p = 0; p < NP; ++p)
+#pragma GCC unroll 32
+      for (int q = 0; q < kParts; ++q)
+        wv[p * kParts + q] = loadn(w + p * panel_stride + i * kPanel + q * kNativeLanes);
+#pragma GCC unroll 32
+    for (int r = 0; r < R; ++r) {
+      const f32xn xb = broadcast(x + r * in + i);
+#pragma GCC unroll 32
+      for (int c = 0; c < NV; ++c) acc[r][c] += xb * wv[c];
+    }
   }
-  for (int j = 0; j < n_out; ++j)
-    for (int r = 0; r < ROWS; ++r) {
-      float s = reduce_parts(acc[j][r]);
-      for (int64_t i = in_vec; i < in; ++i) s += to_float(w_row[j][i]) * x[r * in + i];
-      y[r * out + o0 + j] = s;
-    }
+  // Vector by vector (copying a row of accumulators at once would make GCC keep them in
+  // memory, storing all of them on every step of the loop above).
+  const bool whole = n_out == NP * kPanel;  // else the last panel of an output count 16
+  float lanes[NV * kNativeLanes];           // does not divide: through a buffer
+#pragma GCC unroll 32
+  for (int r = 0; r < R; ++r) {
+    float* dst = whole ? y + r * out : lanes;
+#pragma GCC unroll 32
+    for (int c = 0; c < NV; ++c) std::memcpy(dst + c * kNativeLanes, &acc[r][c], sizeof(f32xn));
+    if (!whole) std::copy(lanes, lanes + n_out, y + r * out);
+  }
 }
 
-// ROWS rows of x, outputs [o0, o0 + n_out) (n_out <= kOutputsPerTile) in tiles of OUT.
-template <int OUT, int ROWS, typename W>
-void row_tiles(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t o0,
-               int64_t n_out, bool prefetch) {
-  for (int64_t h = 0; h < n_out; h += OUT)
-    tile<OUT, ROWS>(x, w, y, in, out, o0 + h, std::min<int64_t>(OUT, n_out - h), prefetch);
+// R rows, panels [p0, p1): tiles of panels_per_tile(R) panels, then single panels.
+template <int R, typename W>
+void row_group(const float* x, const W* w, float* y, int64_t in, int64_t out, int64_t p0,
+               int64_t p1) {
+  constexpr int NP = panels_per_tile(R);
+  int64_t p = p0;
+  auto outputs = [&](int64_t panels) {
+    return std::min<int64_t>(panels * kPanel, out - p * kPanel);
+  };
+  for (; p + NP <= p1; p += NP)
+    tile<R, NP>(x, w + p * in * kPanel, y + p * kPanel, in, out, outputs(NP));
+  for (; p < p1; ++p) tile<R, 1>(x, w + p * in * kPanel, y + p * kPanel, in, out, outputs(1));
 }
 
-// All rows, output tiles [t0, t1) of kOutputsPerTile outputs.
+// All rows, panels [p0, p1): groups of kMaxTileRows rows, then the rest.
 template <typename W>
-void run_tiles(const float* x, const W* w, float* y, int64_t rows, int64_t in, int64_t out,
-               int64_t t0, int64_t t1) {
-  constexpr int O = kOutputsPerRowTile;
-  for (int64_t t = t0; t < t1; ++t) {
-    const int64_t o0 = t * kOutputsPerTile;
-    const int64_t n_out = out - o0 < kOutputsPerTile ? out - o0 : kOutputsPerTile;
-    int64_t r = 0;
-    for (; r + kRowsPerTile <= rows; r += kRowsPerTile)
-      row_tiles<O, kRowsPerTile>(x + r * in, w, y + r * out, in, out, o0, n_out, r == 0);
-    const float* xr = x + r * in;
-    float* yr = y + r * out;
-    const bool first = r == 0;
-    switch (rows - r) {  // fewer than kRowsPerTile rows left
-      case 5:
-        if constexpr (kRowsPerTile > 5) row_tiles<O, 5>(xr, w, yr, in, out, o0, n_out, first);
-        break;
-      case 4:
-        if constexpr (kRowsPerTile > 4) row_tiles<O, 4>(xr, w, yr, in, out, o0, n_out, first);
-        break;
-      case 3:
-        if constexpr (kRowsPerTile > 3) row_tiles<O, 3>(xr, w, yr, in, out, o0, n_out, first);
-        break;
-      case 2:  // on AVX2 2 x 2 (x held in registers) beats 1 x 2 (a conversion per 2 FMAs)
-        if constexpr (kRowsPerTile > 2)
-          row_tiles<O == 1 ? 2 : O, 2>(xr, w, yr, in, out, o0, n_out, first);
-        break;
-      case 1: tile<kOutputsPerTile, 1>(xr, w, yr, in, out, o0, n_out, first); break;
-      default: break;
-    }
+void run_panels(const float* x, const W* w, float* y, int64_t rows, int64_t in, int64_t out,
+                int64_t p0, int64_t p1) {
+  int64_t r = 0;
+  for (; r + kMaxTileRows <= rows; r += kMaxTileRows)
+    row_group<kMaxTileRows>(x + r * in, w, y + r * out, in, out, p0, p1);
+  const float* xr = x + r * in;
+  float* yr = y + r * out;
+  switch (rows - r) {
+    case 5: row_group<5>(xr, w, yr, in, out, p0, p1); break;
+    case 4: row_group<4>(xr, w, yr, in, out, p0, p1); break;
+    case 3: row_group<3>(xr, w, yr, in, out, p0, p1); break;
+    case 2: row_group<2>(xr, w, yr, in, out, p0, p1); break;
+    case 1: row_group<1>(xr, w, yr, in, out, p0, p1); break;
+    default: break;
   }
 }
 
 template <typename W>
 void linear(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t rows,
-            int64_t in, int64_t out) {
-  const int64_t tiles = (out + kOutputsPerTile - 1) / kOutputsPerTile;
-  const int64_t chunks = (tiles + kTilesPerChunk - 1) / kTilesPerChunk;
+            int64_t in, int64_t out, int64_t panels) {
+  const int64_t chunks = (panels + kPanelsPerChunk - 1) / kPanelsPerChunk;
   parallel_for(pool, chunks, rows * in * out < kSerialWork, [&](int64_t c) {
-    run_tiles(x, w, y, rows, in, out, c * kTilesPerChunk, std::min(tiles, (c + 1) * kTilesPerChunk));
+    const int64_t p0 = c * kPanelsPerChunk;
+    run_panels(x, w, y, rows, in, out, p0, std::min(panels, p0 + kPanelsPerChunk));
   });
 }
 
@@ -146,16 +144,24 @@ ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuff
                       ffi::ThreadPool pool) {
   const auto w_dims = w.dimensions();
   const auto x_dims = x.dimensions();
-  if (w_dims.size() != 2 || x_dims.size() < 1 || x_dims.back() != w_dims[1])
-    return ffi::Error::InvalidArgument("specjax_linear: want x [..., in] and w [out, in]");
-  const int64_t in = w_dims[1], out = w_dims[0];
+  const auto y_dims = y->dimensions();
+  if (w_dims.size() != 3 || w_dims[2] != kPanel || x_dims.size() < 1 ||
+      x_dims.back() != w_dims[1] || y_dims.size() != x_dims.size() ||
+      y_dims.back() > w_dims[0] * kPanel)
+    return ffi::Error::InvalidArgument(
+        "specjax_linear: want x [..., in], panels [P, in, 16] and y [..., out <= 16 P]");
+  const int64_t in = w_dims[1], panels = w_dims[0], out = y_dims.back();
   const int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x.element_count()) / in;
+  if (in == 0) {
+    std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
+    return ffi::Error::Success();
+  }
   if (w.element_type() == ffi::DataType::F16)
     linear(pool, x.typed_data(), static_cast<const _Float16*>(w.untyped_data()),
-           y->typed_data(), rows, in, out);
+           y->typed_data(), rows, in, out, panels);
   else if (w.element_type() == ffi::DataType::F32)
     linear(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(),
-           rows, in, out);
+           rows, in, out, panels);
   else
     return ffi::Error::InvalidArgument("specjax_linear: weights must be f16 or f32");
   return ffi::Error::Success();

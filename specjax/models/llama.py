@@ -67,14 +67,15 @@ class InputMajor:
 @pytree_dataclass
 class KernelWeight:
     """A linear weight for `specjax.cpu_kernels`: products with at most `cpu_kernels.MAX_ROWS`
-    activation rows (decode, verify) run on the native kernel over `rows`, larger ones
+    activation rows (decode, verify) run on the native kernel over `panels`, larger ones
     (prefill) on XLA's dot over `stored`.
 
-    `rows` is `[out, in]` in float16 when that holds the stored values exactly (GGUF F16
-    weights: half the bytes to stream, same products), else `stored` itself.
+    `panels` is the weight packed for the kernel (`cpu_kernels.pack_panels`: `[ceil(out /
+    16), in, 16]`), in float16 when that holds the stored values exactly (GGUF F16 weights:
+    half the bytes to stream, same products), else in float32.
     """
 
-    rows: Array  # [out, in] float16 or the stored dtype
+    panels: Array  # [P, in, 16] float16 or float32
     stored: Array  # [out, in], the parameters' own array
 
 
@@ -98,7 +99,7 @@ def linear(
     if isinstance(w, KernelWeight):
         rows = math.prod(x.shape[:-1])
         if x.dtype == jnp.float32 and 0 < rows <= kernel_rows:
-            return cpu_kernels.linear_rows(x, w.rows)
+            return cpu_kernels.linear_panels(x, w.panels, w.stored.shape[0])
         w = w.stored
     if isinstance(w, InputMajor):
         return jnp.einsum("...i,io->...o", x, w.t, **kwargs)
@@ -133,16 +134,32 @@ def input_major(params: Params) -> Params:
 
 
 def kernel_weight(w: Array) -> KernelWeight:
-    """`w` as a `KernelWeight` (host-side: float16 rows when they hold `w` exactly)."""
-    if w.dtype == jnp.float32:
-        # on the host: eager device ops here cost a dispatch (and a compile or a
-        # compilation-cache read) per distinct shape: 0.7 s of a CLI start (cProfile, on a
-        # loaded machine)
-        host = np.asarray(w)
-        half = host.astype(np.float16)
-        if np.array_equal(half.astype(np.float32), host):
-            return KernelWeight(rows=jax.device_put(half, w.sharding), stored=w)
-    return KernelWeight(rows=w, stored=w)
+    """`w` as a `KernelWeight` (host-side: float16 panels when they hold `w` exactly)."""
+    # on the host: eager device ops here cost a dispatch (and a compile or a compilation-cache
+    # read) per distinct shape: 0.7 s of a CLI start (cProfile, on a loaded machine)
+    host = np.asarray(w, np.float32)
+    half = host.astype(np.float16)
+    exact = w.dtype in (jnp.float32, jnp.float16) and np.array_equal(half.astype(np.float32), host)
+    panels = np.ascontiguousarray(cpu_kernels.pack_panels(half if exact else host))
+    return KernelWeight(panels=jax.device_put(panels, _panel_sharding(w, panels)), stored=w)
+
+
+def _panel_sharding(w: Array, panels: np.ndarray) -> Any:
+    """The sharding of `w [out, in]` carried over to its panels `[P, in, 16]` (the output
+    axis's to P, where the mesh divides it; else replicated there)."""
+    sharding = w.sharding
+    if not isinstance(sharding, jax.sharding.NamedSharding):
+        return sharding
+    spec = tuple(sharding.spec) + (None,) * (2 - len(sharding.spec))
+    out_axis = spec[0]
+    if out_axis is not None:
+        names = out_axis if isinstance(out_axis, tuple) else (out_axis,)
+        size = math.prod(sharding.mesh.shape[n] for n in names)
+        if panels.shape[0] % size:
+            out_axis = None
+    return jax.sharding.NamedSharding(
+        sharding.mesh, jax.sharding.PartitionSpec(out_axis, spec[1], None)
+    )
 
 
 def kernel_weights(params: Params) -> Params:
