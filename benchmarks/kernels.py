@@ -1,12 +1,17 @@
-"""Per-call times of the native CPU attention kernel. Prints one JSON object.
+"""Per-call times of the native CPU kernels. Prints one JSON object.
 
     python benchmarks/kernels.py [--calls 300] [--repeats 7] [--out FILE]
 
 `cpu_kernels.attend_cache` at the shipped target's attention shapes (2 KV groups, head size
 64, F16 cache of 2048 cells) for a decode step (2 query rows per group: 1 token x 2 heads) and
-a 5-token verify (10 rows), over 450 and 2000 used cells: microseconds per call, the minimum
-over repeats of a jitted loop of `--calls` calls (each call's query depends on the last
-result, so none is skipped). Run it at two commits to compare kernels; a generation's
+a 5-token verify (10 rows), over 450 and 2000 used cells; and the linear kernel at the
+target's F16 matrices (Q/K/V 512 x 256, output 256 x 256, gate/up 1536 x 256, down 256 x
+768, LM head 2048 x 256) for 1 and 5 activation rows, with `per_forward_us`: 8 layers' four
+matrices and the head, what one forward's linear layers cost. Microseconds per call (and
+GFLOP/s), the minimum over repeats of a jitted loop of `--calls` calls (each call's input
+depends on the last result, so none is skipped). Weights are packed as the engine holds them
+(`cpu_kernels.pack_panels`, once) where the kernel takes panels; at commits before it, in
+their `[out, in]` layout. Run it at two commits to compare kernels; a generation's
 end-to-end speed is benchmarks/decode.py's and benchmarks/peers.py's.
 """
 
@@ -57,6 +62,48 @@ def per_call_us(rows: int, tokens: int, used: int, calls: int, repeats: int) -> 
     return best / calls * 1e6
 
 
+#: The shipped target's linear matrices (out, in) and how many of each a forward runs.
+LINEAR = {
+    "wqkv": ((512, 256), 8),
+    "wo": ((256, 256), 8),
+    "w_gate_up": ((1536, 256), 8),
+    "w_down": ((256, 768), 8),
+    "lm_head": ((2048, 256), 1),
+}
+
+
+def linear_us(out: int, inp: int, rows: int, calls: int, repeats: int) -> float:
+    rng = np.random.default_rng(1)
+    w_host = (rng.standard_normal((out, inp)) * 0.05).astype(np.float16)
+    if hasattr(cpu_kernels, "pack_panels"):  # the engine's form: packed once
+        w = jnp.asarray(cpu_kernels.pack_panels(w_host))
+
+        def product(x: jax.Array) -> jax.Array:
+            return cpu_kernels.linear_panels(x, w, out)
+    else:  # earlier kernels read [out, in] as stored
+        w = jnp.asarray(w_host)
+
+        def product(x: jax.Array) -> jax.Array:
+            return cpu_kernels.linear_rows(x, w)
+
+    x0 = jnp.asarray(rng.standard_normal((rows, inp)), jnp.float32)
+
+    @jax.jit
+    def loop(x: jax.Array) -> jax.Array:
+        def body(_: jax.Array, x: jax.Array) -> jax.Array:
+            return x + 1e-6 * product(x)[:, :1]
+
+        return jax.lax.fori_loop(0, calls, body, x)
+
+    loop(x0).block_until_ready()
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        loop(x0).block_until_ready()
+        best = min(best, time.perf_counter() - start)
+    return best / calls * 1e6
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--calls", type=int, default=300)
@@ -71,11 +118,25 @@ def main() -> None:
         for name, (rows, tokens) in CASES.items()
         for used in (450, 2000)
     }
+    linear: dict[str, dict[str, float]] = {}
+    per_forward = {}
+    for rows in (1, 5):
+        total = 0.0
+        for name, ((out, inp), count) in LINEAR.items():
+            us = linear_us(out, inp, rows, args.calls, args.repeats)
+            linear[f"{name}/rows{rows}"] = {
+                "us": round(us, 2),
+                "gflops": round(2 * out * inp * rows / us / 1e3, 1),
+            }
+            total += count * us
+        per_forward[f"rows{rows}"] = round(total, 1)
     result = {
         "benchmark": "kernels",
         "machine": machine(),
         "shapes": {"groups": GROUPS, "head": HEAD, "cells": CELLS, "cache": "f16"},
         "attend_cache_us_per_call": attend,
+        "linear_us_per_call": linear,
+        "linear_per_forward_us": per_forward,
     }
     if args.out:
         emit(result, args.out)
