@@ -364,15 +364,15 @@ def test_rope_angles_are_computed_once_per_forward():
 @needs_kernel
 def test_a_prompt_blocks_wide_products_take_xla_dot_and_decode_keeps_the_kernel():
     """`forward_compute(block=True)` (prefill, prompt chunks): products of more rows than
-    BLOCK_KERNEL_ROWS go to XLA's dot (faster there), the one-row LM head to the kernel; the
-    same forward as a verify (block=False) keeps every product on the kernel."""
+    BLOCK_KERNEL_ROWS go to XLA's dot (faster there), the one-row LM head to the kernel; a
+    block of BLOCK_KERNEL_ROWS rows (a continuous-batching prefill chunk), like a verify
+    (block=False), keeps every product on the kernel."""
     model = tiny_model(4)
     params = api.decode_params(model.params)
-    cache = model.new_cache(1, 64, "f16", "f16")
-    T = llama.BLOCK_KERNEL_ROWS + 1
-    tokens, positions = jnp.ones((1, T), jnp.int32), jnp.arange(T)[None]
+    cache = model.new_cache(1, 128, "f16", "f16")
 
-    def kernel_calls(block: bool) -> int:
+    def kernel_calls(T: int, block: bool) -> int:
+        tokens, positions = jnp.ones((1, T), jnp.int32), jnp.arange(T)[None]
         fn = jax.jit(
             lambda p, c: llama.forward_compute(
                 model.config, p, tokens, positions, c, logit_index=jnp.array([T - 1]), block=block
@@ -380,8 +380,10 @@ def test_a_prompt_blocks_wide_products_take_xla_dot_and_decode_keeps_the_kernel(
         )
         return fn.lower(params, cache).as_text().count(cpu_kernels.TARGET)
 
-    assert kernel_calls(block=True) == 1
-    assert kernel_calls(block=False) == 1 + 4 * model.config.L
+    assert llama.BLOCK_KERNEL_ROWS <= cpu_kernels.MAX_ROWS
+    assert kernel_calls(llama.BLOCK_KERNEL_ROWS + 1, block=True) == 1
+    assert kernel_calls(llama.BLOCK_KERNEL_ROWS, block=True) == 1 + 4 * model.config.L
+    assert kernel_calls(5, block=False) == 1 + 4 * model.config.L
 
 
 def test_a_failed_build_warns_once_and_generation_uses_xla_dot(tmp_path):

@@ -80,11 +80,12 @@ class KernelWeight:
 
 
 #: Most rows of a prompt block's products (`forward_compute(block=True)`) that go to the
-#: native kernel: XLA's dot of the stored float32 weights outruns it above ~16 rows (2-core
-#: AVX2 host, a 1536 x 256 product: even at 16 rows, 113 / 138 against 90 / 89 GFLOP/s at 32 /
-#: 64). Decode and verify keep `cpu_kernels.MAX_ROWS`, so a token's logits do not depend on
-#: the rows beside it.
-BLOCK_KERNEL_ROWS = 16
+#: native kernel. With the panel kernel that is all of the kernel's rows: at 16 / 32 / 64 rows
+#: it ran at 116 / 117 / 119 GFLOP/s against XLA's dot of the stored float32 weights at 63 /
+#: 80 / 104 (2-core AVX2 host, a 1536 x 256 product; 102-126 against 56-96 for the target's
+#: other matrices), so a continuous-batching prefill chunk (64 tokens) takes it too. (With
+#: the earlier [out, in] kernel XLA won above ~16 rows.) Longer blocks take XLA's dot.
+BLOCK_KERNEL_ROWS = cpu_kernels.MAX_ROWS
 
 
 def linear(
