@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -257,15 +256,16 @@ def linear_rows(x: Array, w: Array) -> Array:
 def linear_panels(x: Array, panels: Array, out: int) -> Array:
     """`x @ w.T` for the first `out` outputs of a weight packed by `pack_panels` (f16 or f32
     `[P, in, 16]`); float32 `[..., out]`."""
-    return _linear_panels(x, panels, out)
+    # custom_vmap takes array arguments only: the output count travels as a shape
+    return _linear_panels(x, panels, jnp.zeros((out,), jnp.int8))
 
 
-@functools.partial(jax.custom_batching.custom_vmap)
-def _linear_panels_traced(x: Array, panels: Array, out_marker: Array) -> Array:
+@jax.custom_batching.custom_vmap
+def _linear_panels(x: Array, panels: Array, out_marker: Array) -> Array:
     return _call(x, panels, out_marker.shape[0])
 
 
-@_linear_panels_traced.def_vmap
+@_linear_panels.def_vmap
 def _linear_panels_vmap(
     axis_size: int, in_batched: list[bool], x: Array, panels: Array, out_marker: Array
 ) -> tuple[Array, bool]:
@@ -276,8 +276,3 @@ def _linear_panels_vmap(
         w = panels.transpose(0, 1, 3, 2).reshape(axis_size, -1, panels.shape[2])[:, :out]
         return jnp.einsum("b...i,boi->b...o", x, w.astype(jnp.float32)), True
     return _call(x, panels, out), True  # the batch axis is just more leading rows
-
-
-def _linear_panels(x: Array, panels: Array, out: int) -> Array:
-    # custom_vmap takes array arguments only: the output count travels as a shape
-    return _linear_panels_traced(x, panels, jnp.zeros((out,), jnp.int8))

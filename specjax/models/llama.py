@@ -72,7 +72,8 @@ class KernelWeight:
 
     `panels` is the weight packed for the kernel (`cpu_kernels.pack_panels`: `[ceil(out /
     16), in, 16]`), in float16 when that holds the stored values exactly (GGUF F16 weights:
-    half the bytes to stream, same products), else in float32.
+    half the bytes to stream, same products), else in float32: a copy, so weights that
+    float16 cannot hold take twice their memory in this form (prefill reads `stored`).
     """
 
     panels: Array  # [P, in, 16] float16 or float32
