@@ -591,16 +591,20 @@ def build_engine_inputs(
     return T, n_ctx, out_cap
 
 
+#: The governor's CPU price of each token past the first of a forward, in 1-token forwards:
+#: ~1 + 0.4 (n - 1) for the shipped target on the native kernels (benchmarks/peers.py's
+#: `draft_simple_round.verify_token`: median 0.41, 0.16-0.58, over the eleven runs in
+#: benchmarks/results/peers-avx2*.json, peers-empty-off*.json and peers-prices.json; 0.12
+#: predated the kernels).
+CPU_VERIFY_TOKEN = 0.4
+
+
 def cost_model(
     spec: SpecConfig | None, model: Model, draft: Model | None, *, synthetic: bool = False
 ) -> CostModel:
     """The draft governor's cost model for a run (see specjax.adaptive); traced values."""
     on_cpu = jax.default_backend() == "cpu"
-    # CPU: a forward of n tokens costs ~1 + 0.4 (n - 1) 1-token forwards for the shipped
-    # target on the native kernels (benchmarks/peers.py's `draft_simple_round.verify_token`:
-    # median 0.41, 0.16-0.58, over the eleven runs in benchmarks/results/peers-avx2*.json,
-    # peers-empty-off*.json and peers-prices.json); 0.12 predated the kernels.
-    verify = 0.4 if on_cpu else 0.01
+    verify = CPU_VERIFY_TOKEN if on_cpu else 0.01
     draft_step, call, enabled = 0.0, 0.0, False
     if spec is not None:
         enabled = spec.adaptive and not synthetic

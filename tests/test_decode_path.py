@@ -372,7 +372,8 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
     """A drafter that never drafts is asked less and less often (the pull towards the prior
     halves with every miss in a row), a single hit restores the fast pull, and the rounds
     asked are those of the rule's plain-Python transcription."""
-    K, verify, call, rounds, hit_from = 4, 0.4, 0.08, 256, 150  # the CPU defaults
+    K, rounds, hit_from = 4, 256, 150
+    verify, call = api.CPU_VERIFY_TOKEN, SpecConfig().cost_call  # the CPU defaults
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),
@@ -407,7 +408,8 @@ def test_off_rounds_planned_ahead_are_the_rounds_the_rule_turns_off():
     plain-Python transcription of the rule leaves off before it asks again (up to the
     horizon), over a drafter that finds nothing (the backoff stretches the gaps) and then
     finds drafts; a row that is not active (done) changes nothing."""
-    K, verify, call, rounds, hit_from, horizon = 4, 0.4, 0.08, 256, 150, 16
+    K, rounds, hit_from, horizon = 4, 256, 150, 16
+    verify, call = api.CPU_VERIFY_TOKEN, SpecConfig().cost_call
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),
