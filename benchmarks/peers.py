@@ -32,9 +32,10 @@ Measured (sections of the JSON):
   speculative   for each drafter and prompt: spec tok/s over the same side's plain tok/s
                 (llama.cpp: llama-speculative-simple's "decoded" rate over llama-completion's
                 eval rate), each repeat's spec run over a plain run of the same prompt made
-                right before it, median of those ratios; mean acceptance length as llama.cpp prints it (1 + accepted /
-                accept calls, both sides), tokens per target forward; specjax's compile time
-                (first call, excluded from the timings) separately;
+                right before it, median of those ratios; mean acceptance length as llama.cpp
+                prints it (1 + accepted / accept calls, both sides), tokens per target
+                forward; specjax's compile time (first call, excluded from the timings)
+                separately;
   no_draft      drafters that run every round and propose nothing (lookup n-gram of 1024
                 tokens, longer than prompt + output) on a prompt with little repetition:
                 spec tok/s / plain tok/s;
@@ -571,29 +572,28 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         ok = [r for r in runs.get(case, {}).get(who, []) if "error" not in r]
         return ok[-1] if ok else {}
 
-    def speedup_runs(case: str, who: str, key: str) -> list[float]:
-        """Per-repeat spec / plain tok/s of a case and the plain run right before it."""
-        pairs = zip(runs[case][who], runs[case][f"{who}_plain"])
+    def pair_ratios(
+        tops: list[dict[str, Any]], bottoms: list[dict[str, Any]], key: str
+    ) -> list[float]:
+        """Per-repeat `key` of each top run over `decode_tps` of the run paired with it."""
         return [
-            s[key] / p["decode_tps"]
-            for s, p in pairs
-            if isinstance(s.get(key), int | float) and p.get("decode_tps")
+            t[key] / b["decode_tps"]
+            for t, b in zip(tops, bottoms)
+            if isinstance(t.get(key), int | float) and b.get("decode_tps")
         ]
 
-    def paired_speedup(case: str, who: str, key: str) -> float | None:
-        ratios = speedup_runs(case, who, key)
-        return statistics.median(ratios) if ratios else None
+    def median_or_none(values: list[float]) -> float | None:
+        return statistics.median(values) if values else None
+
+    def speedup_runs(case: str, who: str, key: str) -> list[float]:
+        """Per-repeat spec / plain tok/s of a case and the plain run right before it."""
+        return pair_ratios(runs[case][who], runs[case][f"{who}_plain"], key)
 
     def capacity_ratio(who: str) -> float | None:
         small, large = runs.get("plain/short/c512"), runs.get("plain/short/c8192")
         if not small or not large:
             return None
-        ratios = [
-            b["decode_tps"] / a["decode_tps"]
-            for a, b in zip(small[who], large[who])
-            if a.get("decode_tps") and b.get("decode_tps")
-        ]
-        return statistics.median(ratios) if ratios else None
+        return median_or_none(pair_ratios(large[who], small[who], "decode_tps"))
 
     report: dict[str, Any] = {}
     main = "plain/main/c2048"
@@ -657,8 +657,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 "kind": kind,
                 "prompt": prompt,
                 "drafter": spec_type,
-                "llama_speedup": paired_speedup(name, "llama", "spec_tps"),
-                "specjax_speedup": paired_speedup(name, "specjax", "decode_tps"),
+                "llama_speedup": median_or_none(speedup_runs(name, "llama", "spec_tps")),
+                "specjax_speedup": median_or_none(speedup_runs(name, "specjax", "decode_tps")),
                 "llama_speedup_runs": speedup_runs(name, "llama", "spec_tps"),
                 "specjax_speedup_runs": speedup_runs(name, "specjax", "decode_tps"),
                 "llama_spec_tps": side(name, "llama", "spec_tps"),
