@@ -7,7 +7,8 @@
 a 5-token verify (10 rows), over 450 and 2000 used cells; and the linear kernel at the
 target's F16 matrices (Q/K/V 512 x 256, output 256 x 256, gate/up 1536 x 256, down 256 x
 768, LM head 2048 x 256) for 1 and 5 activation rows, with `per_forward_us`: 8 layers' four
-matrices and the head, what one forward's linear layers cost. Microseconds per call (and
+matrices and the head, what one forward's linear layers cost; and at 16 and 64 rows (prompt
+blocks) the kernel's GFLOP/s beside XLA's dot of the float32 weights (`linear_block_rows`). Microseconds per call (and
 GFLOP/s), the minimum over repeats of a jitted loop of `--calls` calls (each call's input
 depends on the last result, so none is skipped). Weights are packed as the engine holds them
 (`cpu_kernels.pack_panels`, once) where the kernel takes panels; at commits before it, in
@@ -82,10 +83,19 @@ LINEAR = {
 }
 
 
-def linear_us(out: int, inp: int, rows: int, calls: int, repeats: int) -> float:
+def linear_us(
+    out: int, inp: int, rows: int, calls: int, repeats: int, xla_dot: bool = False
+) -> float:
+    """One product's microseconds on the kernel, or (`xla_dot`) on XLA's dot of the float32
+    weights, what the engine's prompt blocks above `llama.BLOCK_KERNEL_ROWS` run."""
     rng = np.random.default_rng(1)
     w_host = (rng.standard_normal((out, inp)) * 0.05).astype(np.float16)
-    if hasattr(cpu_kernels, "pack_panels"):  # the engine's form: packed once
+    if xla_dot:
+        w = jnp.asarray(w_host.astype(np.float32))
+
+        def product(x: jax.Array) -> jax.Array:
+            return jnp.einsum("ri,oi->ro", x, w)
+    elif hasattr(cpu_kernels, "pack_panels"):  # the engine's form: packed once
         w = jnp.asarray(cpu_kernels.pack_panels(w_host))
 
         def product(x: jax.Array) -> jax.Array:
@@ -127,6 +137,17 @@ def main() -> None:
             }
             total += count * us
         per_forward[f"rows{rows}"] = round(total, 1)
+    # prompt-block sizes: the kernel against XLA's dot (which of the two takes a block)
+    blocks: dict[str, dict[str, float]] = {}
+    for rows in (16, 64):
+        for name, ((out, inp), _) in LINEAR.items():
+            flops = 2 * out * inp * rows / 1e3
+            kernel = linear_us(out, inp, rows, args.calls // 4, args.repeats)
+            dot = linear_us(out, inp, rows, args.calls // 4, args.repeats, xla_dot=True)
+            blocks[f"{name}/rows{rows}"] = {
+                "kernel_gflops": round(flops / kernel, 1),
+                "xla_dot_gflops": round(flops / dot, 1),
+            }
     result = {
         "benchmark": "kernels",
         "machine": machine(),
@@ -134,6 +155,7 @@ def main() -> None:
         "attend_cache_us_per_call": attend,
         "linear_us_per_call": linear,
         "linear_per_forward_us": per_forward,
+        "linear_block_rows": blocks,
     }
     if args.out:
         emit(result, args.out)
