@@ -441,6 +441,7 @@ def _verify_round(
     D = engine.target.D
 
     def at_width(width: int) -> Callable[[Any], Any]:
+        @jax.named_scope(f"verify{width}")
         def run_width(carry: Any) -> Any:
             cache, _, _, hidden0 = carry
             out = forward_compute(
@@ -474,16 +475,18 @@ def _verify_round(
                 )
 
             if engine.synthetic:
-                result = sampled(logits)
+                with jax.named_scope("accept"):
+                    result = sampled(logits)
             else:
                 # Greedy batches skip building sampling distributions.
                 all_greedy = jnp.all(run.sampling.temperature <= 0) & jnp.all(
                     run.sampling.repeat_penalty == 1.0
                 )
-                greedy = verify.first_argmax(logits)
-                result = jax.lax.cond(
-                    all_greedy, lambda _: verify.verify_greedy(greedy, narrow), sampled, logits
-                )
+                with jax.named_scope("accept"):
+                    greedy = verify.first_argmax(logits)
+                    result = jax.lax.cond(
+                        all_greedy, lambda _: verify.verify_greedy(greedy, narrow), sampled, logits
+                    )
             cache = commit_kv(cache, v_pos[:, :width], out.k, out.v, after=logits)
             hidden = tuple(
                 jax.lax.dynamic_update_slice(h0, h.astype(h0.dtype), (0, 0, 0))
@@ -572,7 +575,8 @@ def spec_step(
     # what a plain one costs; benchmarks/idle_rounds.py counts them).
     K = 0 if off else engine.k_max
     active = ~state.done
-    budget, governor = draft_budget(engine, state, run) if plan is None else plan
+    with jax.named_scope("plan"):
+        budget, governor = draft_budget(engine, state, run) if plan is None else plan
 
     # A chain of `idle_noop` drafters is not called in a round in which no row may draft
     # (the governor turned it off, or every row is at its end): the round then costs what a
@@ -583,6 +587,7 @@ def spec_step(
         raise ValueError("an off round needs a chain whose drafters all declare idle_noop")
     if engine.drafters:
 
+        @jax.named_scope("relay")
         def relay(dstates: tuple[Any, ...]) -> Any:
             asked = replace(state, drafter_states=dstates)
             return _relay(engine, drafter_params, asked, budget, run)
@@ -684,39 +689,44 @@ def _finish_round(
     )  # fmt: skip
     n_acc = jnp.where(active, n_acc, 0)
 
-    # commit: keep id_last + accepted drafts in memory, drop the rejected cells
-    keep = state.length + n_acc + 1
-    cache = keep_prefix(cache, jnp.where(active, keep, state.length))
-    rows_BT = jnp.arange(B)[:, None] + jnp.zeros((1, K + 1), jnp.int32)
-    hist_pos = state.length[:, None] + jnp.arange(K + 1)[None, :]
-    write_ok = active[:, None] & (jnp.arange(K + 1)[None, :] <= n_acc[:, None])
-    history = state.history.at[rows_BT, jnp.where(write_ok, hist_pos, S)].set(v_tokens, mode="drop")
+    with jax.named_scope("commit"):
+        # commit: keep id_last + accepted drafts in memory, drop the rejected cells
+        keep = state.length + n_acc + 1
+        cache = keep_prefix(cache, jnp.where(active, keep, state.length))
+        rows_BT = jnp.arange(B)[:, None] + jnp.zeros((1, K + 1), jnp.int32)
+        hist_pos = state.length[:, None] + jnp.arange(K + 1)[None, :]
+        write_ok = active[:, None] & (jnp.arange(K + 1)[None, :] <= n_acc[:, None])
+        history = state.history.at[rows_BT, jnp.where(write_ok, hist_pos, S)].set(
+            v_tokens, mode="drop"
+        )
 
-    # emit d_1..d_nacc, next_token; stop at EOG / n_predict
-    emitted = jnp.concatenate([d_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
-    emitted = jnp.where(jnp.arange(K + 1)[None, :] == n_acc[:, None], next_token[:, None], emitted)
-    n_emit = jnp.where(active, n_acc + 1, 0)
-    eog = _is_eog(engine, emitted) & (jnp.arange(K + 1)[None, :] < n_emit[:, None])
-    first_eog = jnp.argmax(eog, axis=1)
-    hit_eog = jnp.any(eog, axis=1)
-    n_emit = jnp.where(hit_eog, first_eog + 1, n_emit)
-    n_emit = jnp.minimum(n_emit, remaining_new)
-    out_idx = state.out_len[:, None] + jnp.arange(K + 1)[None, :]
-    out_ok = jnp.arange(K + 1)[None, :] < n_emit[:, None]
-    out_tokens = state.out_tokens.at[rows_BT, jnp.where(out_ok, out_idx, out_cap)].set(
-        emitted, mode="drop"
-    )
-    out_len = state.out_len + n_emit
-    new_length = jnp.where(active, keep, state.length)
-    eog_stop = hit_eog & (first_eog < n_emit)
-    len_stop = out_len >= run.max_new
-    ctx_stop = new_length >= S - 1  # the emitted next token sits at position S - 1
-    newly_done = active & (eog_stop | len_stop | ctx_stop)
-    finish = jnp.where(
-        newly_done,
-        jnp.where(eog_stop, FINISH_EOG, jnp.where(len_stop, FINISH_LENGTH, FINISH_CONTEXT)),
-        state.finish,
-    )
+        # emit d_1..d_nacc, next_token; stop at EOG / n_predict
+        emitted = jnp.concatenate([d_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
+        emitted = jnp.where(
+            jnp.arange(K + 1)[None, :] == n_acc[:, None], next_token[:, None], emitted
+        )
+        n_emit = jnp.where(active, n_acc + 1, 0)
+        eog = _is_eog(engine, emitted) & (jnp.arange(K + 1)[None, :] < n_emit[:, None])
+        first_eog = jnp.argmax(eog, axis=1)
+        hit_eog = jnp.any(eog, axis=1)
+        n_emit = jnp.where(hit_eog, first_eog + 1, n_emit)
+        n_emit = jnp.minimum(n_emit, remaining_new)
+        out_idx = state.out_len[:, None] + jnp.arange(K + 1)[None, :]
+        out_ok = jnp.arange(K + 1)[None, :] < n_emit[:, None]
+        out_tokens = state.out_tokens.at[rows_BT, jnp.where(out_ok, out_idx, out_cap)].set(
+            emitted, mode="drop"
+        )
+        out_len = state.out_len + n_emit
+        new_length = jnp.where(active, keep, state.length)
+        eog_stop = hit_eog & (first_eog < n_emit)
+        len_stop = out_len >= run.max_new
+        ctx_stop = new_length >= S - 1  # the emitted next token sits at position S - 1
+        newly_done = active & (eog_stop | len_stop | ctx_stop)
+        finish = jnp.where(
+            newly_done,
+            jnp.where(eog_stop, FINISH_EOG, jnp.where(len_stop, FINISH_LENGTH, FINISH_CONTEXT)),
+            state.finish,
+        )
 
     # drafter feedback: process the verify batch, accept, trim their memory
     if engine.drafters:
@@ -724,6 +734,7 @@ def _finish_round(
             tokens=v_tokens, positions=v_pos, hidden=hidden_by_layer(engine.hidden_layers, hidden)
         )
 
+        @jax.named_scope("feedback")
         def feedback(dstates: tuple[Any, ...]) -> tuple[Any, ...]:
             new_states = []
             for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
@@ -738,10 +749,11 @@ def _finish_round(
         elif not off:  # (an off round verifies no draft: the states would not move)
             dstates = run_once(jnp.any(budget > 0), feedback, dstates)
         # (nor would the counters; the caller of an off round advances the governor)
-        if not off:
-            stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
-            stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
-            governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
+        with jax.named_scope("bookkeeping"):
+            if not off:
+                stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
+                stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
+                governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
         impl_last = state.impl_last
@@ -811,6 +823,7 @@ def generate_loop(
     # round, a kernel of its own on XLA CPU).
     Carry = tuple[GenState, Array]
 
+    @jax.named_scope("plan")
     def planned(s: GenState) -> Carry:
         budget, governor = draft_budget(engine, s, run)
         return replace(s, governor=governor), budget
@@ -819,6 +832,7 @@ def generate_loop(
         s, budget = c
         return cond(s) & ~jnp.any(budget > 0)
 
+    @jax.named_scope("off_rounds")
     def off_rounds(c: Carry) -> Carry:
         """A run of off rounds planned once: the planned one and as many after it as the
         governor's choice stays 0 (`adaptive.rounds_off_ahead`) while no row finishes. Its
