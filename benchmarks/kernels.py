@@ -7,8 +7,10 @@
 a 5-token verify (10 rows), over 450 and 2000 used cells; and the linear kernel at the
 target's F16 matrices (Q/K/V 512 x 256, output 256 x 256, gate/up 1536 x 256, down 256 x
 768, LM head 2048 x 256) for 1 and 5 activation rows, with `per_forward_us`: 8 layers' four
-matrices and the head, what one forward's linear layers cost; and at 16 and 64 rows (prompt
-blocks) the kernel's GFLOP/s beside XLA's dot of the float32 weights (`linear_block_rows`). Microseconds per call (and
+matrices and the head, what one forward's linear layers cost; and at 16, 64, 128, 512 and
+1024 rows (verify batches, prompt blocks; `cpu_kernels.MAX_ROWS` is where the engine hands a
+product to XLA's dot) the kernel's GFLOP/s beside XLA's dot of the float32 weights
+(`linear_block_rows`). Microseconds per call (and
 GFLOP/s), the minimum over repeats of a jitted loop of `--calls` calls (each call's input
 depends on the last result, so none is skipped). Weights are packed as the engine holds them
 (`cpu_kernels.pack_panels`, once) where the kernel takes panels; at commits before it, in
@@ -139,11 +141,12 @@ def main() -> None:
         per_forward[f"rows{rows}"] = round(total, 1)
     # prompt-block sizes: the kernel against XLA's dot (which of the two takes a block)
     blocks: dict[str, dict[str, float]] = {}
-    for rows in (16, 64):
+    for rows in (16, 64, 128, 512, 1024):
+        calls = max(4, args.calls * 16 // rows)  # about the same time per size
         for name, ((out, inp), _) in LINEAR.items():
             flops = 2 * out * inp * rows / 1e3
-            kernel = linear_us(out, inp, rows, args.calls // 4, args.repeats)
-            dot = linear_us(out, inp, rows, args.calls // 4, args.repeats, xla_dot=True)
+            kernel = linear_us(out, inp, rows, calls, args.repeats)
+            dot = linear_us(out, inp, rows, calls, args.repeats, xla_dot=True)
             blocks[f"{name}/rows{rows}"] = {
                 "kernel_gflops": round(flops / kernel, 1),
                 "xla_dot_gflops": round(flops / dot, 1),

@@ -57,9 +57,12 @@ _SOURCES = (_KERNELS / "linear.cc", _KERNELS / "attention.cc", _KERNELS / "top_k
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
 
-#: Products with at most this many activation rows use the kernel; more rows (prefill) go to
-#: XLA's dot, which blocks for the caches and wins once a product is compute-bound.
-MAX_ROWS = 64
+#: Products with at most this many activation rows use the kernel; more rows (a long prompt)
+#: go to XLA's dot. The panel kernel kept up with XLA's dot (YNNPACK) at every size timed on
+#: the 2-core AVX2 host: ahead at 65-512 rows (a 65-token verify forward, ngram-mod's width,
+#: took 10.4 ms on the kernel against 16.6 ms with XLA's dot, and a 360-token prompt 80 against
+#: 87 ms), level at 1024-2048 (`benchmarks/kernels.py`'s `linear_block_rows`).
+MAX_ROWS = 512
 
 _state: dict[str, Any] = {"library": None, "error": None, "forced_off": False}
 

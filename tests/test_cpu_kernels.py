@@ -364,9 +364,10 @@ def test_rope_angles_are_computed_once_per_forward():
 @needs_kernel
 def test_a_prompt_blocks_wide_products_take_xla_dot_and_decode_keeps_the_kernel():
     """`forward_compute(block=True)` (prefill, prompt chunks): products of more rows than
-    BLOCK_KERNEL_ROWS go to XLA's dot (faster there), the one-row LM head to the kernel; a
-    block of BLOCK_KERNEL_ROWS rows (a continuous-batching prefill chunk), like a verify
-    (block=False), keeps every product on the kernel."""
+    BLOCK_KERNEL_ROWS go to XLA's dot (a long prompt), the one-row LM head to the kernel; a
+    block of BLOCK_KERNEL_ROWS rows, like a verify (block=False), keeps every product on the
+    kernel, and so does a block of 65 rows (a verify of ngram-mod's 64-token drafts, wider
+    than the 64-row limit the kernel once had)."""
     model = tiny_model(4)
     params = api.decode_params(model.params)
     cache = model.new_cache(1, 128, "f16", "f16")
@@ -384,6 +385,7 @@ def test_a_prompt_blocks_wide_products_take_xla_dot_and_decode_keeps_the_kernel(
     assert kernel_calls(llama.BLOCK_KERNEL_ROWS + 1, block=True) == 1
     assert kernel_calls(llama.BLOCK_KERNEL_ROWS, block=True) == 1 + 4 * model.config.L
     assert kernel_calls(5, block=False) == 1 + 4 * model.config.L
+    assert kernel_calls(65, block=False) == 1 + 4 * model.config.L
 
 
 def test_a_failed_build_warns_once_and_generation_uses_xla_dot(tmp_path):

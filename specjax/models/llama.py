@@ -81,12 +81,11 @@ class KernelWeight:
 
 
 #: Most rows of a prompt block's products (`forward_compute(block=True)`) that go to the
-#: native kernel. With the panel kernel that is all of the kernel's rows: at 16 / 32 / 64 rows
-#: it ran at 116 / 117 / 119 GFLOP/s against XLA's dot of the stored float32 weights at 63 /
-#: 80 / 104 (2-core AVX2 host, a 1536 x 256 product; 102-126 against 56-96 for the target's
-#: other matrices; `benchmarks/kernels.py`'s `linear_block_rows` measures both at 16 and 64),
-#: so a continuous-batching prefill chunk (64 tokens) takes it too. (With the earlier [out,
-#: in] kernel XLA won above ~16 rows.) Longer blocks take XLA's dot.
+#: native kernel: all of the kernel's rows (`cpu_kernels.MAX_ROWS`), so a prompt of up to 512
+#: tokens and every continuous-batching prefill chunk take it. The panel kernel ran at 102-126
+#: GFLOP/s against XLA's dot at 56-104 at 16-64 rows (2-core AVX2 host, the target's
+#: matrices), and stayed ahead up to 512 rows (`benchmarks/kernels.py`'s `linear_block_rows`).
+#: (With the earlier [out, in] kernel XLA won above ~16 rows.) Longer blocks take XLA's dot.
 BLOCK_KERNEL_ROWS = cpu_kernels.MAX_ROWS
 
 
