@@ -602,9 +602,10 @@ def spec_step(
         d_tokens, d_valid, q, has_q, winner, dstates = relayed
         stats = state.stats
         if not off:  # (in an off round no row asks: the counters would not move)
-            stats = stats_mod.record_draft(
-                stats, winner, jnp.sum(d_valid, axis=1).astype(jnp.int32), budget > 0
-            )
+            with jax.named_scope("bookkeeping"):
+                stats = stats_mod.record_draft(
+                    stats, winner, jnp.sum(d_valid, axis=1).astype(jnp.int32), budget > 0
+                )
     else:
         d_tokens = jnp.zeros((B, K), jnp.int32)
         d_valid = jnp.zeros((B, K), bool)
@@ -631,9 +632,11 @@ def spec_step(
     # A round with drafts is never verified at width 1. Each loop runs 0 or 1 times.
     found = jnp.any(d_valid)
 
+    @jax.named_scope("nothing_found")
     def nothing_found(s: GenState) -> GenState:
         zeros_B = jnp.zeros((B,), jnp.int32)
-        governor = adaptive.observe(s.governor, active & (budget > 0), zeros_B, zeros_B)
+        with jax.named_scope("bookkeeping"):
+            governor = adaptive.observe(s.governor, active & (budget > 0), zeros_B, zeros_B)
         return spec_step(
             engine, target_params, drafter_params, s, run, (zeros_B, governor), off=True
         )
