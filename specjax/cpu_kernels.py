@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import functools
 import hashlib
 import os
 import platform
@@ -51,7 +50,6 @@ from jax import Array
 
 ENV_VAR = "SPECJAX_CPU_KERNELS"
 TARGET = "specjax_linear"
-NORM_TARGET = "specjax_norm_linear"
 ATTEND_TARGET = "specjax_attend_cache"
 TOP_K_TARGET = "specjax_top_k"
 _KERNELS = Path(__file__).resolve().parent / "kernels"
@@ -148,8 +146,6 @@ def _load() -> ctypes.CDLL | None:
             raise RuntimeError("no C++ compiler (g++ or $CXX) found")
         library = ctypes.cdll.LoadLibrary(str(_build(compiler)))
         jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(library.SpecjaxLinear), "cpu")
-        capsule = jax.ffi.pycapsule(library.SpecjaxNormLinear)
-        jax.ffi.register_ffi_target(NORM_TARGET, capsule, "cpu")
         capsule = jax.ffi.pycapsule(library.SpecjaxAttendCache)
         jax.ffi.register_ffi_target(ATTEND_TARGET, capsule, "cpu")
         capsule = jax.ffi.pycapsule(library.SpecjaxTopK)
@@ -283,49 +279,3 @@ def _linear_panels_vmap(
         w = panels.transpose(0, 1, 3, 2).reshape(axis_size, -1, panels.shape[2])[:, :out]
         return jnp.einsum("b...i,boi->b...o", x, w.astype(jnp.float32)), True
     return _call(x, panels, out), True  # the batch axis is just more leading rows
-
-
-def norm_linear_panels(x: Array, norm_w: Array, panels: Array, out: int, eps: float) -> Array:
-    """`linear_panels(llama.rms_norm(x, norm_w, eps), panels, out)` in one kernel call
-    (float32 `x [..., in]` and `norm_w [in]`): the rows' norms are computed by the kernel."""
-    fn = _norm_linear_fn(float(eps))
-    return fn(x, norm_w.astype(jnp.float32), panels, jnp.zeros((out,), jnp.int8))
-
-
-@functools.cache
-def _norm_linear_fn(eps: float) -> Any:
-    """The kernel call for one `eps` (an attribute, so a static value: custom_vmap takes
-    array arguments only)."""
-
-    def call(x: Array, norm_w: Array, panels: Array, out: int) -> Array:
-        out_type = jax.ShapeDtypeStruct((*x.shape[:-1], out), jnp.float32)
-        return jax.ffi.ffi_call(NORM_TARGET, out_type)(x, norm_w, panels, eps=np.float32(eps))
-
-    @jax.custom_batching.custom_vmap
-    def fn(x: Array, norm_w: Array, panels: Array, out_marker: Array) -> Array:
-        return call(x, norm_w, panels, out_marker.shape[0])
-
-    @fn.def_vmap
-    def fn_vmap(
-        axis_size: int,
-        in_batched: list[bool],
-        x: Array,
-        norm_w: Array,
-        panels: Array,
-        marker: Array,
-    ) -> tuple[Array, bool]:
-        x_batched, n_batched, w_batched, _ = in_batched
-        out = marker.shape[-1]
-        if n_batched or w_batched:  # per-element weights: the norm here, then the product's rule
-            x = x if x_batched else jnp.broadcast_to(x, (axis_size, *x.shape))
-            scale = jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-            g = norm_w if n_batched else jnp.broadcast_to(norm_w, (axis_size, *norm_w.shape))
-            normed = x * scale * g.reshape(axis_size, *(1,) * (x.ndim - 2), g.shape[-1])
-            marker = jnp.zeros((out,), jnp.int8)
-            product = jax.vmap(
-                lambda a, p: _linear_panels(a, p, marker), in_axes=(0, 0 if w_batched else None)
-            )
-            return product(normed, panels), True
-        return call(x, norm_w, panels, out), True  # the batch axis is just more leading rows
-
-    return fn

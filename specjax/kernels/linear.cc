@@ -26,9 +26,6 @@
 //
 // Built by specjax.cpu_kernels on first use (g++ -O3 -march=native) and loaded with ctypes.
 
-#include <cmath>
-#include <vector>
-
 #include "common.h"
 
 namespace {
@@ -143,94 +140,34 @@ void linear(ffi::ThreadPool& pool, const float* x, const W* w, float* y, int64_t
   });
 }
 
-// The shapes of a product (x [..., in], panels [P, in, 16], y [..., out <= 16 P]), checked.
-bool valid_shapes(ffi::Span<const int64_t> x_dims, ffi::Span<const int64_t> w_dims,
-                  ffi::Span<const int64_t> y_dims) {
-  return w_dims.size() == 3 && w_dims[2] == kPanel && x_dims.size() >= 1 &&
-         x_dims.back() == w_dims[1] && y_dims.size() == x_dims.size() &&
-         y_dims.back() <= w_dims[0] * kPanel;
-}
-
-// y = x w^T for the rows of x (row stride in = the panels' input width), shapes checked.
-ffi::Error product(const float* x, int64_t rows, ffi::AnyBuffer& w, ffi::ResultBuffer<ffi::F32>& y,
-                   ffi::ThreadPool& pool) {
+ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
+                      ffi::ThreadPool pool) {
   const auto w_dims = w.dimensions();
-  const int64_t in = w_dims[1], panels = w_dims[0], out = y->dimensions().back();
-  if (in == 0 || rows == 0) {
+  const auto x_dims = x.dimensions();
+  const auto y_dims = y->dimensions();
+  if (w_dims.size() != 3 || w_dims[2] != kPanel || x_dims.size() < 1 ||
+      x_dims.back() != w_dims[1] || y_dims.size() != x_dims.size() ||
+      y_dims.back() > w_dims[0] * kPanel)
+    return ffi::Error::InvalidArgument(
+        "specjax_linear: want x [..., in], panels [P, in, 16] and y [..., out <= 16 P]");
+  const int64_t in = w_dims[1], panels = w_dims[0], out = y_dims.back();
+  const int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x.element_count()) / in;
+  if (in == 0) {
     std::fill(y->typed_data(), y->typed_data() + y->element_count(), 0.0f);
     return ffi::Error::Success();
   }
   if (w.element_type() == ffi::DataType::F16)
-    linear(pool, x, static_cast<const _Float16*>(w.untyped_data()), y->typed_data(), rows, in,
-           out, panels);
+    linear(pool, x.typed_data(), static_cast<const _Float16*>(w.untyped_data()),
+           y->typed_data(), rows, in, out, panels);
   else if (w.element_type() == ffi::DataType::F32)
-    linear(pool, x, static_cast<const float*>(w.untyped_data()), y->typed_data(), rows, in, out,
-           panels);
+    linear(pool, x.typed_data(), static_cast<const float*>(w.untyped_data()), y->typed_data(),
+           rows, in, out, panels);
   else
     return ffi::Error::InvalidArgument("specjax_linear: weights must be f16 or f32");
   return ffi::Error::Success();
 }
 
-ffi::Error LinearImpl(ffi::Buffer<ffi::F32> x, ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y,
-                      ffi::ThreadPool pool) {
-  if (!valid_shapes(x.dimensions(), w.dimensions(), y->dimensions()))
-    return ffi::Error::InvalidArgument(
-        "specjax_linear: want x [..., in], panels [P, in, 16] and y [..., out <= 16 P]");
-  const int64_t in = w.dimensions()[1];
-  const int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x.element_count()) / in;
-  return product(x.typed_data(), rows, w, y, pool);
-}
-
-// specjax_norm_linear: the same product of RMSNorm(x) (llama.rms_norm: x / sqrt(mean(x^2) +
-// eps) * norm_w, in float32) instead of x. The norm of each row is computed here, into a
-// scratch the product then reads: in XLA it is four small kernels (the squares, a tree
-// reduction XLA splits in two, the scaling), 17 norms per forward of the shipped target and
-// ~a quarter of a decode step's kernel launches. Each row's norm reads only that row, so the
-// invariant above holds for the normalised product too.
-ffi::Error NormLinearImpl(ffi::Buffer<ffi::F32> x, ffi::Buffer<ffi::F32> norm_w,
-                          ffi::AnyBuffer w, ffi::ResultBuffer<ffi::F32> y, float eps,
-                          ffi::ThreadPool pool) {
-  const auto x_dims = x.dimensions();
-  if (!valid_shapes(x_dims, w.dimensions(), y->dimensions()) ||
-      norm_w.dimensions().size() != 1 || norm_w.dimensions()[0] != x_dims.back())
-    return ffi::Error::InvalidArgument(
-        "specjax_norm_linear: want x [..., in], norm_w [in], panels [P, in, 16] and y [..., "
-        "out <= 16 P]");
-  const int64_t in = x_dims.back();
-  const int64_t rows = in == 0 ? 0 : static_cast<int64_t>(x.element_count()) / in;
-  thread_local std::vector<float> normed;
-  normed.resize(static_cast<size_t>(rows * in));
-  const float* src = x.typed_data();
-  const float* g = norm_w.typed_data();
-  for (int64_t r = 0; r < rows; ++r) {
-    const float* xr = src + r * in;
-    float* nr = normed.data() + r * in;
-    // the sum of squares in input order, one accumulator per lane, then the lanes in a
-    // fixed tree: a function of the row alone
-    f32xn part = f32xn{};
-    const int64_t in_vec = in - in % kNativeLanes;
-    for (int64_t i = 0; i < in_vec; i += kNativeLanes) {
-      const f32xn v = loadn(xr + i);
-      part += v * v;
-    }
-    float sum = reduce_native(part);
-    for (int64_t i = in_vec; i < in; ++i) sum += xr[i] * xr[i];
-    const float scale = 1.0f / std::sqrt(sum / static_cast<float>(in) + eps);
-    for (int64_t i = 0; i < in; ++i) nr[i] = xr[i] * scale * g[i];
-  }
-  return product(normed.data(), rows, w, y, pool);
-}
-
 }  // namespace
-
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxNormLinear, NormLinearImpl,
-                              ffi::Ffi::Bind()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::Buffer<ffi::F32>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<float>("eps")
-                                  .Ctx<ffi::ThreadPool>());
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxLinear, LinearImpl,
                               ffi::Ffi::Bind()

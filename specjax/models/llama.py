@@ -13,9 +13,7 @@ Invariants:
   rows per KV group, `cpu_kernels.attend_cache` computes the same online-softmax state for
   each part (the new tokens, `extra`, the cells below the high-water mark) and the states are
   merged (`_attend_native`).
-* RoPE angles are computed once per forward (`_materialised`), not per layer. With kernel
-  weights, an RMSNorm that feeds a product (attention, feed-forward and final norms) runs
-  inside the product's kernel call (`norm_linear`), not as XLA kernels of its own.
+* RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
   dtype.
@@ -108,24 +106,6 @@ def linear(
     if isinstance(w, InputMajor):
         return jnp.einsum("...i,io->...o", x, w.t, **kwargs)
     return jnp.einsum("...i,oi->...o", x, w, **kwargs)
-
-
-def norm_linear(
-    x: Array,
-    norm_w: Array,
-    w: Array | InputMajor | KernelWeight,
-    eps: float,
-    *,
-    kernel_rows: int = cpu_kernels.MAX_ROWS,
-    **kwargs: Any,
-) -> Array:
-    """`linear(rms_norm(x, norm_w, eps), w)`; a `KernelWeight` on the kernel takes both in one
-    call (`cpu_kernels.norm_linear_panels`: the norm's four small XLA kernels are gone)."""
-    if isinstance(w, KernelWeight):
-        rows = math.prod(x.shape[:-1])
-        if x.dtype == jnp.float32 and 0 < rows <= kernel_rows:
-            return cpu_kernels.norm_linear_panels(x, norm_w, w.panels, w.stored.shape[0], eps)
-    return linear(rms_norm(x, norm_w, eps), w, kernel_rows=kernel_rows, **kwargs)
 
 
 #: The per-layer linear weights the decode forms replace.
@@ -451,7 +431,8 @@ def forward_compute(
     for i, layer in enumerate(params["layers"]):
         if i in hidden_layers:
             hidden[i] = x
-        qkv = norm_linear(x, layer["attn_norm"], layer["wqkv"], config.norm_eps, **rows)
+        h = rms_norm(x, layer["attn_norm"], config.norm_eps)
+        qkv = linear(h, layer["wqkv"], **rows)
         if config.qkv_bias:
             qkv = qkv + layer["bqkv"][None, None, :]
         q = qkv[..., : H * E].reshape(B, T, H, E)
@@ -471,7 +452,8 @@ def forward_compute(
             config, i, q, k, v, positions_BT, cache, n_chunks, extra, native_used
         )
         x = x + linear(attn, layer["wo"], **rows)
-        gate_up = norm_linear(x, layer["ffn_norm"], layer["w_gate_up"], config.norm_eps, **rows)
+        h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
+        gate_up = linear(h, layer["w_gate_up"], **rows)
         gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
         x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], **rows)
     if config.L in hidden_layers:
@@ -480,12 +462,11 @@ def forward_compute(
     if logits:
         if logit_index is not None:
             x = jnp.take_along_axis(x, logit_index[:, None, None].astype(jnp.int32), axis=1)
+        x = rms_norm(x, params["final_norm"], config.norm_eps)
         # a decode form (`kernel_weights`, `input_major`) has an `lm_head` even when tied
         tied = config.tie_embeddings and "lm_head" not in params
         head = params["embed"] if tied else params["lm_head"]
-        out_logits = norm_linear(
-            x, params["final_norm"], head, config.norm_eps, preferred_element_type=jnp.float32
-        )
+        out_logits = linear(x, head, preferred_element_type=jnp.float32)
     return ForwardCompute(
         out_logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
     )
