@@ -39,7 +39,7 @@ format: $(STAMP)
 
 bench: $(STAMP)
 	$(PY) benchmarks/decode.py
-	$(PY) benchmarks/speculative.py
+	$(PY) benchmarks/speculative.py --overwrite
 
 clean:
 	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

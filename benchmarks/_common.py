@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import resource
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -92,6 +93,16 @@ def forward_timer(
         return (time.perf_counter() - t) / 32
 
     return seconds
+
+
+def refuse_overwrite(out: str | os.PathLike[str] | None, overwrite: bool) -> None:
+    """Stop before a run whose `--out` file exists (a recorded result, perhaps) unless
+    `--overwrite` was given: nothing a user saved is replaced without being asked for."""
+    if out is not None and Path(out).exists() and not overwrite:
+        raise SystemExit(
+            f"{Path(sys.argv[0]).name}: {out} exists; pass --overwrite to replace it "
+            "or choose another --out"
+        )
 
 
 def emit(result: dict[str, Any], out: str | os.PathLike[str]) -> None:

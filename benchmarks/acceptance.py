@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, refuse_overwrite
 
 import specjax
 from specjax import objectives as obj
@@ -179,7 +179,9 @@ def main() -> None:
     ap.add_argument("--n-max", type=int, default=4)
     ap.add_argument("--seeds", default="0", help="comma list; results are averaged over seeds")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "acceptance.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
 
     target = specjax.load(args.model)
     paths = args.drafts.split(",")

@@ -41,7 +41,15 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, load_or_random, machine, peak_memory
+from _common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    emit,
+    load_or_random,
+    machine,
+    peak_memory,
+    refuse_overwrite,
+)
 
 import specjax
 from specjax.config import SpecConfig
@@ -216,7 +224,9 @@ def main() -> None:
     ap.add_argument("--n-ctx", type=int, default=512)
     ap.add_argument("--configs", default="static,continuous,spec")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "batch.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
 
     model, model_name = load_or_random(args.model)
     draft, draft_name = load_or_random(args.draft)

@@ -30,7 +30,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, machine
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, machine, refuse_overwrite
 from eagle3 import DEFAULT_EAGLE3, run_case, validation_prompts
 
 import specjax
@@ -90,7 +90,9 @@ def main() -> None:
     ap.add_argument("--p-min", type=float, default=0.5, help="DSpark confidence cut-off")
     ap.add_argument("--no-simple", action="store_true", help="skip draft-simple")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "dflash.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
     if not 0.0 < args.p_min <= 1.0:
         raise SystemExit(f"dflash bench: --p-min must be in (0, 1], got {args.p_min}")
 

@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, machine
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, machine, refuse_overwrite
 
 import specjax
 
@@ -85,7 +85,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--ks", default="4,8")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "eagle3.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
 
     model = specjax.load(args.model)
     simple = specjax.load(args.draft)

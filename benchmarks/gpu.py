@@ -47,7 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, best_of, emit, forward_timer, machine, peak_memory
+from _common import ROOT, best_of, emit, forward_timer, machine, peak_memory, refuse_overwrite
 
 import specjax
 from specjax.config import SpecConfig
@@ -180,7 +180,9 @@ def main() -> None:
     ap.add_argument("--batches", default="1,32")
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "gpu.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
     batches = [int(b) for b in args.batches.split(",")]
     target_config, draft_config = SIZES[args.size]
     tokenizer = Tokenizer.from_file(ROOT / "models" / "tokenizer")

@@ -35,7 +35,7 @@ import jax
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, ROOT, emit
+from _common import DEFAULT_DRAFT, ROOT, emit, refuse_overwrite
 
 import specjax
 from specjax import api, slot_checkpoint
@@ -171,7 +171,9 @@ def main() -> None:
     ap.add_argument("--new", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "hybrid_paths.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
     if args.random:
         model = api.Model(config=SMALL, params=q.init_params(SMALL, jax.random.PRNGKey(1), std=0.2))
         rng = np.random.RandomState(0)

@@ -37,7 +37,7 @@ from typing import Any
 import jax
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, refuse_overwrite
 from peers import NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
@@ -78,7 +78,9 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
 
     peer = Specjax(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), args.tokens)
     model = peer.model

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine
+from _common import emit, machine, refuse_overwrite
 
 from specjax import cpu_kernels
 
@@ -118,7 +118,9 @@ def main() -> None:
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
     if not cpu_kernels.available():
         print(f"native CPU kernels unavailable: {cpu_kernels.unavailable_reason()}")
         return

@@ -66,7 +66,15 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, ROOT, forward_timer, machine, peak_memory
+from _common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    ROOT,
+    forward_timer,
+    machine,
+    peak_memory,
+    refuse_overwrite,
+)
 
 import specjax
 
@@ -915,12 +923,14 @@ def main() -> None:
     ap.add_argument("--spec-types", default="", help="comma list: only these drafters")
     ap.add_argument("--no-cli", action="store_true", help="skip the whole-CLI measurements")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "peers.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     ap.add_argument("--replot", action="store_true", help="only redraw the PNG of --out")
     args = ap.parse_args()
     if args.replot:
         out = Path(args.out)
         plot(json.loads(out.read_text()), out.with_suffix(".png"))
         return
+    refuse_overwrite(args.out, args.overwrite)
     for name, path in (("--model", args.model), ("--draft", args.draft)):
         if not Path(path).is_file():
             raise SystemExit(f"peers: {name} {path} not found")

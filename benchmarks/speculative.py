@@ -23,7 +23,14 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, load_or_random, machine, peak_memory
+from _common import (
+    DEFAULT_DRAFT,
+    DEFAULT_TARGET,
+    load_or_random,
+    machine,
+    peak_memory,
+    refuse_overwrite,
+)
 
 import specjax
 from specjax.config import SpecConfig
@@ -141,7 +148,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "speculative.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
 
     model, model_name = load_or_random(args.model)
     draft, draft_name = load_or_random(args.draft)

@@ -17,7 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, load_or_random, machine
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, load_or_random, machine, refuse_overwrite
 
 import specjax
 from specjax.config import SpecConfig
@@ -29,7 +29,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--stream-rounds", type=int, default=8)
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "streaming.json"))
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
     model, name = load_or_random(str(DEFAULT_TARGET))
     draft, _ = load_or_random(str(DEFAULT_DRAFT))
     prompt = (Path(__file__).parent / "prompts" / "humaneval_main.py").read_text()
