@@ -10,11 +10,10 @@ target's F16 matrices (Q/K/V 512 x 256, output 256 x 256, gate/up 1536 x 256, do
 matrices and the head, what one forward's linear layers cost; and at 16, 64, 128, 512 and
 1024 rows (verify batches, prompt blocks; `cpu_kernels.MAX_ROWS` is where the engine hands a
 product to XLA's dot) the kernel's GFLOP/s beside XLA's dot of the float32 weights
-(`linear_block_rows`). Microseconds per call (and
-GFLOP/s), the minimum over repeats of a jitted loop of `--calls` calls (each call's input
-depends on the last result, so none is skipped). Weights are packed as the engine holds them
-(`cpu_kernels.pack_panels`, once) where the kernel takes panels; at commits before it, in
-their `[out, in]` layout. Run it at two commits to compare kernels; a generation's
+(`linear_block_rows`). Microseconds per call (and GFLOP/s), the minimum over repeats of a
+jitted loop of `--calls` calls (each call's input depends on the last result, so none is
+skipped). Weights are packed as the engine holds them (`cpu_kernels.pack_panels`, once)
+where the kernel takes panels; at commits before it, in their `[out, in]` layout. Run it at two commits to compare kernels; a generation's
 end-to-end speed is benchmarks/decode.py's and benchmarks/peers.py's.
 """
 

@@ -10,8 +10,9 @@ the llama.cpp side is skipped with a message and only specjax is measured.
 Every case runs the llama.cpp tool and specjax alternately, `--repeats` times (llama.cpp,
 specjax, llama.cpp, specjax, ...), and reports medians; every ratio compares numbers from this
 one run. Each measurement of a repeat is the fastest of `--inner` runs (default 2; a
-speculative case's runs alternate with those of the plain decoding it is compared with). Greedy (`--temp 0`), one row, `-t THREADS` for llama.cpp (specjax/XLA uses the
-machine's cores; `machine.cpu_count` says how many). llama.cpp's OpenMP threads run with
+speculative case's runs alternate with those of the plain decoding it is compared with).
+Greedy (`--temp 0`), one row, `-t THREADS` for llama.cpp (specjax/XLA uses the machine's
+cores; `machine.cpu_count` says how many). llama.cpp's OpenMP threads run with
 OMP_WAIT_POLICY=passive by default (`--omp-wait-policy ''` restores spinning): on a machine
 shared with other jobs, spinning threads made its decode 20-30x slower and erratic.
 
@@ -53,6 +54,7 @@ Writes the JSON and a PNG beside it.
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import re
@@ -551,15 +553,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     # spec, plain, spec, ...): interference from other jobs only ever slows a run, and one
     # 0.1-0.2 s specjax run caught by it had moved a pair's ratio by up to 2x (0.52-1.76
     # for the same configuration within one benchmark run).
-    def best(run: Callable[[], dict[str, Any]], key: str) -> Callable[[], dict[str, Any]]:
-        made: list[dict[str, Any]] = []
-
-        def once() -> dict[str, Any]:
-            made.append(run())
-            ok = [r for r in made if isinstance(r.get(key), int | float)]
-            return max(ok, key=lambda r: r[key]) if ok else made[0]
-
-        return once
+    def fastest(made: list[dict[str, Any]], key: str) -> dict[str, Any]:
+        """The run with the highest `key` (a rate), or the first if none has one."""
+        ok = [r for r in made if isinstance(r.get(key), int | float)]
+        return max(ok, key=lambda r: r[key]) if ok else made[0]
 
     for rep in range(args.repeats):
         for name, cmd, thunk, prompt in cases:
@@ -567,26 +564,24 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             paired = name.startswith(("spec/", "nodraft/"))
             if cmd is not None and llama is not None:
                 key = "spec_tps" if "llama-speculative-simple" in cmd[0] else "decode_tps"
-                spec = best(lambda c=cmd, t=prompt_text: llama.run(c, t), key)
                 plain_cmd = llama.completion(PROMPT_FILES[prompt], 2048)
-                plain = best(lambda c=plain_cmd, t=prompt_text: llama.run(c, t), "decode_tps")
+                plains, specs = [], []
                 for _ in range(args.inner):
-                    plain_best = plain() if paired else None
-                    spec_best = spec()
+                    if paired:
+                        plains.append(llama.run(plain_cmd, prompt_text))
+                    specs.append(llama.run(cmd, prompt_text))
                 if paired:
-                    runs[name]["llama_plain"].append(plain_best)
-                runs[name]["llama"].append(spec_best)
-            sj_spec = best(lambda t=thunk: specjax_run(t), "decode_tps")
-            sj_plain = best(
-                lambda p=prompt: specjax_run(lambda: sj.run(f"plain/{p}/c2048", ids[p], 2048)),
-                "decode_tps",
-            )
+                    runs[name]["llama_plain"].append(fastest(plains, "decode_tps"))
+                runs[name]["llama"].append(fastest(specs, key))
+            plains, specs = [], []
             for _ in range(args.inner):
-                sj_plain_best = sj_plain() if paired else None
-                sj_spec_best = sj_spec()
+                if paired:
+                    plain = functools.partial(sj.run, f"plain/{prompt}/c2048", ids[prompt], 2048)
+                    plains.append(specjax_run(plain))
+                specs.append(specjax_run(thunk))
             if paired:
-                runs[name]["specjax_plain"].append(sj_plain_best)
-            runs[name]["specjax"].append(sj_spec_best)
+                runs[name]["specjax_plain"].append(fastest(plains, "decode_tps"))
+            runs[name]["specjax"].append(fastest(specs, "decode_tps"))
             print(f"peers: repeat {rep + 1}/{args.repeats} {name}", file=sys.stderr)
 
     keys = ("decode_tps", "spec_tps", "prefill_tps", "tokens_per_forward", "kv_cache_bytes")
