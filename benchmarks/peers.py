@@ -564,7 +564,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             paired = name.startswith(("spec/", "nodraft/"))
             if cmd is not None and llama is not None:
                 key = "spec_tps" if "llama-speculative-simple" in cmd[0] else "decode_tps"
-                plain_cmd = llama.completion(PROMPT_FILES[prompt], 2048)
+                plain_cmd = llama.completion(PROMPT_FILES[prompt], 2048) if paired else []
                 plains, specs = [], []
                 for _ in range(args.inner):
                     if paired:
