@@ -166,7 +166,6 @@ def prefill_chunk(
         cache_1,
         engine.hidden_layers,
         logit_index=jnp.maximum(n_valid - 1, 0)[None],
-        block=True,
     )
     assert out.logits is not None
     cache_1 = commit_kv(cache_1, positions_1C, out.k, out.v, after=out.logits)

@@ -190,7 +190,7 @@ def prefill(
         cache, n_cached = start
         s_tokens, s_pos, s_last = suffix(tokens_BT, lengths_B, n_cached)
         out = forward_compute(
-            engine.target, target_params, s_tokens, s_pos, cache, logit_index=s_last, block=True
+            engine.target, target_params, s_tokens, s_pos, cache, logit_index=s_last
         )
         cache = commit_kv(cache, s_pos, out.k, out.v, after=out.logits)
         assert out.logits is not None
@@ -209,7 +209,6 @@ def prefill(
             engine.hidden_layers,
             cache_empty=True,
             logit_index=last_idx,
-            block=True,
         )
         cache = commit_kv(cache, positions_BT, out.k, out.v)
         assert out.logits is not None
@@ -300,7 +299,6 @@ def _prefill_chunked(
             cache,
             engine.hidden_layers,
             logit_index=idx,
-            block=True,
         )
         assert out.logits is not None
         cache = commit_kv(cache, pos_BU, out.k, out.v, after=out.logits)

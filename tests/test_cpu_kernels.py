@@ -362,30 +362,27 @@ def test_rope_angles_are_computed_once_per_forward():
 
 
 @needs_kernel
-def test_a_prompt_blocks_wide_products_take_xla_dot_and_decode_keeps_the_kernel():
-    """`forward_compute(block=True)` (prefill, prompt chunks): products of more rows than
-    BLOCK_KERNEL_ROWS go to XLA's dot (a long prompt), the one-row LM head to the kernel; a
-    block of BLOCK_KERNEL_ROWS rows, like a verify (block=False), keeps every product on the
-    kernel, and so does a block of 65 rows (a verify of ngram-mod's 64-token drafts, wider
-    than the 64-row limit the kernel once had)."""
+def test_products_up_to_max_rows_take_the_kernel_and_longer_prompts_xla_dot():
+    """`forward_compute` runs every product of up to `cpu_kernels.MAX_ROWS` rows on the kernel
+    (a verify batch, a prompt or prompt chunk, a 65-row verify of ngram-mod's 64-token drafts,
+    wider than the 64-row limit the kernel once had); a longer prompt's products go to XLA's
+    dot, all but its one-row LM head (`logit_index`)."""
     model = tiny_model(4)
     params = api.decode_params(model.params)
     cache = model.new_cache(1, 128, "f16", "f16")
 
-    def kernel_calls(T: int, block: bool) -> int:
+    def kernel_calls(T: int) -> int:
         tokens, positions = jnp.ones((1, T), jnp.int32), jnp.arange(T)[None]
         fn = jax.jit(
             lambda p, c: llama.forward_compute(
-                model.config, p, tokens, positions, c, logit_index=jnp.array([T - 1]), block=block
+                model.config, p, tokens, positions, c, logit_index=jnp.array([T - 1])
             )
         )
         return fn.lower(params, cache).as_text().count(cpu_kernels.TARGET)
 
-    assert llama.BLOCK_KERNEL_ROWS <= cpu_kernels.MAX_ROWS
-    assert kernel_calls(llama.BLOCK_KERNEL_ROWS + 1, block=True) == 1
-    assert kernel_calls(llama.BLOCK_KERNEL_ROWS, block=True) == 1 + 4 * model.config.L
-    assert kernel_calls(5, block=False) == 1 + 4 * model.config.L
-    assert kernel_calls(65, block=False) == 1 + 4 * model.config.L
+    assert kernel_calls(cpu_kernels.MAX_ROWS + 1) == 1
+    for T in (5, 65, cpu_kernels.MAX_ROWS):
+        assert kernel_calls(T) == 1 + 4 * model.config.L
 
 
 def test_a_failed_build_warns_once_and_generation_uses_xla_dot(tmp_path):

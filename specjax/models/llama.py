@@ -67,8 +67,8 @@ class InputMajor:
 @pytree_dataclass
 class KernelWeight:
     """A linear weight for `specjax.cpu_kernels`: products with at most `cpu_kernels.MAX_ROWS`
-    activation rows (decode, verify) run on the native kernel over `panels`, larger ones
-    (prefill) on XLA's dot over `stored`.
+    activation rows (decode, verify, prompts up to that length) run on the native kernel over
+    `panels`, larger ones (longer prompts) on XLA's dot over `stored`.
 
     `panels` is the weight packed for the kernel (`cpu_kernels.pack_panels`: `[ceil(out /
     16), in, 16]`), in float16 when that holds the stored values exactly (GGUF F16 weights:
@@ -80,27 +80,14 @@ class KernelWeight:
     stored: Array  # [out, in], the parameters' own array
 
 
-#: Most rows of a prompt block's products (`forward_compute(block=True)`) that go to the
-#: native kernel: all of the kernel's rows (`cpu_kernels.MAX_ROWS`), so a prompt of up to 512
-#: tokens and every continuous-batching prefill chunk take it. The panel kernel ran at 102-126
-#: GFLOP/s against XLA's dot at 56-104 at 16-64 rows (2-core AVX2 host, the target's
-#: matrices), and stayed ahead up to 512 rows (`benchmarks/kernels.py`'s `linear_block_rows`).
-#: (With the earlier [out, in] kernel XLA won above ~16 rows.) Longer blocks take XLA's dot.
-BLOCK_KERNEL_ROWS = cpu_kernels.MAX_ROWS
-
-
-def linear(
-    x: Array,
-    w: Array | InputMajor | KernelWeight,
-    *,
-    kernel_rows: int = cpu_kernels.MAX_ROWS,
-    **kwargs: Any,
-) -> Array:
+def linear(x: Array, w: Array | InputMajor | KernelWeight, **kwargs: Any) -> Array:
     """`x @ w.T` for a `[out, in]` weight, `x @ w.t` for an `InputMajor` one; a `KernelWeight`
-    takes the native kernel for at most `kernel_rows` float32 rows (its result is float32)."""
+    takes the native kernel for at most `cpu_kernels.MAX_ROWS` float32 rows (verify batches,
+    prompts and prompt chunks up to that length; its result is float32), XLA's dot of
+    `stored` beyond."""
     if isinstance(w, KernelWeight):
         rows = math.prod(x.shape[:-1])
-        if x.dtype == jnp.float32 and 0 < rows <= kernel_rows:
+        if x.dtype == jnp.float32 and 0 < rows <= cpu_kernels.MAX_ROWS:
             return cpu_kernels.linear_panels(x, w.panels, w.stored.shape[0])
         w = w.stored
     if isinstance(w, InputMajor):
@@ -399,7 +386,6 @@ def forward_compute(
     extra: ExtraKV | None = None,
     logits: bool = True,
     logit_index: Array | None = None,
-    block: bool = False,
 ) -> ForwardCompute:
     """The forward with the cache read-only: returns logits and the new tokens' K/V.
 
@@ -408,8 +394,7 @@ def forward_compute(
     first; `commit_kv` writes them afterwards. Keeping the cache read-only lets callers
     branch (`lax.switch` over verify widths) without XLA copying the whole cache into and
     out of every branch. `logits=False` skips the LM head; `logit_index [B]` computes the
-    logits of one token per row only (prefill needs just the last prompt token's). `block`
-    (a prompt or prompt chunk): products of more than BLOCK_KERNEL_ROWS rows take XLA's dot.
+    logits of one token per row only (prefill needs just the last prompt token's).
     """
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
@@ -425,14 +410,13 @@ def forward_compute(
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
-    rows = {"kernel_rows": BLOCK_KERNEL_ROWS} if block else {}
     hidden: dict[int, Array] = {}
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
         if i in hidden_layers:
             hidden[i] = x
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-        qkv = linear(h, layer["wqkv"], **rows)
+        qkv = linear(h, layer["wqkv"])
         if config.qkv_bias:
             qkv = qkv + layer["bqkv"][None, None, :]
         q = qkv[..., : H * E].reshape(B, T, H, E)
@@ -451,11 +435,11 @@ def forward_compute(
         attn = _layer_attention(
             config, i, q, k, v, positions_BT, cache, n_chunks, extra, native_used
         )
-        x = x + linear(attn, layer["wo"], **rows)
+        x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = linear(h, layer["w_gate_up"], **rows)
+        gate_up = linear(h, layer["w_gate_up"])
         gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"], **rows)
+        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
     if config.L in hidden_layers:
         hidden[config.L] = x
     out_logits = None
