@@ -95,6 +95,14 @@ def forward_timer(
     return seconds
 
 
+def llamacpp_prompt_ids(model: specjax.Model, prompt_text: str) -> list[int]:
+    """What llama.cpp evaluates for `-f FILE`: BOS + the text without its last newline."""
+    tok = model.tokenizer
+    text = prompt_text[:-1] if prompt_text.endswith("\n") else prompt_text
+    bos = getattr(tok, "bos_id", None)
+    return ([int(bos)] if bos is not None else []) + list(tok.encode(text))
+
+
 def refuse_overwrite(out: str | os.PathLike[str] | None, overwrite: bool) -> None:
     """Stop before a run whose `--out` file exists (a recorded result, perhaps) unless
     `--overwrite` was given: nothing a user saved is replaced without being asked for."""

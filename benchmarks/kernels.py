@@ -13,8 +13,13 @@ product to XLA's dot) the kernel's GFLOP/s beside XLA's dot of the float32 weigh
 (`linear_block_rows`). Microseconds per call (and GFLOP/s), the minimum over repeats of a
 jitted loop of `--calls` calls (each call's input depends on the last result, so none is
 skipped). Weights are packed as the engine holds them (`cpu_kernels.pack_panels`, once)
-where the kernel takes panels; at commits before it, in their `[out, in]` layout. Run it at two commits to compare kernels; a generation's
-end-to-end speed is benchmarks/decode.py's and benchmarks/peers.py's.
+where the kernel takes panels; at commits before it, in their `[out, in]` layout.
+`forward_ms`: one whole forward of the shipped target of 1, 5, 17 and 65 tokens after the
+repetitive prompt (benchmarks/prompts/repetitive.py, F16 cache of 2048 cells; 65 = a verify
+of ngram-mod's 64-token drafts), the fastest of `--repeats`, with `verify_token`: each token
+past the first in 1-token forwards (the draft governor's price). Run it at two commits to
+compare kernels; a generation's end-to-end speed is benchmarks/decode.py's and
+benchmarks/peers.py's.
 """
 
 from __future__ import annotations
@@ -31,8 +36,17 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import emit, machine, refuse_overwrite
+from _common import (
+    DEFAULT_TARGET,
+    ROOT,
+    emit,
+    forward_timer,
+    llamacpp_prompt_ids,
+    machine,
+    refuse_overwrite,
+)
 
+import specjax
 from specjax import cpu_kernels
 
 GROUPS, HEAD, CELLS = 2, 64, 2048
@@ -152,6 +166,20 @@ def main() -> None:
                 "kernel_gflops": round(flops / kernel, 1),
                 "xla_dot_gflops": round(flops / dot, 1),
             }
+    # whole forwards of the engine's verify widths
+    model = specjax.load(str(DEFAULT_TARGET))
+    prompt = (ROOT / "benchmarks" / "prompts" / "repetitive.py").read_text(encoding="utf-8")
+    ids = llamacpp_prompt_ids(model, prompt)
+    timers = {width: forward_timer(model, ids, width, 2048) for width in (1, 5, 17, 65)}
+    runs: dict[int, list[float]] = {width: [] for width in timers}
+    for _ in range(args.repeats):  # the widths in turn, so a slow stretch hits them all
+        for width, timer in timers.items():
+            runs[width].append(timer())
+    seconds = {width: min(times) for width, times in runs.items()}
+    forward_ms = {f"width{w}": round(s * 1e3, 3) for w, s in seconds.items()}
+    verify_token = {
+        f"width{w}": round((s / seconds[1] - 1.0) / (w - 1), 3) for w, s in seconds.items() if w > 1
+    }
     result = {
         "benchmark": "kernels",
         "machine": machine(),
@@ -160,6 +188,8 @@ def main() -> None:
         "linear_us_per_call": linear,
         "linear_per_forward_us": per_forward,
         "linear_block_rows": blocks,
+        "forward_ms": forward_ms,
+        "verify_token": verify_token,
     }
     if args.out:
         emit(result, args.out)

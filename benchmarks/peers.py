@@ -73,6 +73,7 @@ from _common import (
     DEFAULT_TARGET,
     ROOT,
     forward_timer,
+    llamacpp_prompt_ids,
     machine,
     peak_memory,
     refuse_overwrite,
@@ -327,10 +328,7 @@ class Specjax:
 
     def ids(self, prompt_text: str) -> list[int]:
         """What llama.cpp evaluates for `-f FILE`: BOS + the text without its last newline."""
-        tok = self.model.tokenizer
-        text = prompt_text[:-1] if prompt_text.endswith("\n") else prompt_text
-        bos = getattr(tok, "bos_id", None)
-        return ([int(bos)] if bos is not None else []) + list(tok.encode(text))
+        return llamacpp_prompt_ids(self.model, prompt_text)
 
     def run(self, key: str, ids: list[int], n_ctx: int, spec=None) -> dict[str, Any]:
         kwargs = dict(max_new_tokens=self.n_predict, n_ctx=n_ctx, spec=spec, temperature=0.0)

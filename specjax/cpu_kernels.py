@@ -58,10 +58,12 @@ _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
 
 #: Products with at most this many activation rows use the kernel; more rows (a long prompt)
-#: go to XLA's dot. The panel kernel kept up with XLA's dot (YNNPACK) at every size timed on
-#: the 2-core AVX2 host: ahead at 65-512 rows (a 65-token verify forward, ngram-mod's width,
-#: took 10.4 ms on the kernel against 16.6 ms with XLA's dot, and a 360-token prompt 80 against
-#: 87 ms), level at 1024-2048 (`benchmarks/kernels.py`'s `linear_block_rows`).
+#: go to XLA's dot. On the 2-core AVX2 host the panel kernel ran at 160-190 GFLOP/s for the
+#: target's matrices at 16-512 rows against XLA's dot (YNNPACK) at 55-174, level at 1024
+#: (`benchmarks/kernels.py`'s `linear_block_rows`); a 65-token verify forward (ngram-mod's
+#: width, one row past the earlier limit of 64) took 13.5 / 14.5 ms instead of 19.2 / 20.6
+#: (its `forward_ms`, two runs alternating with the commit before, on a busy host:
+#: benchmarks/results/kernels-forward-{before,after}.json hold the first pair).
 MAX_ROWS = 512
 
 _state: dict[str, Any] = {"library": None, "error": None, "forced_off": False}
