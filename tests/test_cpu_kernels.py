@@ -201,13 +201,14 @@ def _np_attend_state(q, k, v, k_pos, q_pos, n_used, window):
 @needs_kernel
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("window", [0, 37])
-@pytest.mark.parametrize("heads, n_cells, n_used, dim", [(3, 96, 70, 24), (1, 203, 203, 40)])
+@pytest.mark.parametrize("heads, n_cells, n_used, dim", [(3, 96, 70, 28), (1, 203, 203, 36)])
 def test_attend_cache_matches_float64(dtype, window, heads, n_cells, n_used, dim):
     """A verify block (T = 3 tokens, `heads` per group: 9 rows, two quads and a row paired
     with itself; 3 rows, a pair and a single), F16 and F32 caches, a hole, a row holding
     fewer cells, a padding token (q_pos = -1: sees nothing), a sliding window, E off the
-    vector width, cells at and above n_used that must not be read, and (second shape) two
-    softmax chunks, the second ending in a block the cache cannot fill (S = 203)."""
+    vector width of AVX2 and AVX-512 (28: two vectors of 8 and one, then 4 scalars; 36),
+    cells at and above n_used that must not be read, and (second shape) two softmax chunks,
+    the second ending in a block the cache cannot fill (S = 203)."""
     rng = np.random.default_rng(5)
     B, G, R, T, E, S = 2, 2, heads, 3, dim, n_cells
     k = rng.standard_normal((B, G, S, E)).astype(dtype)
