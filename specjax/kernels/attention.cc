@@ -234,7 +234,9 @@ inline void pair_scores(const float* q0, const float* q1, const KV* kb, int64_t 
 // The same scores for four query rows (qr[0..3]) at once: each K vector read (and converted)
 // feeds four rows' FMAs, two cells at a time (8 accumulators, 4 query and 2 K registers). A
 // row's per-lane partial sums and their transpose_reduce tree are pair_scores' exactly, so a
-// score's bits do not depend on which of the two computed it.
+// score's bits do not depend on which of the two computed it. The two cells' FMAs are written
+// out: as fixed-bound loops over an array of accumulators GCC's code ran the 17- and
+// 65-token verifies ~15-20% slower (kernels.py --only attend, two interleaved pairs).
 template <typename KV>
 inline void quad_scores(const float* const* qr, const KV* kb, int64_t E, int64_t e_vec,
                         f32xn* s) {
