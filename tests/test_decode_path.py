@@ -77,6 +77,40 @@ def test_chunked_attention_matches_float64_over_every_cell(capacity, native):
                 np.testing.assert_allclose(np.asarray(out[b, g, r, 0]), want, atol=2e-5)
 
 
+@pytest.mark.parametrize("window", [0, 50])
+def test_prompt_attention_on_the_kernel_matches_float64_causal(window):
+    """A prompt into an empty cache runs in query blocks that read only the cells below the
+    block's end: 300 tokens are blocks of 128, 128 and 44; row 1 is padded after 250 tokens.
+    A block that read too few cells, or a padded row that leaked, would show against a
+    float64 attention over the whole prompt."""
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    assert llama.PROMPT_QUERY_BLOCK < 300 and 300 % llama.PROMPT_QUERY_BLOCK
+    rng = np.random.default_rng(1)
+    B, G, R, T, E = 2, 2, 2, 300, 12
+    pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
+    pos[1, 250:] = -1
+    q = rng.normal(size=(B, G, R, T, E)).astype(np.float32)
+    k = rng.normal(size=(B, G, T, E)).astype(np.float16)
+    v = rng.normal(size=(B, G, T, E)).astype(np.float16)
+    out = np.asarray(
+        jax.jit(llama._attend_prompt_native, static_argnums=4)(
+            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), window
+        )
+    )
+    assert out.shape == q.shape
+    for b in range(B):
+        for g in range(G):
+            keys, vals = k[b, g].astype(np.float64), v[b, g].astype(np.float64)
+            for t in range(T):
+                if pos[b, t] < 0:
+                    continue
+                kpos = pos[b] if window == 0 else np.where(pos[b] > t - window, pos[b], -1)
+                for r in range(R):
+                    want = _np_attention(q[b, g, r, t].astype(np.float64), keys, vals, t, kpos)
+                    np.testing.assert_allclose(out[b, g, r, t], want, atol=2e-5)
+
+
 def test_greedy_tokens_do_not_depend_on_capacity():
     """Same prompt and output at capacities 64, 300 and 1024 (one chunk, an overlapping last
     chunk, several chunks of which only the used ones are read): identical tokens."""
