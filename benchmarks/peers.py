@@ -30,7 +30,8 @@ Measured (sections of the JSON):
                 specjax: tokens produced by decode steps / decode_seconds); specjax at
                 n_ctx 512 and 8192 on the short prompt (ratio 8192/512, capacity independence:
                 the median of each repeat's ratio, the two run back to back);
-  prefill       prompt tok/s of the ~360-token prompt (llama.cpp's "prompt eval");
+  prefill       prompt tok/s of the ~360-token prompt (llama.cpp's "prompt eval") and of
+                the ~1,420-token one (`long`, where attention is most of the work);
   speculative   for each drafter and prompt: spec tok/s over the same side's plain tok/s
                 (llama.cpp: llama-speculative-simple's "decoded" rate over llama-completion's
                 eval rate), each repeat's spec run over a plain run of the same prompt made
@@ -87,6 +88,7 @@ PROMPT_FILES = {
     "short": PROMPTS / "humaneval_short.py",  # fits -c 512 with 256 new tokens
     "repetitive": PROMPTS / "repetitive.py",  # code that repeats a block: n-grams match
     "norepeat": PROMPTS / "norepeat.py",  # little to match
+    "long": PROMPTS / "long.py",  # ~1,420 tokens: prefill of a long prompt
 }
 SPEC_TYPES = (
     "draft-simple",
@@ -503,6 +505,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if not args.spec_types:
         add_plain("short", 512)
         add_plain("short", 8192)
+        add_plain("long", 2048)
     for prompt in spec_prompts:
         if prompt != "main":
             add_plain(prompt, 2048)
@@ -669,6 +672,16 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             side(main, "specjax", "prefill_tps"), side(main, "llama", "prefill_tps")
         ),
     }
+    long = "plain/long/c2048"
+    if long in runs:
+        report["prefill"]["long"] = {
+            "prompt_tokens": len(ids["long"]),
+            "llama_tps": side(long, "llama", "prefill_tps"),
+            "specjax_tps": side(long, "specjax", "prefill_tps"),
+            "specjax_over_llama": _ratio(
+                side(long, "specjax", "prefill_tps"), side(long, "llama", "prefill_tps")
+            ),
+        }
     spec_rows = []
     for name, *_ in cases:
         if not name.startswith(("spec/", "nodraft/")):
@@ -834,21 +847,24 @@ def plot(report: dict[str, Any], path: Path) -> None:
         ax.legend(fontsize=8)
 
     d, p = report["decode"], report["prefill"]
+    p_long = p.get("long", {})
     bars(
         axes[0],
-        ["decode c2048", "decode c512", "decode c8192", "prefill / 10"],
+        ["decode c2048", "decode c512", "decode c8192", "prefill / 10", "long prefill / 10"],
         {
             "llama.cpp": [
                 d["llama_tps_c2048"],
                 d["llama_tps_c512"],
                 d["llama_tps_c8192"],
                 (p["llama_tps"] or 0) / 10,
+                (p_long.get("llama_tps") or 0) / 10,
             ],
             "specjax": [
                 d["specjax_tps_c2048"],
                 d["specjax_tps_c512"],
                 d["specjax_tps_c8192"],
                 (p["specjax_tps"] or 0) / 10,
+                (p_long.get("specjax_tps") or 0) / 10,
             ],
         },
         "tokens / s",
