@@ -77,6 +77,41 @@ def test_chunked_attention_matches_float64_over_every_cell(capacity, native):
                 np.testing.assert_allclose(np.asarray(out[b, g, r, 0]), want, atol=2e-5)
 
 
+def test_prompt_chunk_over_a_cache_on_the_kernel_matches_float64():
+    """A prompt chunk (`n_ubatch`) of 160 tokens with 2 heads per group is 320 query rows per
+    group over 290 cached cells and the chunk itself, all on the kernel."""
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    rng = np.random.default_rng(2)
+    B, G, R, T, E, S, used = 1, 2, 2, 160, 12, 512, 290
+    k_c = np.zeros((B, G, S, E), np.float16)
+    v_c = np.zeros((B, G, S, E), np.float16)
+    k_c[:, :, :used] = rng.normal(size=(B, G, used, E))
+    v_c[:, :, :used] = rng.normal(size=(B, G, used, E))
+    pos = np.full((B, S), -1, np.int32)
+    pos[0, :used] = np.arange(used)
+    q = rng.normal(size=(B, G, R, T, E)).astype(np.float32)
+    k_new = rng.normal(size=(B, G, T, E)).astype(np.float16)
+    v_new = rng.normal(size=(B, G, T, E)).astype(np.float16)
+    q_pos = (used + np.arange(T, dtype=np.int32))[None]
+    own = [(jnp.asarray(k_new), jnp.asarray(v_new), jnp.asarray(q_pos))]
+    cache = (jnp.asarray(k_c), jnp.asarray(v_c), jnp.asarray(pos))
+    out = llama._attend_native(
+        jnp.asarray(q), own, jnp.asarray(q_pos), 0, cache, jnp.asarray(used, jnp.int32)
+    )
+    out = np.asarray(out)
+    for g in range(G):
+        keys = np.concatenate([k_c[0, g], k_new[0, g]]).astype(np.float64)
+        vals = np.concatenate([v_c[0, g], v_new[0, g]]).astype(np.float64)
+        kpos = np.concatenate([pos[0], q_pos[0]])
+        for r in range(R):
+            for t in range(T):
+                want = _np_attention(
+                    q[0, g, r, t].astype(np.float64), keys, vals, q_pos[0, t], kpos
+                )
+                np.testing.assert_allclose(out[0, g, r, t], want, atol=2e-5)
+
+
 @pytest.mark.parametrize("window", [0, 50])
 def test_prompt_attention_on_the_kernel_matches_float64_causal(window):
     """A prompt into an empty cache runs in query blocks that read only the cells below the

@@ -9,8 +9,7 @@ Invariants:
   attends to itself and to earlier tokens of the same call exactly as if written first.
 * Attention reads the cache in chunks of CACHE_CHUNK cells up to its high-water mark (an
   online softmax in a loop), so cost follows the used context, not the capacity. With decode
-  weights in the native form (`KernelWeight`, CPU) and at most NATIVE_ATTENTION_MAX_ROWS query
-  rows per KV group, `cpu_kernels.attend_cache` computes the same online-softmax state for
+  weights in the native form (`KernelWeight`, CPU), `cpu_kernels.attend_cache` computes the same online-softmax state for
   each part (the new tokens, `extra`, the cells below the high-water mark) and the states are
   merged (`_attend_native`). A prompt into an empty cache (`cache_empty`) runs there too, in
   query blocks that skip the cells after the block (`_attend_prompt_native`, causal).
@@ -312,9 +311,7 @@ def _layer_attention(
         cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
     if native_prompt and cached is None and extra is None and _native_attention(q, own[0]):
         out = _attend_prompt_native(q, *own[0], window)
-    elif native_used is not None and all(
-        _native_attention(q, s, NATIVE_ATTENTION_MAX_ROWS) for s in [*own, cached]
-    ):
+    elif native_used is not None and all(_native_attention(q, s) for s in [*own, cached]):
         out = _attend_native(q, own, positions_BT, window, cached, native_used)
     else:
         out = _attend(q, own, positions_BT, window, cached, n_chunks)
@@ -386,19 +383,12 @@ def _attend_prompt_native(
     return jnp.concatenate(outs, axis=3).astype(q_BGRTE.dtype)
 
 
-#: Most query rows per KV group (`R * T`) whose cache attention runs on the native kernel;
-#: longer blocks (chunked prefill) keep XLA's chunk loop, whose dots block for the caches.
-NATIVE_ATTENTION_MAX_ROWS = 256
-
-
-def _native_attention(
-    q_BGRTE: Array, cached: tuple[Array, Array, Array] | None, max_rows: int | None = None
-) -> bool:
+def _native_attention(q_BGRTE: Array, cached: tuple[Array, Array, Array] | None) -> bool:
+    # Any number of query rows: prompt chunks (`n_ubatch`) of 256 and 512 tokens prefilled a
+    # 1,418-token prompt in ~195 ms here against 340-430 ms on XLA's chunk loop.
     if cached is None or q_BGRTE.dtype != jnp.float32:
         return False
-    rows = q_BGRTE.shape[2] * q_BGRTE.shape[3]
-    cache_dtypes_ok = all(c.dtype in (jnp.float16, jnp.float32) for c in cached[:2])
-    return (max_rows is None or rows <= max_rows) and cache_dtypes_ok
+    return all(c.dtype in (jnp.float16, jnp.float32) for c in cached[:2])
 
 
 class ForwardCompute(NamedTuple):
