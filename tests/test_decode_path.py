@@ -114,13 +114,12 @@ def test_prompt_chunk_over_a_cache_on_the_kernel_matches_float64():
 
 @pytest.mark.parametrize("window", [0, 50])
 def test_prompt_attention_on_the_kernel_matches_float64_causal(window):
-    """A prompt into an empty cache runs in query blocks that read only the cells below the
-    block's end: 300 tokens are blocks of 128, 128 and 44; row 1 is padded after 250 tokens.
-    A block that read too few cells, or a padded row that leaked, would show against a
-    float64 attention over the whole prompt."""
+    """A prompt into an empty cache is one kernel call over the prompt's own cells, which
+    skips each chunk of cells a quad of rows cannot see: 300 tokens (chunks of 128 cells,
+    the last one partial), row 1 padded after 250 tokens. A skipped chunk that was visible,
+    or a padded row that leaked, would show against a float64 attention over the prompt."""
     if not cpu_kernels.available():
         pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
-    assert llama.PROMPT_QUERY_BLOCK < 300 and 300 % llama.PROMPT_QUERY_BLOCK
     rng = np.random.default_rng(1)
     B, G, R, T, E = 2, 2, 2, 300, 12
     pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
@@ -128,10 +127,12 @@ def test_prompt_attention_on_the_kernel_matches_float64_causal(window):
     q = rng.normal(size=(B, G, R, T, E)).astype(np.float32)
     k = rng.normal(size=(B, G, T, E)).astype(np.float16)
     v = rng.normal(size=(B, G, T, E)).astype(np.float16)
+
+    def prompt_attention(q, k, v, pos):
+        return llama._attend_native(q, [(k, v, pos)], pos, window, None, None)
+
     out = np.asarray(
-        jax.jit(llama._attend_prompt_native, static_argnums=4)(
-            jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos), window
-        )
+        jax.jit(prompt_attention)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos))
     )
     assert out.shape == q.shape
     for b in range(B):

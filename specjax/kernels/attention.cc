@@ -506,15 +506,20 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
   for (int64_t c0 = 0; c0 < n_used; c0 += C) {
     const int64_t n = std::min<int64_t>(C, n_used - c0);
     const int64_t blocks = (n + kBlock - 1) / kBlock;
-    bool any_cell = false;
+    // The lowest position in the chunk: rows before it see nothing here (a prompt's rows over
+    // its later chunks, padding rows) and skip the chunk, which leaves their state as it was.
+    constexpr int32_t kNone = std::numeric_limits<int32_t>::max();
+    i32xn lowest = i32xn{} + kNone;
     for (int64_t b = 0; b < blocks; ++b) {
       i32xn kpv = i32xn{} - 1;
       for (int64_t j = 0; j < kBlock && b * kBlock + j < n; ++j)
         kpv[j] = k_pos[c0 + b * kBlock + j];
       kp[b] = kpv;
-      any_cell |= any_lane(kpv >= 0);
+      lowest = (kpv >= 0) & (kpv < lowest) ? kpv : lowest;
     }
-    if (!any_cell) continue;
+    int32_t first_pos = kNone;
+    for (int j = 0; j < kNativeLanes; ++j) first_pos = std::min(first_pos, lowest[j]);
+    if (first_pos == kNone) continue;  // no cell in the chunk
     // The rows are read as stored (F16 converted in registers: converting a chunk to float
     // scratch once for all query rows was slower at every row count measured, up to 128). The
     // scores read whole blocks: a last block that would read past the cache is copied,
@@ -534,10 +539,12 @@ void attend_group(const float* q, const KV* k, const KV* v, const int32_t* k_pos
     for (; r + 4 <= Q; r += 4) {
       const int32_t qp[4] = {q_pos[r % T], q_pos[(r + 1) % T], q_pos[(r + 2) % T],
                              q_pos[(r + 3) % T]};
+      if (std::max(std::max(qp[0], qp[1]), std::max(qp[2], qp[3])) < first_pos) continue;
       attend_quad(q, kc, vc, kp, n, blocks, r, qp, E, window, m_out, l_out, acc_out);
     }
     for (; r < Q; r += 2) {
       const int64_t r1 = std::min(r + 1, Q - 1);
+      if (std::max(q_pos[r % T], q_pos[r1 % T]) < first_pos) continue;
       attend_pair(q, kc, vc, kp, n, blocks, r, r1, q_pos[r % T], q_pos[r1 % T], E, window,
                   m_out, l_out, acc_out);
     }

@@ -293,8 +293,8 @@ def decoder_compute(
     used = used_cells(cache.pos)
     n_chunks = (used + chunk - 1) // chunk
     # decode weights in the native kernel's form (`kernel_params`): the native attention too
-    native_used = used if isinstance(params["wqkv"], KernelWeight) else None
-    attn = _layer_attention(lc, 0, qkv.q, k, v, positions_BT, cache, n_chunks, extra, native_used)
+    native = isinstance(params["wqkv"], KernelWeight)
+    attn = _layer_attention(lc, 0, qkv.q, k, v, positions_BT, cache, n_chunks, extra, native, used)
     prenorm = decoder_out(config, params, attn, qkv.residual)
     out = head_logits(config, params, shared, prenorm) if logits else None
     return DecoderCompute(out, (k,), (v,), prenorm)

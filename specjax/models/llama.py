@@ -11,8 +11,7 @@ Invariants:
   online softmax in a loop), so cost follows the used context, not the capacity. With decode
   weights in the native form (`KernelWeight`, CPU), `cpu_kernels.attend_cache` computes the same online-softmax state for
   each part (the new tokens, `extra`, the cells below the high-water mark) and the states are
-  merged (`_attend_native`). A prompt into an empty cache (`cache_empty`) runs there too, in
-  query blocks that skip the cells after the block (`_attend_prompt_native`, causal).
+  merged (`_attend_native`). A prompt into an empty cache (`cache_empty`) runs there too.
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -294,11 +293,11 @@ def _layer_attention(
     cache: KVCache,
     n_chunks: Array | None,
     extra: ExtraKV | None,
-    native_used: Array | None = None,
-    native_prompt: bool = False,
+    native: bool = False,
+    used: Array | None = None,
 ) -> Array:
-    """Attention of the new tokens over the used cached cells, `extra` cells and each other.
-    `native_prompt`: a prompt into an empty cache on the native kernel (`_attend_prompt_native`)."""
+    """Attention of the new tokens over the used cached cells (the first `used`), `extra`
+    cells and each other; `native`: on `cpu_kernels.attend_cache` where it takes the dtypes."""
     B, T, H, E = q_BTHE.shape
     G = config.G
     q = q_BTHE.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, E]
@@ -309,10 +308,9 @@ def _layer_attention(
     cached = None
     if n_chunks is not None:
         cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
-    if native_prompt and cached is None and extra is None and _native_attention(q, own[0]):
-        out = _attend_prompt_native(q, *own[0], window)
-    elif native_used is not None and all(_native_attention(q, s) for s in [*own, cached]):
-        out = _attend_native(q, own, positions_BT, window, cached, native_used)
+    segments = [*own] if cached is None else [*own, cached]
+    if native and all(_native_attention(q, s) for s in segments):
+        out = _attend_native(q, own, positions_BT, window, cached, used)
     else:
         out = _attend(q, own, positions_BT, window, cached, n_chunks)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
@@ -324,7 +322,7 @@ def _attend_native(
     q_pos_BT: Array,
     window: int,
     cache: tuple[Array, Array, Array] | None,
-    used: Array,
+    used: Array | None,
 ) -> Array:
     """`_attend` with every segment on `cpu_kernels.attend_cache` (the new tokens, a drafter's
     scratch, the cached cells below the high-water mark `used`): each call's online-softmax
@@ -339,6 +337,7 @@ def _attend_native(
     segments: list[tuple[Array, Array, Array, Array | int]]
     segments = [(k, v, pos, pos.shape[1]) for k, v, pos in own]
     if cache is not None:
+        assert used is not None
         segments.append((*cache, used))
     m = total = acc = None
     for k, v, pos, n in segments:
@@ -358,37 +357,16 @@ def _attend_native(
     return out.reshape(B, G, R, T, E).astype(q_BGRTE.dtype)
 
 
-#: Prompt tokens per call of `_attend_prompt_native`.
-PROMPT_QUERY_BLOCK = 128
-
-
-def _attend_prompt_native(
-    q_BGRTE: Array, k_BGTE: Array, v_BGTE: Array, pos_BT: Array, window: int
-) -> Array:
-    """Causal attention of a prompt over itself on `cpu_kernels.attend_cache`, in blocks of
-    PROMPT_QUERY_BLOCK tokens, each reading only the cells below its block's end: positions
-    increase along the prompt (padding, -1, anywhere), so a token sees no later cell and the
-    skipped triangle is exactly the masked one. XLA's path instead computes all T x T scores
-    [B, G, R, T, T] in float32 (700 of a 830 ms prefill of 1536 tokens of the shipped target)."""
-    B, G, R, T, E = q_BGRTE.shape
-    outs = []
-    for start in range(0, T, PROMPT_QUERY_BLOCK):
-        stop = min(start + PROMPT_QUERY_BLOCK, T)
-        q = q_BGRTE[:, :, :, start:stop].reshape(B, G, R * (stop - start), E)
-        _, total, acc = cpu_kernels.attend_cache(
-            q, k_BGTE, v_BGTE, pos_BT, pos_BT[:, start:stop], stop, window
-        )
-        out = acc / jnp.where(total > 0, total, 1.0)[..., None]
-        outs.append(out.reshape(B, G, R, stop - start, E))
-    return jnp.concatenate(outs, axis=3).astype(q_BGRTE.dtype)
-
-
-def _native_attention(q_BGRTE: Array, cached: tuple[Array, Array, Array] | None) -> bool:
-    # Any number of query rows: prompt chunks (`n_ubatch`) of 256 and 512 tokens prefilled a
-    # 1,418-token prompt in ~195 ms here against 340-430 ms on XLA's chunk loop.
-    if cached is None or q_BGRTE.dtype != jnp.float32:
+def _native_attention(q_BGRTE: Array, segment: tuple[Array, Array, Array]) -> bool:
+    """Whether the kernel takes these query rows over this segment's K/V: any number of rows.
+    A whole prompt is one call: the kernel skips each chunk of cells a quad of rows cannot
+    see, so a causal prompt costs its triangle (a 1,418-token prefill of the shipped target
+    ran in ~210 ms, whole or in blocks of 128-1024 tokens, against 975 ms on XLA's path,
+    which scores all T x T pairs); prompt chunks (`n_ubatch`) of 256 and 512 tokens ~195 ms
+    against 340-430 ms on XLA's chunk loop."""
+    if q_BGRTE.dtype != jnp.float32:
         return False
-    return all(c.dtype in (jnp.float16, jnp.float32) for c in cached[:2])
+    return all(c.dtype in (jnp.float16, jnp.float32) for c in segment[:2])
 
 
 class ForwardCompute(NamedTuple):
@@ -424,15 +402,13 @@ def forward_compute(
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
     cos, sin = _materialised(rope_angles, positions_BT, inv_freq)
-    n_chunks = native_used = None
+    n_chunks = used = None
     # Decode weights in the native kernel's form mean the native kernels are in use.
     native = bool(params["layers"]) and isinstance(params["layers"][0].get("wqkv"), KernelWeight)
     if not cache_empty:
         chunk = min(CACHE_CHUNK, cache.capacity)
         used = used_cells(cache.pos)
         n_chunks = (used + chunk - 1) // chunk
-        if native:
-            native_used = used
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
@@ -459,17 +435,7 @@ def forward_compute(
         new_k.append(k)
         new_v.append(v)
         attn = _layer_attention(
-            config,
-            i,
-            q,
-            k,
-            v,
-            positions_BT,
-            cache,
-            n_chunks,
-            extra,
-            native_used,
-            native_prompt=cache_empty and native,
+            config, i, q, k, v, positions_BT, cache, n_chunks, extra, native, used
         )
         x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
