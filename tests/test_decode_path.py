@@ -112,14 +112,18 @@ def test_prompt_chunk_over_a_cache_on_the_kernel_matches_float64():
                 np.testing.assert_allclose(out[0, g, r, t], want, atol=2e-5)
 
 
+@pytest.mark.parametrize("native", [False, True], ids=["xla_blocks", "cpu_kernel"])
 @pytest.mark.parametrize("window", [0, 50])
-def test_prompt_attention_on_the_kernel_matches_float64_causal(window):
-    """A prompt into an empty cache is one kernel call over the prompt's own cells, which
-    skips each chunk of cells a quad of rows cannot see: 300 tokens (chunks of 128 cells,
-    the last one partial), row 1 padded after 250 tokens. A skipped chunk that was visible,
-    or a padded row that leaked, would show against a float64 attention over the prompt."""
-    if not cpu_kernels.available():
+def test_prompt_attention_matches_float64_causal(window, native, monkeypatch):
+    """A prompt into an empty cache, 300 tokens, row 1 padded after 250. On the kernel: one
+    call over the prompt's own cells, which skips each chunk of cells (128 here, the last
+    one partial) a quad of rows cannot see. On XLA: query blocks (64 tokens here, the last
+    one partial) that score only the cells up to the block's end. A skipped chunk or cell
+    that was visible, or a padded row that leaked, would show against a float64 attention
+    over the whole prompt."""
+    if native and not cpu_kernels.available():
         pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    monkeypatch.setattr(llama, "PROMPT_BLOCK", 64)
     rng = np.random.default_rng(1)
     B, G, R, T, E = 2, 2, 2, 300, 12
     pos = np.tile(np.arange(T, dtype=np.int32), (B, 1))
@@ -129,7 +133,9 @@ def test_prompt_attention_on_the_kernel_matches_float64_causal(window):
     v = rng.normal(size=(B, G, T, E)).astype(np.float16)
 
     def prompt_attention(q, k, v, pos):
-        return llama._attend_native(q, [(k, v, pos)], pos, window, None, None)
+        if native:
+            return llama._attend_native(q, [(k, v, pos)], pos, window, None, None)
+        return llama._attend_prompt(q, k, v, pos, window)
 
     out = np.asarray(
         jax.jit(prompt_attention)(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(pos))

@@ -11,7 +11,9 @@ Invariants:
   online softmax in a loop), so cost follows the used context, not the capacity. With decode
   weights in the native form (`KernelWeight`, CPU), `cpu_kernels.attend_cache` computes the same online-softmax state for
   each part (the new tokens, `extra`, the cells below the high-water mark) and the states are
-  merged (`_attend_native`). A prompt into an empty cache (`cache_empty`) runs there too.
+  merged (`_attend_native`). A prompt into an empty cache (`cache_empty`) runs there too;
+  on XLA's path it is attended in blocks of query tokens that score only the cells up to the
+  block's end (`_attend_prompt`: a prompt's positions increase along T).
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -283,6 +285,29 @@ def _attend(
     return (acc / total[..., None]).astype(q_BGRTE.dtype)
 
 
+#: Query tokens per block of `_attend_prompt` (at least), and most blocks per layer.
+PROMPT_BLOCK = 512
+PROMPT_MAX_BLOCKS = 8
+
+
+def _attend_prompt(
+    q_BGRTE: Array, k_BGTE: Array, v_BGTE: Array, pos_BT: Array, window: int
+) -> Array:
+    """`_attend` of a prompt over itself (XLA's path), in blocks of query tokens that score
+    only the cells up to the block's end: a prompt's positions increase along T (padding
+    aside), so no later cell is visible to the block. A long prompt computes a little over
+    half of the T x T scores and holds at most [B, G, R, U, T] of them at once (the whole
+    [B, G, R, T, T] float32 scores of 8,192 tokens would be 1 GiB per layer and row)."""
+    T = q_BGRTE.shape[3]
+    U = max(PROMPT_BLOCK, -(-T // PROMPT_MAX_BLOCKS))
+    outs = []
+    for start in range(0, T, U):
+        stop = min(start + U, T)
+        own = [(k_BGTE[:, :, :stop], v_BGTE[:, :, :stop], pos_BT[:, :stop])]
+        outs.append(_attend(q_BGRTE[:, :, :, start:stop], own, pos_BT[:, start:stop], window))
+    return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
+
+
 def _layer_attention(
     config: ModelConfig,
     layer_index: int,
@@ -311,6 +336,8 @@ def _layer_attention(
     segments = [*own] if cached is None else [*own, cached]
     if native and all(_native_attention(q, s) for s in segments):
         out = _attend_native(q, own, positions_BT, window, cached, used)
+    elif cached is None and extra is None:  # a prompt into an empty cache
+        out = _attend_prompt(q, *own[0], window)
     else:
         out = _attend(q, own, positions_BT, window, cached, n_chunks)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
