@@ -9,11 +9,12 @@ Invariants:
   attends to itself and to earlier tokens of the same call exactly as if written first.
 * Attention reads the cache in chunks of CACHE_CHUNK cells up to its high-water mark (an
   online softmax in a loop), so cost follows the used context, not the capacity. With decode
-  weights in the native form (`KernelWeight`, CPU), `cpu_kernels.attend_cache` computes the same online-softmax state for
-  each part (the new tokens, `extra`, the cells below the high-water mark) and the states are
-  merged (`_attend_native`). A prompt into an empty cache (`cache_empty`) runs there too;
-  on XLA's path it is attended in blocks of query tokens that score only the cells up to the
-  block's end (`_attend_prompt`: a prompt's positions increase along T).
+  weights in the native form (`KernelWeight`, CPU), `cpu_kernels.attend_cache` computes the
+  same online-softmax state for each part (the new tokens, `extra`, the cells below the
+  high-water mark) and the states are merged (`_attend_native`). A prompt into an empty cache
+  (`cache_empty`) runs there too; on XLA's path it is attended in blocks of query tokens that
+  score only the cells up to the block's end (`_attend_prompt`: a prompt's positions
+  increase along T).
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -421,9 +422,9 @@ def forward_compute(
     New tokens attend to the cached cells (none with `cache_empty`, static: prefill of a
     fresh cache reads nothing; its positions must increase along T apart from padding, as a
     prompt's do), to `extra` cells and to each other (by position), exactly as if they had
-    been written first; `commit_kv` writes them afterwards. Keeping the cache read-only lets callers
-    branch (`lax.switch` over verify widths) without XLA copying the whole cache into and
-    out of every branch. `logits=False` skips the LM head; `logit_index [B]` computes the
+    been written first; `commit_kv` writes them afterwards. Keeping the cache read-only lets
+    callers branch (`lax.switch` over verify widths) without XLA copying the whole cache into
+    and out of every branch. `logits=False` skips the LM head; `logit_index [B]` computes the
     logits of one token per row only (prefill needs just the last prompt token's).
     """
     E, H, G = config.E, config.H, config.G
