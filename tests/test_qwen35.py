@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 from oracles.qwen35_reference import Reference
 
+from specjax.models import llama
 from specjax.models import qwen35 as q
 
 CFG = q.Qwen35Config(
@@ -77,6 +78,24 @@ def test_forward_matches_float64_reference(mode: str) -> None:
             np.testing.assert_allclose(
                 np.asarray(out.state.conv[j][b]), ref.conv[layer], atol=1e-5, rtol=1e-5
             )
+
+
+def test_prompt_into_an_empty_state_in_query_blocks_matches_float64(monkeypatch) -> None:
+    """`cache_empty` attends the prompt in query blocks up to each block's end (4 tokens here:
+    blocks of 4, 4, 4 and 1 of 13; row 1 padded after 9)."""
+    monkeypatch.setattr(llama, "PROMPT_BLOCK", 4)
+    rows = [_tokens(1, T), _tokens(2, 9)]
+    toks = np.zeros((2, T), np.int32)
+    pos = np.full((2, T), -1, np.int32)
+    for b, r in enumerate(rows):
+        toks[b, : len(r)] = r
+        pos[b, : len(r)] = np.arange(len(r))
+    prefill = jax.jit(lambda p, t, ps, s: q.forward(CFG, p, t, ps, s, cache_empty=True))
+    out = prefill(_params(), jnp.asarray(toks), jnp.asarray(pos), q.new_state(CFG, 2, 32))
+    for b, r in enumerate(rows):
+        want, _, _ = _reference_run(r)
+        got = np.asarray(out.logits[b, : len(r)])
+        np.testing.assert_allclose(got, want, atol=1e-4 * np.abs(want).max())
 
 
 def test_chunked_scan_equals_recurrence_across_chunk_boundaries() -> None:

@@ -44,7 +44,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.cache import KVCache, used_cells
-from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, commit_kv, rms_norm
+from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, _attend_prompt, commit_kv, rms_norm
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -500,8 +500,11 @@ def _attention_layer(
     own = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions_BT)]
     if extra is not None:
         own.append((extra.k[j], extra.v[j], extra.pos))
-    cached = None if n_chunks is None else (kv.k[j], kv.v[j], kv.pos)
-    attn = _attend(qh, own, positions_BT, 0, cached, n_chunks)
+    if n_chunks is None and extra is None:  # a prompt into an empty state
+        attn = _attend_prompt(qh, *own[0], 0)
+    else:
+        cached = None if n_chunks is None else (kv.k[j], kv.v[j], kv.pos)
+        attn = _attend(qh, own, positions_BT, 0, cached, n_chunks)
     attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
     attn = attn * jax.nn.sigmoid(gate.astype(jnp.float32)).astype(attn.dtype)
     return jnp.einsum("bti,oi->bto", attn, layer["wo"]), k, v
@@ -523,7 +526,9 @@ def forward(
 
     `mode` (static): "auto" (one-token recurrence when T == 1, else the chunked scan),
     "recurrent" or "chunked". `per_position=True` returns every token's recurrent state;
-    `return_hidden=True` (static) also returns h_nextn, the LM head's input, for every row."""
+    `return_hidden=True` (static) also returns h_nextn, the LM head's input, for every row.
+    `cache_empty` (static): the state holds nothing yet and the new tokens are a prompt,
+    their positions increasing along T apart from padding (the attention reads no cache)."""
     if mode not in ("auto", "recurrent", "chunked"):
         raise ValueError(f"mode must be auto, recurrent or chunked, got {mode!r}")
     freqs = jnp.asarray(rope_pair_frequencies(config), jnp.float32)
