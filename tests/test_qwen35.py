@@ -59,16 +59,22 @@ def _reference_run(tokens: np.ndarray) -> tuple[np.ndarray, list[dict[int, np.nd
     return np.stack(logits), states, ref
 
 
-@pytest.mark.parametrize("mode", [pytest.param("recurrent", marks=pytest.mark.slow), "chunked"])
-def test_forward_matches_float64_reference(mode: str) -> None:
-    """Two rows of different lengths (padding as a suffix), logits and final states."""
+def _two_rows() -> tuple[list[np.ndarray], jax.Array, jax.Array]:
+    """Rows of 13 and 9 tokens, padded as a suffix: (rows, tokens [2, T], positions [2, T])."""
     rows = [_tokens(1, T), _tokens(2, 9)]
     toks = np.zeros((2, T), np.int32)
     pos = np.full((2, T), -1, np.int32)
     for b, r in enumerate(rows):
         toks[b, : len(r)] = r
         pos[b, : len(r)] = np.arange(len(r))
-    out = _fwd(_params(), jnp.asarray(toks), jnp.asarray(pos), q.new_state(CFG, 2, 32), mode=mode)
+    return rows, jnp.asarray(toks), jnp.asarray(pos)
+
+
+@pytest.mark.parametrize("mode", [pytest.param("recurrent", marks=pytest.mark.slow), "chunked"])
+def test_forward_matches_float64_reference(mode: str) -> None:
+    """Two rows of different lengths (padding as a suffix), logits and final states."""
+    rows, toks, pos = _two_rows()
+    out = _fwd(_params(), toks, pos, q.new_state(CFG, 2, 32), mode=mode)
     for b, r in enumerate(rows):
         want, _, ref = _reference_run(r)
         got = np.asarray(out.logits[b, : len(r)])
@@ -84,14 +90,9 @@ def test_prompt_into_an_empty_state_in_query_blocks_matches_float64(monkeypatch)
     """`cache_empty` attends the prompt in query blocks up to each block's end (4 tokens here:
     blocks of 4, 4, 4 and 1 of 13; row 1 padded after 9)."""
     monkeypatch.setattr(llama, "PROMPT_BLOCK", 4)
-    rows = [_tokens(1, T), _tokens(2, 9)]
-    toks = np.zeros((2, T), np.int32)
-    pos = np.full((2, T), -1, np.int32)
-    for b, r in enumerate(rows):
-        toks[b, : len(r)] = r
-        pos[b, : len(r)] = np.arange(len(r))
+    rows, toks, pos = _two_rows()
     prefill = jax.jit(lambda p, t, ps, s: q.forward(CFG, p, t, ps, s, cache_empty=True))
-    out = prefill(_params(), jnp.asarray(toks), jnp.asarray(pos), q.new_state(CFG, 2, 32))
+    out = prefill(_params(), toks, pos, q.new_state(CFG, 2, 32))
     for b, r in enumerate(rows):
         want, _, _ = _reference_run(r)
         got = np.asarray(out.logits[b, : len(r)])
