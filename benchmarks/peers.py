@@ -48,7 +48,9 @@ Measured (sections of the JSON):
                 CPU prices those times give (`verify_token`, `draft_step`);
   cli           wall time of one whole `specjax generate` (cold compilation cache, then the
                 second run) vs llama-completion; startup = wall - decode time;
-  memory        host peak RSS of each CLI process, KV cache bytes at -c 2048 / 8192.
+  memory        host peak RSS of each CLI process, KV cache bytes at -c 2048 / 8192;
+  goals         the speed issue's goals 1-3 read off this run, each true / false (null where
+                a side was not measured), and `met`: how many of the measured ones hold.
 Writes the JSON and a PNG beside it.
 """
 
@@ -763,8 +765,52 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         },
         "this_process": peak_memory(),
     }
+    report["goals"] = goals(report)
     report["cases"] = cases_out
     return report
+
+
+#: The drafters whose speed-up over their own plain decoding the speed issue's goal 3 compares
+#: with llama.cpp's.
+GOAL3_DRAFTERS = ("draft-simple", "ngram-simple", "ngram-mod", "ngram-map-k", "ngram-cache")
+
+
+def goals(report: dict[str, Any]) -> dict[str, Any]:
+    """The speed issue's goals that this run measures, each true / false (None: a side was not
+    measured), and `met`: how many of those measured hold."""
+
+    def at_least(x: float | None, bound: float) -> bool | None:
+        return None if x is None else bool(x >= bound)
+
+    d, p = report["decode"], report["prefill"]
+    out: dict[str, Any] = {
+        "1_decode_at_least_llama_c2048": at_least(d["specjax_over_llama"], 1.0),
+        "1_c8192_at_least_0.9_c512": at_least(d["specjax_c8192_over_c512"], 0.9),
+        "2_prefill_at_least_0.5_llama": at_least(p["specjax_over_llama"], 0.5),
+        "2_long_prefill_at_least_0.5_llama": at_least(
+            p.get("long", {}).get("specjax_over_llama"), 0.5
+        ),
+        "3_speedup_at_least_llama": {
+            r["case"]: None
+            if r["llama_speedup"] is None
+            else at_least(r["specjax_speedup"], r["llama_speedup"])
+            for r in report["speculative"]
+            if r["drafter"] in GOAL3_DRAFTERS
+        },
+        "3_finds_nothing_at_least_0.97": {
+            r["case"]: at_least(r["specjax_speedup"], 0.97) for r in report["no_draft"]
+        },
+    }
+    round_ = report.get("draft_simple_round")
+    out["3_draft_simple_round_at_most_1.1"] = (
+        None if not round_ else bool(round_["round_over_parts"] <= 1.1)
+    )
+    flat: list[bool | None] = []
+    for v in out.values():
+        flat.extend(v.values() if isinstance(v, dict) else [v])
+    measured = [v for v in flat if v is not None]
+    out["met"] = f"{sum(measured)} of {len(measured)}"
+    return out
 
 
 def measure_cli(args: argparse.Namespace, llama: Llama | None) -> dict[str, Any]:
