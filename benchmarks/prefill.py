@@ -1,13 +1,16 @@
 """Prefill (prompt processing) speed against prompt length, and attention's share of it.
 
     SPECJAX_LLAMACPP_BIN=/path/to/llama.cpp/build/bin python benchmarks/prefill.py
-        [--lengths 360,700,1024,1441,2048,4096] [--repeats 5] [--threads 2]
+        [--lengths 360,700,1024,1441,2048,4096] [--repeats 5] [--threads 2] [--ubatch 256,512]
         [--out benchmarks/results/prefill.json] [--overwrite]
 
 For each prompt length, one row of random token ids of the shipped target:
 
 * `specjax_ms_min` / `_median`: the prefill as `specjax.generate` runs it (`max_new_tokens=1`,
   the timings' `prefill_seconds`), over `--repeats` calls after one that compiles;
+* `specjax_ub<N>_ms_min` (with `--ubatch N,...`): the same with the prompt in chunks of N
+  tokens (`n_ubatch`, llama.cpp's -ub), each chunk's forward reading the cache the earlier
+  ones wrote;
 * `llama_tps`: llama.cpp's `llama-bench -p LENGTH -n 0 -t THREADS -r REPEATS` (its mean tok/s;
   skipped with a message when SPECJAX_LLAMACPP_BIN is unset or lacks llama-bench), run right
   before specjax's calls of the same length;
@@ -93,19 +96,37 @@ def forward_seconds(model: specjax.Model, length: int, repeats: int) -> tuple[fl
     return min(times[0][1:]), min(times[1][1:])
 
 
+def prefill_seconds(
+    model: specjax.Model, ids: list[int], n_ctx: int, n_ubatch: int, repeats: int
+) -> list[float]:
+    """`prefill_seconds` of `repeats` `specjax.generate` calls after one that compiles."""
+
+    def run() -> float:
+        out = specjax.generate(model, [ids], max_new_tokens=1, n_ctx=n_ctx, n_ubatch=n_ubatch)
+        return float(out.timings["prefill_seconds"])
+
+    run()
+    return [run() for _ in range(repeats)]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default=str(DEFAULT_TARGET))
     ap.add_argument("--lengths", default="360,700,1024,1441,2048,4096")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ubatch", default="", help="also prefill in chunks of these sizes (-ub)")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "prefill.json"))
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
     refuse_overwrite(args.out, args.overwrite)
     lengths = [int(x) for x in args.lengths.split(",") if x]
-    if not lengths or min(lengths) < 2 or args.repeats < 1:
-        ap.error(f"--lengths must be >= 2 and --repeats >= 1, got {lengths} / {args.repeats}")
+    ubatches = [int(x) for x in args.ubatch.split(",") if x]
+    if not lengths or min(lengths) < 2 or args.repeats < 1 or min(ubatches, default=1) < 1:
+        ap.error(
+            f"--lengths must be >= 2, --ubatch >= 1 and --repeats >= 1, got {lengths} / "
+            f"{ubatches} / {args.repeats}"
+        )
 
     bin_dir = Path(os.environ.get("SPECJAX_LLAMACPP_BIN", ""))
     use_llama = bool(os.environ.get("SPECJAX_LLAMACPP_BIN")) and (bin_dir / "llama-bench").exists()
@@ -123,14 +144,14 @@ def main() -> None:
             row["llama_tps"] = llama_bench_tps(
                 bin_dir, args.model, length, args.threads, args.repeats
             )
-        specjax.generate(model, [ids], max_new_tokens=1, n_ctx=n_ctx)  # compiles
-        seconds = [
-            specjax.generate(model, [ids], max_new_tokens=1, n_ctx=n_ctx).timings["prefill_seconds"]
-            for _ in range(args.repeats)
-        ]
+        seconds = prefill_seconds(model, ids, n_ctx, 0, args.repeats)
         row["specjax_ms_min"] = min(seconds) * 1e3
         row["specjax_ms_median"] = statistics.median(seconds) * 1e3
         row["specjax_tps"] = length / min(seconds)
+        for ub in ubatches:  # the prompt in chunks of `ub` tokens (llama.cpp's -ub)
+            row[f"specjax_ub{ub}_ms_min"] = (
+                min(prefill_seconds(model, ids, n_ctx, ub, args.repeats)) * 1e3
+            )
         if use_llama:
             row["specjax_over_llama"] = row["specjax_tps"] / row["llama_tps"]
         full, without_attention = forward_seconds(model, length, 2 * args.repeats)
