@@ -432,7 +432,7 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
 
 # ------------------------------------------------------------------------ shipped heads
 @pytest.mark.parametrize(
-    "name, dspark, n_params", [("code-dflash", False, 541_760), ("code-dspark", True, 546_129)]
+    "name, dspark, n_params", [("code-dflash", False, 545_088), ("code-dspark", True, 545_097)]
 )
 def test_shipped_heads_load_as_their_cards_say(name, dspark, n_params):
     import specjax
@@ -521,5 +521,5 @@ def test_shipped_heads_accept_what_their_training_blocks_predict(name, kind):
     # the same walk; one token or round may differ where two logits nearly tie
     assert abs(st["n_acc_tokens"] - accepted) <= 1, (st, accepted, rounds)
     assert abs(st["n_call_accept"] - rounds) <= 1, (st, accepted, rounds)
-    # a head that drafts nothing useful scores ~1.0 (the heads: 1.48 / 1.58 on this prompt)
+    # a head that drafts nothing useful scores ~1.0 (the heads: 1.34 / 2.17 on this prompt)
     assert 1 + accepted / rounds >= 1.25, (accepted, rounds)
