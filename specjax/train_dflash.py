@@ -2,10 +2,12 @@
 
 Recipe: one YAML (configs/train/code-dflash.yaml, code-dspark.yaml), sections ``head``
 (DFlashConfig fields except the ones read from the target), ``target``, ``data``, ``optim``
-(as specjax.train) and ``train``::
+(as specjax.train), ``train`` and optionally ``generated``; the shipped heads are a corpus
+stage and a generated-text stage started from it (``train.init_from``)::
 
     python -m specjax.train_dflash train --config configs/train/code-dflash.yaml
-    python -m specjax.train_dflash export --run runs/code-dflash --out models/code-dflash/...gguf
+    python -m specjax.train_dflash train --config configs/train/code-dflash-stage2.yaml
+    python -m specjax.train_dflash export --run runs/code-dflash-stage2 --out models/code-dflash/...gguf
 
 Per window of T tokens the frozen target gives its features and logits; `g` and the K/V of
 every position are computed once (`inject_kv`, as `process` writes them). From ``anchors``
@@ -19,6 +21,11 @@ the block, attending to the injected context at positions < n.
   with the data token at n + i as `prev`): ``0.1 * CE + 0.9 * TV`` against the target's
   distribution at n + i, plus the confidence BCE with label "the draft's argmax equals the
   target's" (stop-gradient), same weights ``decay ** i``.
+
+With a ``generated`` section (`specjax.train_draft.GeneratedData`) the windows are the
+target's own continuations of training-document prompts (`target_rows`, shared with the draft
+trainer and its cache) instead of corpus windows; a row that ends early is scored only up to
+its length. Validation stays on corpus windows.
 
 Rows past the window are masked. Invariants: the batch at step s and the anchors are pure
 functions of (seed, s); the head's graph is the drafter's own code.
@@ -51,6 +58,7 @@ from specjax.train import (
     make_optimizer,
     resolve_data,
 )
+from specjax.train_draft import GeneratedData, RowSampler, target_rows
 from specjax.train_eagle3 import finish_head_run, head_cli, target_outputs
 from specjax.types import Array, Params
 
@@ -80,6 +88,9 @@ class DFlashTrainConfig:
     data: DataConfig
     optim: OptimConfig
     train: LoopConfig
+    #: train on the target's own continuations (`specjax.train_draft.GeneratedData`) instead
+    #: of corpus windows; validation stays on corpus windows
+    generated: GeneratedData | None = None
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DFlashTrainConfig:
@@ -87,7 +98,7 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DFlashTrainC
 
     raw = yaml.safe_load(Path(path).read_text()) or {}
     raw = apply_overrides(raw, overrides)
-    unknown = sorted(set(raw) - {"head", "target", "data", "optim", "train"})
+    unknown = sorted(set(raw) - {"head", "target", "data", "optim", "train", "generated"})
     if unknown:
         raise ValueError(f"unknown config sections: {', '.join(unknown)}")
     return DFlashTrainConfig(
@@ -96,6 +107,11 @@ def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DFlashTrainC
         data=_from_dict(DataConfig, raw.get("data"), "data"),
         optim=_from_dict(OptimConfig, raw.get("optim"), "optim"),
         train=_from_dict(LoopConfig, raw.get("train"), "train"),
+        generated=(
+            None
+            if raw.get("generated") is None
+            else _from_dict(GeneratedData, raw["generated"], "generated")
+        ),
     )
 
 
@@ -172,14 +188,19 @@ def block_loss(
     feats_BTF: Array,
     t_logits_BTV: Array,
     anchors_BA: Array,
+    lengths_B: Array | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-    """The block loss of module docstring; metrics: per-row top-1 agreement."""
+    """The block loss of module docstring; metrics: per-row top-1 agreement. `lengths_B`:
+    tokens of each row that are real (generated rows end early, 0-padded): rows scored past
+    them are masked."""
     T = inputs_BT.shape[1]
     A = anchors_BA.shape[1]
     W = cfg.block_size
     base, conf, tgt_idx, valid = anchor_blocks(
         cfg, params, shared, inputs_BT, feats_BTF, anchors_BA
     )
+    if lengths_B is not None:
+        valid = valid & (tgt_idx < jnp.repeat(lengths_B, A)[:, None])
     j = jnp.arange(W, dtype=jnp.int32)[None, :]
     tgt_c = jnp.clip(tgt_idx, 0, T - 1)
     t_logits = jnp.take_along_axis(jnp.repeat(t_logits_BTV, A, axis=0), tgt_c[..., None], axis=1)
@@ -215,19 +236,19 @@ def make_step(
     optim: OptimConfig,
     optimizer: optax.GradientTransformation,
 ) -> Any:
-    def loss_fn(params, shared, target, batch, anchors):
+    def loss_fn(params, shared, target, batch, anchors, lengths=None):
         inputs = batch[:, :-1]
         t_logits, hidden = target_outputs(target_cfg, target, cfg.target_layers, inputs)
         feats = jax.lax.stop_gradient(df.gather_features(cfg, hidden))
         t_logits = jax.lax.stop_gradient(t_logits)
-        return block_loss(cfg, loop, params, shared, inputs, feats, t_logits, anchors)
+        return block_loss(cfg, loop, params, shared, inputs, feats, t_logits, anchors, lengths)
 
     @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, shared, target, batch, i, total):
+    def step(params, opt_state, shared, target, batch, i, total, lengths=None):
         B, T = batch.shape[0], batch.shape[1] - 1
         anchors = anchor_positions(loop.seed, i, B, loop.anchors, T)
         (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, shared, target, batch, anchors
+            params, shared, target, batch, anchors, lengths
         )
         with jax.numpy_dtype_promotion("standard"):
             updates, opt_state = optimizer.update(grads, opt_state, params)
@@ -282,6 +303,14 @@ def train(config: DFlashTrainConfig) -> dict[str, Any]:
     shared = df.shared_weights(cfg, target.params, target.config.tie_embeddings)
     train_tokens, val_tokens = resolve_data(config.data)
     sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
+    rows = row_sampler = None
+    if config.generated is not None:
+        config.generated.validate()
+        rows = target_rows(
+            config.generated, config.target, config.data.cache_dir, train_tokens, val_tokens
+        )
+        row_sampler = RowSampler(rows["train"].shape[0], config.data.batch_size, loop.seed)
+        print(f"{rows['train'].shape[0]:,} generated rows", file=sys.stderr)
     optimizer = make_optimizer(config.optim)
     params = df.init_params(cfg, jax.random.key(loop.seed))
     if loop.init_from:
@@ -308,9 +337,22 @@ def train(config: DFlashTrainConfig) -> dict[str, Any]:
     print(f"{kind} head: {cfg.num_params():,} params", file=sys.stderr)
     i = 0
     for i in range(loop.steps):
-        batch = jnp.asarray(sampler.batch(i))
+        lengths = None
+        if rows is not None and row_sampler is not None:
+            idx = row_sampler.indices(i)
+            batch = jnp.asarray(rows["train"][idx])
+            lengths = jnp.asarray(rows["train_len"][idx])
+        else:
+            batch = jnp.asarray(sampler.batch(i))
         params, opt_state, m = step_fn(
-            params, opt_state, shared, target.params, batch, jnp.asarray(i, jnp.int32), total
+            params,
+            opt_state,
+            shared,
+            target.params,
+            batch,
+            jnp.asarray(i, jnp.int32),
+            total,
+            lengths,
         )
         elapsed = time.time() - t0
         if i % loop.log_every == 0 or i == loop.steps - 1:

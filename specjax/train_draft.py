@@ -252,17 +252,30 @@ def generated_rows(
     """The recipe's on-policy rows: ``train`` / ``train_len`` and (with validation tokens and
     eval_prompts > 0) ``val`` / ``val_len``; loaded from `data.cache_dir` when a run with the
     same target, token arrays and `generated` section made them before."""
-    cfg = recipe.generated
-    assert cfg is not None
+    assert recipe.generated is not None
+    return target_rows(
+        recipe.generated, recipe.target, recipe.data.cache_dir, train_tokens, val_tokens
+    )
+
+
+def target_rows(
+    cfg: GeneratedData,
+    target: str,
+    cache_dir: str,
+    train_tokens: np.ndarray,
+    val_tokens: np.ndarray | None,
+) -> dict[str, np.ndarray]:
+    """`generated_rows` for any recipe with a `generated` section (the draft models' and the
+    block heads' trainers share the rows and their cache)."""
     h = hashlib.sha256(json.dumps(dataclasses.asdict(cfg), sort_keys=True).encode())
-    h.update(Path(recipe.target).read_bytes())
+    h.update(Path(target).read_bytes())
     for arr in (train_tokens, val_tokens):
         h.update(b"-" if arr is None else np.ascontiguousarray(arr).tobytes())
-    path = Path(recipe.data.cache_dir) / "generated" / f"{h.hexdigest()[:16]}.npz"
+    path = Path(cache_dir) / "generated" / f"{h.hexdigest()[:16]}.npz"
     if path.exists():
         with np.load(path) as cached:
             return dict(cached)
-    model = _as_model(recipe.target)
+    model = _as_model(target)
     bos = None
     if model.tokenizer is not None:
         first = model.encode("")

@@ -354,6 +354,41 @@ def test_training_scores_each_row_against_the_logits_that_verify_it(dspark):
         assert np.asarray(valid)[a].tolist() == want
 
 
+@pytest.mark.parametrize("dspark", [False, True])
+def test_generated_rows_are_not_scored_past_their_length(dspark):
+    """A generated row ends early (0-padded after the target's end of generation): with its
+    length, the block loss is the same whatever the padding holds, and rows past it are not
+    scored; without the length the padding would count."""
+    from specjax.train_dflash import LoopConfig, block_loss
+
+    V, Dt, T, W, L = 41, 12, 16, 4, 9
+    cfg = df.DFlashConfig(
+        vocab_size=V, dim=16, n_layers=1, n_heads=4, n_kv_heads=2, ffn_dim=24,
+        target_hidden=Dt, target_layers=(0,), block_size=W, mask_token_id=V - 1,
+        markov_rank=4 if dspark else 0, own_embed=True, own_lm_head=True,
+    )  # fmt: skip
+    params = df.init_params(cfg, jax.random.key(0))
+    k1, k2, k3 = jax.random.split(jax.random.key(1), 3)
+    inputs = jax.random.randint(k1, (1, T), 0, V - 1)
+    feats = jax.random.normal(k2, (1, T, Dt))
+    logits = jax.random.normal(k3, (1, T, V))
+    # the padding: other tokens, features and target logits from position L on
+    past = jnp.arange(T)[None, :] >= L
+    inputs2 = jnp.where(past, (inputs + 7) % (V - 1), inputs)
+    feats2 = jnp.where(past[..., None], -feats, feats)
+    logits2 = jnp.where(past[..., None], logits[..., ::-1], logits)
+    anchors = jnp.asarray([[1, 4, 6, 7]], jnp.int32)  # blocks that reach past L
+    loss = jax.jit(block_loss, static_argnums=(0, 1))
+    lengths = jnp.asarray([L], jnp.int32)
+    loop = LoopConfig()
+    a, _ = loss(cfg, loop, params, {}, inputs, feats, logits, anchors, lengths)
+    b, _ = loss(cfg, loop, params, {}, inputs2, feats2, logits2, anchors, lengths)
+    np.testing.assert_allclose(float(a), float(b), rtol=1e-6)
+    c, _ = loss(cfg, loop, params, {}, inputs, feats, logits, anchors)
+    d, _ = loss(cfg, loop, params, {}, inputs2, feats2, logits2, anchors)
+    assert abs(float(c) - float(d)) > 1e-3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("dspark", [False, True])
 def test_training_blocks_are_the_drafters_blocks(dspark):
@@ -523,3 +558,22 @@ def test_shipped_heads_accept_what_their_training_blocks_predict(name, kind):
     assert abs(st["n_call_accept"] - rounds) <= 1, (st, accepted, rounds)
     # a head that drafts nothing useful scores ~1.0 (the heads: 1.34 / 2.17 on this prompt)
     assert 1 + accepted / rounds >= 1.25, (accepted, rounds)
+
+
+def test_head_recipes_parse_and_stay_within_eagle3s_budget():
+    """The shipped heads' recipes: stage 2 starts from stage 1's run on the target's greedy
+    text, and every head fits code-eagle3's parameter budget (the issue's equal budget)."""
+    from specjax.models.config import ModelConfig
+    from specjax.train_dflash import head_config, load_config
+
+    root = MODELS.parent / "configs" / "train"
+    target = ModelConfig(
+        vocab_size=2048, dim=256, n_layers=8, n_heads=8, n_kv_heads=4, ffn_dim=688
+    )  # code-target's width, depth and vocabulary: all a head's size depends on
+    for name in ("code-dflash", "code-dspark"):
+        one = load_config(root / f"{name}.yaml")
+        two = load_config(root / f"{name}-stage2.yaml")
+        assert one.generated is None and two.generated is not None
+        assert two.generated.temperature == 0.0 and two.train.init_from == one.train.run_dir
+        assert two.head == one.head
+        assert head_config(one.head, target).num_params() <= 545_792
