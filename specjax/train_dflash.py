@@ -2,12 +2,12 @@
 
 Recipe: one YAML (configs/train/code-dflash.yaml, code-dspark.yaml), sections ``head``
 (DFlashConfig fields except the ones read from the target), ``target``, ``data``, ``optim``
-(as specjax.train), ``train`` and optionally ``generated``; the shipped heads are a corpus
-stage and a generated-text stage started from it (``train.init_from``)::
+(as specjax.train), ``train`` and optionally ``generated`` (a second stage on the target's
+own text, started from the first with ``train.init_from``)::
 
     python -m specjax.train_dflash train --config configs/train/code-dflash.yaml
     python -m specjax.train_dflash train --config configs/train/code-dflash-stage2.yaml
-    python -m specjax.train_dflash export --run runs/code-dflash-stage2 --out models/code-dflash/...gguf
+    python -m specjax.train_dflash export --run runs/code-dflash --out models/code-dflash/...gguf
 
 Per window of T tokens the frozen target gives its features and logits; `g` and the K/V of
 every position are computed once (`inject_kv`, as `process` writes them). From ``anchors``
