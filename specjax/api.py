@@ -23,7 +23,7 @@ from specjax import engine as eng
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
-from specjax.models import eagle3
+from specjax.models import dflash, eagle3
 from specjax.models.config import ModelConfig
 from specjax.models.llama import (
     LINEAR_WEIGHTS,
@@ -366,12 +366,18 @@ def drafter_decode_params(name: str, params: Any) -> Any:
     """A drafter's parameters in the form its draft steps run fastest: draft-simple's model as
     `decode_params`; on CPU with the native kernel, draft-eagle3's head (and the target's LM
     head it shares) as `KernelWeight`s (its products and attention then run on the kernels
-    instead of XLA's dots and YNNPACK fusions, ~13 us each per step). Made once per set of
-    weights; other drafters' parameters unchanged."""
+    instead of XLA's dots and YNNPACK fusions, ~13 us each per step), and the block heads'
+    (draft-dflash / draft-dspark: their products, ~1 ms of a round on XLA's path). Made once
+    per set of weights; other drafters' parameters unchanged."""
     if name == "draft-simple":
         return decode_params(params)
-    if name != "draft-eagle3" or jax.default_backend() != "cpu" or not cpu_kernels.available():
+    block = name in ("draft-dflash", "draft-dspark")
+    if name != "draft-eagle3" and not block:
         return params
+    if jax.default_backend() != "cpu" or not cpu_kernels.available():
+        return params
+    if block:
+        return _cached_form(params, "draft-dflash", _dflash_kernel_form)
     return _cached_form(params, "draft-eagle3", _eagle3_kernel_form)
 
 
@@ -380,6 +386,13 @@ def _eagle3_kernel_form(params: Any) -> Any:
     if isinstance(shared.get("lm_head"), jax.Array):
         shared["lm_head"] = kernel_weight(shared["lm_head"])
     return {**params, "head": eagle3.kernel_params(params["head"]), "shared": shared}
+
+
+def _dflash_kernel_form(params: Any) -> Any:
+    shared = dict(params["shared"])
+    if isinstance(shared.get("lm_head"), jax.Array):
+        shared["lm_head"] = kernel_weight(shared["lm_head"])
+    return {**params, "head": dflash.kernel_params(params["head"]), "shared": shared}
 
 
 def _lru_put(cache: dict[Any, Any], key: Any, value: Any, over: Any) -> None:

@@ -82,6 +82,48 @@ def test_chained_with_ngram_drafter_is_lossless(target, plain):
     assert out.tokens == plain.tokens
 
 
+@pytest.mark.parametrize("dspark", [False, True])
+def test_on_cpu_the_heads_products_run_on_the_native_kernel(target, dspark):
+    """With the CPU kernel, the engine gets `fc`, the layers' linear weights and the LM head
+    as `KernelWeight`s (made once per set of weights): a block's few-row products then call
+    the kernel instead of XLA's dots (~1 ms of a round on a 2-core CPU before), with the
+    same drafts."""
+    from specjax import api, cpu_kernels
+    from specjax.drafters.registry import build_drafters
+    from specjax.models import llama
+
+    if not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    head = block_head(target, dspark)
+    kind = "draft-dspark" if dspark else "draft-dflash"
+    spec = SpecConfig(types=(kind,), adaptive=False)
+    (drafter,), (params,) = build_drafters(spec, target, head)
+    form = api.drafter_decode_params(drafter.name, params)
+    assert form is api.drafter_decode_params(drafter.name, params)
+    assert isinstance(form["head"]["fc"], llama.KernelWeight)
+    assert isinstance(form["head"]["lm_head"], llama.KernelWeight)
+    for layer in form["head"]["layers"]:
+        assert all(isinstance(layer[k], llama.KernelWeight) for k in llama.LINEAR_WEIGHTS)
+    cfg = drafter.config
+    feats = jax.random.normal(jax.random.key(3), (1, 3, cfg.n_embd_enc))
+    pos = jnp.arange(3, dtype=jnp.int32)[None]
+
+    def block(p):
+        g = df.encode(cfg, p["head"], feats)
+        kv = df.inject_kv(cfg, p["head"], g, pos)
+        ctx = (kv, pos)
+        tokens = jnp.asarray([[5, cfg.mask_token_id, cfg.mask_token_id]], jnp.int32)
+        out = df.block_forward(
+            cfg, p["head"], p["shared"], tokens, pos + 3, jnp.full((1, 3), 5), None, ctx
+        )
+        return out.logits
+
+    fn = jax.jit(block)
+    assert "specjax_linear" in fn.lower(form).as_text()
+    assert "specjax_" not in fn.lower(params).as_text()
+    np.testing.assert_allclose(fn(form), fn(params), rtol=2e-3, atol=2e-3)
+
+
 def test_clamp_warns_and_limits_the_draft_width(target):
     from specjax.drafters.registry import build_drafters
 

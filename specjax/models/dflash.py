@@ -48,7 +48,16 @@ import jax.numpy as jnp
 
 from specjax.cache import KVCache, used_cells
 from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
-from specjax.models.llama import CACHE_CHUNK, _attend, apply_rope, linear, rms_norm, rope_angles
+from specjax.models.llama import (
+    CACHE_CHUNK,
+    LINEAR_WEIGHTS,
+    _attend,
+    apply_rope,
+    kernel_weight,
+    linear,
+    rms_norm,
+    rope_angles,
+)
 from specjax.types import Array, Params
 
 #: `dflash.block_size` when the metadata key is absent (upstream's default).
@@ -264,7 +273,7 @@ def gather_features(config: DFlashConfig, hidden: dict[int, Array]) -> Array:
 
 def encode(config: DFlashConfig, params: Params, feats_BTF: Array) -> Array:
     """The encoder: `RMSNorm_enc(fc(f) [* fc_scale])` -> g rows [B, T, D]."""
-    x = jnp.einsum("btf,df->btd", feats_BTF.astype(jnp.dtype(config.dtype)), params["fc"])
+    x = linear(feats_BTF.astype(jnp.dtype(config.dtype)), params["fc"])
     if config.fc_scale:
         x = x * params["fc_scale"][0]
     return rms_norm(x, params["enc_norm"], config.norm_eps)
@@ -293,8 +302,9 @@ def inject_kv(
     cos, sin = _rope(config, positions_BT)
     ks, vs = [], []
     for i, layer in enumerate(params["layers"]):
-        w = layer["wqkv"][config.H * E :]
-        kv = jnp.einsum("btd,od->bto", g_BTD, w)
+        # Q's rows of wqkv are computed and dropped: one product on the fused matrix (a
+        # `KernelWeight` on CPU cannot be sliced), and Q is a third of it
+        kv = linear(g_BTD, layer["wqkv"])[..., config.H * E :]
         k = rms_norm(kv[..., : G * E].reshape(B, T, G, E), layer["k_norm"], config.norm_eps)
         v = kv[..., G * E :].reshape(B, T, G, E)
         k = apply_rope(k, cos, sin)
@@ -346,7 +356,7 @@ def block_hidden(
         n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-        qkv = jnp.einsum("btd,od->bto", h, layer["wqkv"])
+        qkv = linear(h, layer["wqkv"])
         q = rms_norm(qkv[..., : H * E].reshape(B, W, H, E), layer["q_norm"], config.norm_eps)
         k = rms_norm(
             qkv[..., H * E : (H + G) * E].reshape(B, W, G, E), layer["k_norm"], config.norm_eps
@@ -365,11 +375,11 @@ def block_hidden(
         cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
         attn = _attend(qg, own, mask_pos_BW, 0, cached, n_chunks)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
-        x = x + jnp.einsum("bti,oi->bto", attn, layer["wo"])
+        x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = jnp.einsum("btd,od->bto", h, layer["w_gate_up"])
+        gate_up = linear(h, layer["w_gate_up"])
         gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + jnp.einsum("btf,of->bto", jax.nn.silu(gate) * up, layer["w_down"])
+        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
     return rms_norm(x, params["final_norm"], config.norm_eps)
 
 
@@ -429,3 +439,20 @@ def block_forward(
     if config.is_dspark:
         logits, conf = markov_head(config, params, logits, h, tokens_BW[:, 0])
     return BlockOutput(logits, h, conf)
+
+
+def kernel_params(params: Params) -> Params:
+    """`params` with `fc`, every layer's linear weights and an own LM head as
+    `llama.KernelWeight` (few-row products on `specjax.cpu_kernels` instead of XLA's dots and
+    YNNPACK fusions, which cost ~0.1-0.3 ms each per round at a block's few rows). For CPU
+    with the kernel available; `api` makes this form for the engine, training keeps plain
+    arrays."""
+    out = dict(params)
+    out["fc"] = kernel_weight(params["fc"])
+    if "lm_head" in params:
+        out["lm_head"] = kernel_weight(params["lm_head"])
+    out["layers"] = tuple(
+        {k: kernel_weight(v) if k in LINEAR_WEIGHTS else v for k, v in layer.items()}
+        for layer in params["layers"]
+    )
+    return out
