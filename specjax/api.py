@@ -8,10 +8,11 @@ repeated calls reuse compiled code, and calls the jitted entry points of `specja
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import time
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -371,28 +372,27 @@ def drafter_decode_params(name: str, params: Any) -> Any:
     per set of weights; other drafters' parameters unchanged."""
     if name == "draft-simple":
         return decode_params(params)
-    block = name in ("draft-dflash", "draft-dspark")
-    if name != "draft-eagle3" and not block:
+    head_form = _HEAD_KERNEL_PARAMS.get(name)
+    if head_form is None or jax.default_backend() != "cpu" or not cpu_kernels.available():
         return params
-    if jax.default_backend() != "cpu" or not cpu_kernels.available():
-        return params
-    if block:
-        return _cached_form(params, "draft-dflash", _dflash_kernel_form)
-    return _cached_form(params, "draft-eagle3", _eagle3_kernel_form)
+    return _cached_form(params, name, functools.partial(_head_kernel_form, head_form))
 
 
-def _eagle3_kernel_form(params: Any) -> Any:
+#: the feature-reading drafters' heads: how each becomes its `KernelWeight` form
+_HEAD_KERNEL_PARAMS: dict[str, Callable[[Params], Params]] = {
+    "draft-eagle3": eagle3.kernel_params,
+    "draft-dflash": dflash.kernel_params,
+    "draft-dspark": dflash.kernel_params,
+}
+
+
+def _head_kernel_form(head_form: Callable[[Params], Params], params: Any) -> Any:
+    """A head drafter's parameters with its head in `head_form` and the target's LM head it
+    shares as a `KernelWeight`."""
     shared = dict(params["shared"])
     if isinstance(shared.get("lm_head"), jax.Array):
         shared["lm_head"] = kernel_weight(shared["lm_head"])
-    return {**params, "head": eagle3.kernel_params(params["head"]), "shared": shared}
-
-
-def _dflash_kernel_form(params: Any) -> Any:
-    shared = dict(params["shared"])
-    if isinstance(shared.get("lm_head"), jax.Array):
-        shared["lm_head"] = kernel_weight(shared["lm_head"])
-    return {**params, "head": dflash.kernel_params(params["head"]), "shared": shared}
+    return {**params, "head": head_form(params["head"]), "shared": shared}
 
 
 def _lru_put(cache: dict[Any, Any], key: Any, value: Any, over: Any) -> None:

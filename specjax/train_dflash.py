@@ -338,7 +338,8 @@ def train(config: DFlashTrainConfig) -> dict[str, Any]:
     i = 0
     for i in range(loop.steps):
         lengths = None
-        if rows is not None and row_sampler is not None:
+        if row_sampler is not None:
+            assert rows is not None
             idx = row_sampler.indices(i)
             batch = jnp.asarray(rows["train"][idx])
             lengths = jnp.asarray(rows["train_len"][idx])
