@@ -234,9 +234,6 @@ def main() -> None:
     reqs = make_requests(model, args.requests)
     configs = args.configs.split(",")
     parallels = [int(n) for n in args.parallel.split(",")]
-    by_parallel = [
-        measure(model, draft, spec, reqs, n, args.n_ctx, args.repeats, configs) for n in parallels
-    ]
     result: dict[str, Any] = {
         "model": model_name,
         "draft": draft_name,
@@ -245,8 +242,14 @@ def main() -> None:
         "max_new_tokens_total": sum(r["n_predict"] for r in reqs),
         "prompt_tokens_total": sum(len(r["tokens"]) for r in reqs),
         "machine": machine(),
-        **peak_memory(),
     }
+    by_parallel = []
+    for n in parallels:
+        by_parallel.append(measure(model, draft, spec, reqs, n, args.n_ctx, args.repeats, configs))
+        if len(parallels) > 1:  # keep each slot count's numbers if a long run is cut short
+            partial = {**result, "by_parallel": {str(r["parallel"]): r for r in by_parallel}}
+            emit(partial, args.out, partial=True)
+    result.update(peak_memory())
     if len(by_parallel) == 1:
         result.update(by_parallel[0])  # one slot count: the flat layout of earlier results
     else:

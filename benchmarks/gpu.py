@@ -207,7 +207,6 @@ def main() -> None:
     result["memory_bandwidth_bytes_per_second"] = measured
     bandwidth = measured["best"]
     result["n_ctx"] = n_ctx
-    result["verify"] = verify_over_step(target, n_ctx, args.prompt)
     spec = SpecConfig(
         types=("draft-simple",),
         draft_n_max=K,
@@ -238,6 +237,9 @@ def main() -> None:
             f"{speculative['speedup_over_plain']:.2f}",
             file=sys.stderr,
         )
+        emit(result, args.out, partial=True)
+    # diagnostic, after the goals' numbers so a run cut short keeps those
+    result["verify"] = verify_over_step(target, n_ctx, args.prompt)
     result.update(peak_memory())
     emit(result, args.out)
 
