@@ -27,9 +27,13 @@ k is chosen for the batch. Estimates start from an optimistic prior and rounds w
 drafting pull them back towards it, so a turned-off batch probes again after a while. The
 pull backs off: each asked round in a row that drafted nothing (`miss_streak`) halves it,
 down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps finding nothing
-(ngram lookups over text that does not repeat) is asked in its first ~17 rounds, then about
-one round in 47 (with the CPU defaults: `verify_token` 0.4, `call` 0.08, K = 4), while one
-that finds drafts again is back at full speed after a single hit. The prior (hit 1.0, accept
+(ngram lookups over text that does not repeat) is asked in 26 of its first 64 rounds, then
+about one round in 11 (ngram-map-k over benchmarks/prompts/norepeat.py with the CPU
+defaults: `verify_token` 0.4, `call` 0.08, K = 4), while one that finds drafts again is back
+at full speed after a single hit. The backoff trades what probing a drafter that finds
+nothing costs against how late a run of repeated text is noticed: with 1/2^6 (about one
+round in 22) ngram-map-k over code that repeats a block took 211 rounds for 256 tokens where
+llama.cpp, asking every round, took ~153; with 1/2^5, 179. The prior (hit 1.0, accept
 0.95) is optimistic enough that a batch of up to 4 rows probes under those prices, so the
 governor measures a drafter before it turns it off; with accept 0.8 it judged drafting not
 worth a probe at B >= 2 and never measured it.
@@ -68,7 +72,7 @@ DECAY = 0.9
 #: does not pay costs little (halved by every miss in a row, see MAX_BACKOFF).
 RELAX = 0.97
 #: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
-MAX_BACKOFF = 6
+MAX_BACKOFF = 5
 #: Rounds `rounds_off_ahead` looks ahead (a run of off rounds longer than this is planned
 #: again after it).
 OFF_HORIZON = 32

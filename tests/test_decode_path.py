@@ -432,12 +432,12 @@ def _python_probes(rounds, hit_from, k_max, verify, call):
             if hit:  # one accepted of a 1-token draft: a full trial
                 a_num, a_den = 0.9 * a_num + 1, 0.9 * a_den + 1
             else:
-                pull = 0.03 / 2 ** min(streak, 6)
+                pull = 0.03 / 2 ** min(streak, 5)
                 a_num = (1 - pull) * a_num + pull * 2 * prior_accept
                 a_den = (1 - pull) * a_den + pull * 2
             streak = 0 if hit else streak + 1
         else:
-            pull = 0.03 / 2 ** min(streak, 6)
+            pull = 0.03 / 2 ** min(streak, 5)
             num, den = (1 - pull) * num + pull * 2 * prior_hit, (1 - pull) * den + pull * 2
             a_num = (1 - pull) * a_num + pull * 2 * prior_accept
             a_den = (1 - pull) * a_den + pull * 2
