@@ -610,25 +610,50 @@ def build_engine_inputs(
 #: benchmarks/results/peers-avx2*.json, peers-empty-off*.json and peers-prices.json; 0.12
 #: predated the kernels).
 CPU_VERIFY_TOKEN = 0.4
+#: Longest draft whose verify `cost_model` times when it measures the prices.
+CALIBRATION_K = 8
 
 
 def cost_model(
-    spec: SpecConfig | None, model: Model, draft: Model | None, *, synthetic: bool = False
+    spec: SpecConfig | None,
+    model: Model,
+    draft: Model | None,
+    *,
+    synthetic: bool = False,
+    batch: int = 1,
+    k_max: int = 0,
+    capacity: int = 0,
 ) -> CostModel:
-    """The draft governor's cost model for a run (see specjax.adaptive); traced values."""
+    """The draft governor's cost model for a run (see specjax.adaptive); traced values.
+
+    With `spec.cost_calibrate` (None: on accelerators) and the run's shapes (`batch` rows,
+    static draft width `k_max`, cache `capacity`), the verify and draft-simple prices are
+    measured on this device (`specjax.prices`) instead of the defaults, at the verify width
+    of the longest draft the chain's n_max lets through, at most CALIBRATION_K + 1."""
     on_cpu = jax.default_backend() == "cpu"
     verify = CPU_VERIFY_TOKEN if on_cpu else 0.01
     draft_step, call, enabled = 0.0, 0.0, False
     if spec is not None:
         enabled = spec.adaptive and not synthetic
         call = spec.cost_call
+        simple = draft is not None and "draft-simple" in spec.types
+        if draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
+            t, d = model.config, draft.config
+            draft_step = max(d.L / t.L, d.num_params() / t.num_params())
+        calibrate = (not on_cpu) if spec.cost_calibrate is None else spec.cost_calibrate
+        # the line through 1- and W-token forwards prices the widths drafts usually take
+        width = min(k_max, spec.n_max() if spec.n_max() > 0 else k_max, CALIBRATION_K) + 1
+        if enabled and calibrate and width >= 2 and capacity > width:
+            from specjax import prices
+
+            measured = prices.measure(model, draft if simple else None, batch, width, capacity)
+            if measured is not None:
+                verify = measured["verify_token"]
+                draft_step = measured.get("draft_step", draft_step)
         if spec.cost_verify_token is not None:
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-        elif draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
-            t, d = model.config, draft.config
-            draft_step = max(d.L / t.L, d.num_params() / t.num_params())
     return CostModel(
         enabled=jnp.asarray(enabled),
         verify_token=jnp.asarray(verify, jnp.float32),
@@ -821,7 +846,15 @@ def generate(
         synth_rates=jnp.asarray(
             synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32
         ),
-        cost=cost_model(spec, model, draft, synthetic=synth is not None),
+        cost=cost_model(
+            spec,
+            model,
+            draft,
+            synthetic=synth is not None,
+            batch=B,
+            k_max=k_max,
+            capacity=S,
+        ),
     )
     tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
     carried = None if _slots is None else _slots.states

@@ -517,7 +517,9 @@ class _Runner:
             "seed": np.zeros(B, np.uint32),
             "max_new": np.ones(B, np.int32),
         }
-        self.cost = api.cost_model(spec, model, draft)
+        self.cost = api.cost_model(
+            spec, model, draft, batch=n_parallel, k_max=k_max, capacity=capacity
+        )
         self.stats_host: Any = None
         self.compile_seconds = 0.0
         self.params = api.decode_params(model.params)  # the mesh path below keeps the stored form

@@ -113,6 +113,11 @@ class SpecConfig:
     cost_draft_step: float | None = None
     #: Fixed per-round cost of running the drafters, in 1-token target steps.
     cost_call: float = 0.08
+    #: Measure `cost_verify_token` and `cost_draft_step` (draft-simple) on this device at the
+    #: run's batch size before decoding (`specjax.prices`; prices given above win). None =
+    #: on accelerators only: on CPU the defaults are medians of many runs, and one
+    #: measurement on a shared host is noisy.
+    cost_calibrate: bool | None = None
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "types", types_from_names(self.types) if self.types else ())

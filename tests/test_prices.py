@@ -1,0 +1,117 @@
+"""The governor's prices measured on the device (`specjax.prices`, `api.cost_model`)."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from pathlib import Path
+
+import pytest
+
+import specjax
+from specjax import api, prices
+from specjax.config import SpecConfig
+
+MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _line_times(u: float, v: float, batch: int, width: int) -> tuple[float, float]:
+    """Seconds of forwards of batch and batch x width tokens under fwd(n) = u (1 + (n-1) v)."""
+    return u * (1 + (batch - 1) * v), u * (1 + (batch * width - 1) * v)
+
+
+@pytest.mark.parametrize("batch,width,v", [(1, 5, 0.25), (4, 5, 0.01), (32, 9, 0.4), (8, 2, 0.0)])
+def test_fit_recovers_the_price_of_a_linear_forward(batch, width, v):
+    t_step, t_verify = _line_times(2e-3, v, batch, width)
+    got = prices.fit(t_step, t_verify, 0.5 * t_step, batch, width)
+    assert got["verify_token"] == pytest.approx(v, abs=1e-9)
+    assert got["draft_step"] == pytest.approx(0.5)
+
+
+def test_fit_clips_what_no_line_explains():
+    # faster with more tokens: free; faster than linear growth: a whole forward per token
+    assert prices.fit(1.0, 0.9, None, 1, 5) == {"verify_token": 0.0}
+    assert prices.fit(1.0, 3.0, None, 4, 2)["verify_token"] == prices.MAX_VERIFY_TOKEN
+    with pytest.raises(ValueError, match="width=1"):
+        prices.fit(1.0, 1.0, None, 1, 1)
+    with pytest.raises(ValueError, match="t_step=0"):
+        prices.fit(0, 1.0, None, 1, 5)
+
+
+@pytest.fixture(scope="module")
+def shipped():
+    return (
+        specjax.load(str(MODELS / "code-target" / "code-target-f16.gguf")),
+        specjax.load(str(MODELS / "code-draft" / "code-draft-f16.gguf")),
+    )
+
+
+def test_measure_times_each_model_and_shape_once(shipped, monkeypatch):
+    target, draft = shipped
+    made = []
+
+    def fake_timer(config, params, cache, width, fill):
+        # the target: 1 ms per forward of one token per row, +0.2 ms per extra token; the
+        # draft: 0.3 ms
+        made.append((config.L, cache.batch, width, fill))
+        rows = cache.batch
+        if config is draft.config:
+            return lambda: 0.3e-3
+        return lambda: 1e-3 * (1 + (rows * width - 1) * 0.2)
+
+    monkeypatch.setattr(prices, "forward_timer", fake_timer)
+    monkeypatch.setattr(prices, "_MEASURED", {})
+    got = prices.measure(target, draft, 2, 5, 512)
+    assert got["verify_token"] == pytest.approx(0.2)
+    assert got["draft_step"] == pytest.approx(0.3 / 1.2)
+    assert sorted(made) == sorted(
+        [(target.config.L, 2, 1, 256), (target.config.L, 2, 5, 256), (draft.config.L, 2, 1, 256)]
+    )
+    assert prices.measure(target, draft, 2, 5, 512) == got and len(made) == 3  # kept
+    prices.measure(target, None, 4, 5, 64)  # another shape: timed, a cache of 64 half filled
+    assert made[3:] == [(target.config.L, 4, 1, 32), (target.config.L, 4, 5, 32)]
+    # a pytree without the Llama family's fused Q/K/V weight is not timed
+    other = dataclasses.replace(target, params={"layers": ({"w": target.params["embed"]},)})
+    assert prices.measure(other, None, 1, 5, 64) is None and len(made) == 5
+
+
+def test_cost_model_uses_measured_prices_when_asked(shipped, monkeypatch):
+    target, draft = shipped
+    calls = []
+
+    def fake_measure(model, draft_model, batch, width, capacity):
+        calls.append((draft_model is not None, batch, width, capacity))
+        return {"verify_token": 0.123, "draft_step": 0.456}
+
+    monkeypatch.setattr(prices, "measure", fake_measure)
+    kw = dict(batch=3, k_max=16, capacity=512)
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=4, cost_calibrate=True)
+    cost = api.cost_model(spec, target, draft, **kw)
+    assert (float(cost.verify_token), float(cost.draft_step)) == pytest.approx((0.123, 0.456))
+    assert calls == [(True, 3, 5, 512)]  # the verify of the longest draft n_max lets through
+    chain = SpecConfig(types=("ngram-mod", "draft-simple"), draft_n_max=4, cost_calibrate=True)
+    api.cost_model(chain, target, draft, **kw)
+    assert calls[-1] == (True, 3, api.CALIBRATION_K + 1, 512)  # ngram-mod's n_max is 64
+    # prices given explicitly win; no draft-simple: no draft timed
+    given = SpecConfig(types=("draft-simple",), cost_calibrate=True, cost_verify_token=0.3)
+    assert float(api.cost_model(given, target, draft, **kw).verify_token) == pytest.approx(0.3)
+    api.cost_model(SpecConfig(types=("ngram-simple",), cost_calibrate=True), target, None, **kw)
+    assert calls[-1] == (False, 3, api.CALIBRATION_K + 1, 512)  # n_max 48, capped
+    # on CPU by default, with the governor off, or for synthetic acceptance: nothing timed
+    n = len(calls)
+    cost = api.cost_model(SpecConfig(types=("draft-simple",)), target, draft, **kw)
+    assert float(cost.verify_token) == pytest.approx(api.CPU_VERIFY_TOKEN)
+    off = SpecConfig(types=("draft-simple",), cost_calibrate=True, adaptive=False)
+    api.cost_model(off, target, draft, **kw)
+    api.cost_model(spec, target, draft, synthetic=True, **kw)
+    assert len(calls) == n
+
+
+def test_measured_prices_on_this_machine_are_prices(shipped, monkeypatch):
+    """The real timing path runs on the shipped pair and gives prices the cost model can use
+    (their values are measured by benchmarks, not asserted here)."""
+    target, draft = shipped
+    monkeypatch.setattr(prices, "_MEASURED", {})
+    got = prices.measure(target, draft, 1, 5, 256)
+    assert 0.0 <= got["verify_token"] <= prices.MAX_VERIFY_TOKEN
+    assert math.isfinite(got["draft_step"]) and got["draft_step"] > 0
