@@ -5,7 +5,8 @@
 #   benchmarks/batch.py  continuous batching with and without speculation at N = 1, 8, 32, 128
 # Results go to $OUT (the device tool's folder) or benchmarks/results/. Packages the machine
 # lacks (gguf) travel as wheels in .whl/ (see the device tool's README): they are installed
-# into /tmp/site first. Pass `tiny` to smoke-test the script on a CPU in a few minutes.
+# into /tmp/site first. Pass `tiny` to smoke-test the script on a CPU in a few minutes, and
+# `profile` for benchmarks/gpu_profile.py (where a decode step's time goes) instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
@@ -24,6 +25,16 @@ if [[ "${1:-}" == tiny ]]; then
     exit
 fi
 export SPECJAX_COMPILE_CACHE=0  # a fresh machine: storing executables would only cost time
+if [[ "${1:-}" == profile ]]; then  # where a decode step's time goes (~3-5 minutes)
+    nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
+    mkdir -p /tmp/gguf
+    for b in 1 32; do
+        timeout 280 $PY benchmarks/gpu_profile.py --dir /tmp/gguf --batch $b \
+            --out "$RESULTS/gpu-profile-B$b.json" 2> >(tee -a "$RESULTS/profile.log" >&2) ||
+            echo "gpu_profile.py B=$b ended with status $?" >&2
+    done
+    exit
+fi
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
 # A lease has a hard limit: gpu.py gets at most GPU_SECONDS, batch.py what is left of
 # TOTAL_SECONDS; each writes what it measured so far after each batch size or slot count,
