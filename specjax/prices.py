@@ -5,9 +5,10 @@ forward: `fwd(n) = 1 + (n - 1) * verify_token` for a forward of n tokens (all ro
 batch), `draft_step * fwd(B)` for one draft-model step at B rows. On CPU the defaults are
 medians measured on the shipped models (`api.CPU_VERIFY_TOKEN`); on an accelerator the
 guesses (0.01 per extra token, the draft's share of the target's layers or parameters) were
-far off: on an H200 a 2-layer draft step of the shipped pair cost several times its share,
-and speculation ran at 0.69-0.90x of plain continuous batching while the governor drafted in
-nearly every round (benchmarks/results/batch-gpu-h200.json).
+far off: on an H200 a step of benchmarks/gpu.py's 2-layer draft cost 0.4 of its 16-layer
+target's step, three times its layer share (benchmarks/results/gpu-h200.json), and with the
+shipped pair speculation ran at 0.69-0.90x of plain continuous batching while the governor
+drafted in nearly every round (benchmarks/results/batch-gpu-h200.json).
 
 `measure` times, on this device and at the run's batch size, three jitted loops of forwards
 over a cache filled with `fill` cells (interleaved, the fastest of LOOPS each): the target at 1 token per row, the target at the
