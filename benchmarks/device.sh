@@ -6,7 +6,10 @@
 # Results go to $OUT (the device tool's folder) or benchmarks/results/. Packages the machine
 # lacks (gguf) travel as wheels in .whl/ (see the device tool's README): they are installed
 # into /tmp/site first. Pass `tiny` to smoke-test the script on a CPU in a few minutes, and
-# `profile` for benchmarks/gpu_profile.py (where a decode step's time goes) instead.
+# `profile` for benchmarks/gpu_profile.py (where a decode step's time goes, ~3-5 minutes)
+# instead. The first run on an H200 (2026-12-04) took 488 s of command time and 41 s to start;
+# a 15-minute lease holds one full run, or a profile run and then the full run back to back
+# (a machine stays warm for 30 s after a call).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if compgen -G ".whl/*.whl" >/dev/null; then
