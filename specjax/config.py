@@ -116,7 +116,8 @@ class SpecConfig:
     #: Measure `cost_verify_token` and `cost_draft_step` (draft-simple) on this device at the
     #: run's batch size before decoding (`specjax.prices`; prices given above win). None =
     #: on accelerators only: on CPU the defaults are medians of many runs, and one
-    #: measurement on a shared host is noisy.
+    #: measurement on a shared host is noisy. The first run of a shape compiles 3-5 small
+    #: timing programs (a forward filling the cache, loops of 1- and W-token forwards).
     cost_calibrate: bool | None = None
 
     def __post_init__(self) -> None:
