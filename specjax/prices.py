@@ -11,9 +11,9 @@ shipped pair speculation ran at 0.69-0.90x of plain continuous batching while th
 drafted in nearly every round (benchmarks/results/batch-gpu-h200.json).
 
 `measure` times, on this device and at the run's batch size, three jitted loops of forwards
-over a cache filled with `fill` cells (interleaved, the fastest of LOOPS each): the target at 1 token per row, the target at the
-verify width W per row, and the draft model (draft-simple) at 1 token per row. `fit` turns
-the seconds into prices. With R = t(B x W) / t(B x 1), fitting the line through both points:
+over a cache filled with `fill` cells (interleaved, the fastest of LOOPS each): the target at
+1 token per row, the target at the verify width W per row, and the draft model
+(draft-simple) at 1 token per row. `fit` turns the seconds into prices. With R = t(B x W) / t(B x 1), fitting the line through both points:
 
     verify_token = (R - 1) / ((B W - 1) - R (B - 1))    clipped to [0, 1]
     draft_step   = t_draft(B x 1) / t(B x 1)
@@ -34,6 +34,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+
+from specjax.models.llama import LINEAR_WEIGHTS, forward_fn
 
 #: Highest price of an extra token (a forward that grows faster than linearly in tokens).
 MAX_VERIFY_TOKEN = 1.0
@@ -69,8 +71,6 @@ def fit(
 
 def timeable(params: Any) -> bool:
     """Whether `params` is a Llama-family pytree `measure` can time."""
-    from specjax.models.llama import LINEAR_WEIGHTS
-
     layers: Any = params.get("layers", ()) if isinstance(params, dict) else ()
     return bool(layers) and LINEAR_WEIGHTS[0] in layers[0]
 
@@ -97,8 +97,6 @@ def forward_timer(config: Any, params: Any, cache: Any, width: int, fill: int) -
 
 
 def _loop(config: Any, params: Any, cache: Any, token_B: Any, positions_BT: Any) -> Any:
-    from specjax.models.llama import forward_fn
-
     width = positions_BT.shape[1]
 
     def body(_: Any, tok_B: Any) -> Any:
@@ -109,14 +107,8 @@ def _loop(config: Any, params: Any, cache: Any, token_B: Any, positions_BT: Any)
     return jax.lax.fori_loop(0, FORWARDS_PER_LOOP, body, token_B)
 
 
-def _forward(config: Any, params: Any, tokens: Any, positions: Any, cache: Any) -> Any:
-    from specjax.models.llama import forward_fn
-
-    return forward_fn(config, params, tokens, positions, cache)
-
-
 _loop_jit = jax.jit(_loop, static_argnames=("config",))
-_forward_jit = jax.jit(_forward, static_argnames=("config",))
+_forward_jit = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
 
 
 def measure(
@@ -127,10 +119,10 @@ def measure(
     not Llama-family pytrees. Kept per set of weights and shapes (`_MEASURED`)."""
     from specjax import api
 
-    params = api.decode_params(model.params)
-    draft_params = None if draft is None else api.decode_params(draft.params)
     if not timeable(model.params) or (draft is not None and not timeable(draft.params)):
         return None
+    params = api.decode_params(model.params)
+    draft_params = None if draft is None else api.decode_params(draft.params)
     leaves = jax.tree.leaves((params, draft_params))
     key = (id(params), id(draft_params), batch, width, capacity)
     hit = _MEASURED.pop(key, None)
