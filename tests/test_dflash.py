@@ -123,6 +123,24 @@ def test_on_cpu_the_heads_products_run_on_the_native_kernel(target, dspark):
     assert "specjax_" not in fn.lower(params).as_text()
     np.testing.assert_allclose(fn(form), fn(params), rtol=2e-3, atol=2e-3)
 
+    # the engine's path: the context in the head's cache (as the drafter keeps it), the
+    # block's attention on the attention kernel too; padding rows (position -1) excluded,
+    # as the drafter never reads them
+    def cached_block(p):
+        g = df.encode(cfg, p["head"], feats)
+        kv = df.inject_kv(cfg, p["head"], g, pos)
+        cache = llama.commit_kv(llama.new_cache(cfg.layer_config, 1, 16), pos, kv.k, kv.v)
+        tokens = jnp.asarray([[5, cfg.mask_token_id, cfg.mask_token_id, 0]], jnp.int32)
+        block_pos = jnp.asarray([[3, 4, 5, -1]], jnp.int32)
+        mask_pos = jnp.asarray([[5, 5, 5, -1]], jnp.int32)
+        out = df.block_forward(cfg, p["head"], p["shared"], tokens, block_pos, mask_pos, cache)
+        return out.logits[:, :3]
+
+    fn = jax.jit(cached_block)
+    assert "specjax_attend_cache" in fn.lower(form).as_text()
+    assert "specjax_" not in fn.lower(params).as_text()
+    np.testing.assert_allclose(fn(form), fn(params), rtol=2e-3, atol=2e-3)
+
 
 def test_clamp_warns_and_limits_the_draft_width(target):
     from specjax.drafters.registry import build_drafters

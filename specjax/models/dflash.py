@@ -51,7 +51,10 @@ from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
     LINEAR_WEIGHTS,
+    KernelWeight,
     _attend,
+    _attend_native,
+    _native_attention,
     apply_rope,
     kernel_weight,
     linear,
@@ -350,10 +353,14 @@ def block_hidden(
     x = embed[tokens_BW].astype(jnp.dtype(config.dtype))
     B, W, _ = x.shape
     cos, sin = _rope(config, positions_BW)
-    n_chunks = None
+    n_chunks = used = None
     if cache is not None:
         chunk = min(CACHE_CHUNK, cache.capacity)
-        n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
+        used = used_cells(cache.pos)
+        n_chunks = (used + chunk - 1) // chunk
+    # the kernel form of the weights (`kernel_params`, CPU) runs the attention on the native
+    # kernel too: the block's rows over its own cells and the cached ones, a call each
+    native = bool(params["layers"]) and isinstance(params["layers"][0]["wqkv"], KernelWeight)
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
         qkv = linear(h, layer["wqkv"])
@@ -373,7 +380,11 @@ def block_hidden(
             kv, ctx_pos = ctx
             own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
         cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
-        attn = _attend(qg, own, mask_pos_BW, 0, cached, n_chunks)
+        segments = own if cached is None else [*own, cached]
+        if native and all(_native_attention(qg, seg) for seg in segments):
+            attn = _attend_native(qg, own, mask_pos_BW, 0, cached, used)
+        else:
+            attn = _attend(qg, own, mask_pos_BW, 0, cached, n_chunks)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
         x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
