@@ -33,8 +33,9 @@ Parameter dict (weights [out, in], as specjax.models.config)::
 
 Invariants: `block_forward` and `inject_kv` read the cache and never write it (the caller
 commits with `specjax.models.llama.commit_kv`); the attention and RoPE are the target's code
-(`specjax.models.llama._attend`, `apply_rope`), non-causality comes from giving every block
-query the mask position of the block's last row while RoPE uses the real positions.
+(`specjax.models.llama._attend`, or `_attend_native` on the CPU kernel when the head's weights
+are in the kernel form; `apply_rope`), non-causality comes from giving every block query the
+mask position of the block's last row while RoPE uses the real positions.
 """
 
 from __future__ import annotations
