@@ -113,14 +113,19 @@ def refuse_overwrite(out: str | os.PathLike[str] | None, overwrite: bool) -> Non
         )
 
 
-def emit(result: dict[str, Any], out: str | os.PathLike[str], *, partial: bool = False) -> None:
-    """Print `result` as JSON and write it to `out` (its folder created if needed).
+def emit(
+    result: dict[str, Any], out: str | os.PathLike[str] | None, *, partial: bool = False
+) -> None:
+    """Print `result` as JSON and write it to `out` (its folder created if needed; None: print
+    only).
 
     `partial=True` writes without printing, marked `"partial": true`: a long run (an
     accelerator lease with a hard time limit) keeps what it measured so far if it is killed."""
     text = json.dumps({**result, "partial": True} if partial else result, indent=2)
     if not partial:
         print(text)
+    if out is None:
+        return
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     Path(out).write_text(text + "\n")
 

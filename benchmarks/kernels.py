@@ -29,7 +29,6 @@ benchmarks/peers.py's.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -227,10 +226,7 @@ def main() -> None:
         result.update(blocks_section(args.calls, args.repeats))
     if "forward" in sections:
         result.update(forward_section(args.repeats))
-    if args.out:
-        emit(result, args.out)
-    else:
-        print(json.dumps(result, indent=2))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":

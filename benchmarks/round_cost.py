@@ -15,7 +15,6 @@ generation loop runs per round, counted in one profiled run (noise-free, but a p
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -85,10 +84,7 @@ def main() -> None:
             "rounds": first.timings["n_rounds"],
             "mean_acceptance_length": first.stats.to_dict()["mean_acceptance_length"],
         }
-    if args.out:
-        emit(result, args.out)
-    else:
-        print(json.dumps(result, indent=2))
+    emit(result, args.out)
 
 
 if __name__ == "__main__":
