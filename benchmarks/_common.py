@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import glob
+import gzip
 import json
 import os
 import resource
 import sys
+import tempfile
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -62,37 +65,26 @@ def forward_timer(
     model: specjax.Model, prompt: list[int], width: int, n_ctx: int
 ) -> Callable[[], float]:
     """A thunk timing one `width`-token forward after `prompt`, on the weights and F16 cache
-    the engine decodes with: a jitted loop of 32 forwards, each fed the previous one's argmax
-    (one dispatch, so host overhead is not counted); seconds per forward. Compiled here."""
+    the engine decodes with (`specjax.prices.forward_timer`: a jitted loop of forwards, each
+    fed the previous one's argmax, one dispatch); seconds per forward. Compiled here."""
     import jax.numpy as jnp
 
-    from specjax import api
-    from specjax.models.llama import forward_fn
+    from specjax import api, prices
 
-    config, params = model.config, api.decode_params(model.params)
     cache = model.new_cache(1, n_ctx, "f16", "f16")
-    n = len(prompt)
-    fwd = jax.jit(forward_fn, static_argnames=("config", "hidden_layers"))
-    cache = fwd(config, params, jnp.asarray([prompt]), jnp.arange(n)[None], cache).cache
-    positions = n + jnp.arange(width)[None]
+    params = api.decode_params(model.params)
+    return prices.forward_timer(model.config, params, cache, width, jnp.asarray([prompt]))
 
-    @jax.jit
-    def loop(params, cache, token):
-        def body(_, tok):
-            logits = forward_fn(config, params, jnp.full((1, width), tok), positions, cache).logits
-            return jnp.argmax(logits[0, -1]).astype(jnp.int32)
 
-        return jax.lax.fori_loop(0, 32, body, token)
-
-    token = jnp.asarray(prompt[-1], jnp.int32)
-    jax.block_until_ready(loop(params, cache, token))
-
-    def seconds() -> float:
-        t = time.perf_counter()
-        jax.block_until_ready(loop(params, cache, token))
-        return (time.perf_counter() - t) / 32
-
-    return seconds
+def profiled(run: Callable[[], Any]) -> tuple[Any, list[dict[str, Any]]]:
+    """`run()` under `jax.profiler`: its result and the trace's events (perfetto JSON)."""
+    with tempfile.TemporaryDirectory() as out:
+        with jax.profiler.trace(out, create_perfetto_trace=True):
+            result = run()
+        (path,) = glob.glob(f"{out}/**/*perfetto_trace.json.gz", recursive=True)
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    return result, trace["traceEvents"] if isinstance(trace, dict) else trace
 
 
 def llamacpp_prompt_ids(model: specjax.Model, prompt_text: str) -> list[int]:

@@ -245,7 +245,7 @@ def main() -> None:
         "prompt_tokens_total": sum(len(r["tokens"]) for r in reqs),
         "machine": machine(),
     }
-    by_parallel = []
+    by_parallel: dict[str, dict[str, Any]] = {}
     first_tokens: dict[Any, list[int]] | None = None
     for n in parallels:
         r = measure(model, draft, spec, reqs, n, args.n_ctx, args.repeats, configs)
@@ -257,15 +257,14 @@ def main() -> None:
         r["requests_differing_from_first_parallel"] = sum(
             tokens.get(k) != v for k, v in first_tokens.items()
         )
-        by_parallel.append(r)
+        by_parallel[str(n)] = r
         if len(parallels) > 1:  # keep each slot count's numbers if a long run is cut short
-            partial = {**result, "by_parallel": {str(r["parallel"]): r for r in by_parallel}}
-            emit(partial, args.out, partial=True)
+            emit({**result, "by_parallel": by_parallel}, args.out, partial=True)
     result.update(peak_memory())
     if len(by_parallel) == 1:
-        result.update(by_parallel[0])  # one slot count: the flat layout of earlier results
+        result.update(r)  # one slot count: the flat layout of earlier results
     else:
-        result["by_parallel"] = {str(r["parallel"]): r for r in by_parallel}
+        result["by_parallel"] = by_parallel
     emit(result, args.out)
 
 

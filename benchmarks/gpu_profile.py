@@ -27,18 +27,16 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
-import glob
-import gzip
 import json
 import os
 import subprocess
 import sys
-import tempfile
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import ROOT, emit, machine, refuse_overwrite
+from _common import ROOT, emit, machine, profiled, refuse_overwrite
 from gpu import SIZES, model_dir, write_gguf
 
 #: XLA flag sets tried, each in its own process (the default first).
@@ -50,8 +48,8 @@ VARIANTS: dict[str, str] = {
 }
 
 
-def decode_step_seconds(target_path: Path, batch: int, prompt: int, tokens: int) -> dict:
-    """Greedy decode of random prompts; the median of 3 runs after one that compiles."""
+def decoder(target_path: Path, batch: int, prompt: int, tokens: int) -> Callable[[], Any]:
+    """A thunk running one greedy decode of random prompts (the model loaded once)."""
     import numpy as np
 
     import specjax
@@ -60,12 +58,13 @@ def decode_step_seconds(target_path: Path, batch: int, prompt: int, tokens: int)
     rng = np.random.default_rng(0)
     prompts = [rng.integers(3, model.config.V, prompt).tolist() for _ in range(batch)]
     n_ctx = 1 << (prompt + tokens).bit_length()
-    kw: dict[str, Any] = dict(max_new_tokens=tokens, n_ctx=n_ctx)
-    first = specjax.generate(model, prompts, **kw)
-    runs = sorted(
-        (specjax.generate(model, prompts, **kw) for _ in range(3)),
-        key=lambda r: r.timings["decode_seconds"],
-    )
+    return lambda: specjax.generate(model, prompts, max_new_tokens=tokens, n_ctx=n_ctx)
+
+
+def decode_step_seconds(run: Callable[[], Any]) -> dict:
+    """The median of 3 decodes after one that compiles."""
+    first = run()
+    runs = sorted((run() for _ in range(3)), key=lambda r: r.timings["decode_seconds"])
     mid = runs[1].timings
     return {
         "step_seconds": mid["decode_seconds"] / max(mid["n_rounds"], 1),
@@ -74,25 +73,11 @@ def decode_step_seconds(target_path: Path, batch: int, prompt: int, tokens: int)
     }
 
 
-def profile_summary(target_path: Path, batch: int, prompt: int, tokens: int) -> dict:
-    """One profiled decode, summarised per process lane of the trace (see the docstring)."""
-    import jax
-    import numpy as np
-
-    import specjax
-
-    model = dataclasses.replace(specjax.load(str(target_path)), eog=())
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(3, model.config.V, prompt).tolist() for _ in range(batch)]
-    kw: dict[str, Any] = dict(max_new_tokens=tokens, n_ctx=1 << (prompt + tokens).bit_length())
-    specjax.generate(model, prompts, **kw)  # compiled outside the trace
-    with tempfile.TemporaryDirectory() as out:
-        with jax.profiler.trace(out, create_perfetto_trace=True):
-            result = specjax.generate(model, prompts, **kw)
-        (path,) = glob.glob(f"{out}/**/*perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+def profile_summary(run: Callable[[], Any]) -> dict:
+    """One profiled decode (compiled before), summarised per process lane of the trace (see
+    the docstring)."""
+    run()  # compiled outside the trace
+    result, events = profiled(run)
     lanes = {
         e["pid"]: e.get("args", {}).get("name", str(e["pid"]))
         for e in events
@@ -140,10 +125,10 @@ def profile_summary(target_path: Path, batch: int, prompt: int, tokens: int) -> 
 
 def child(args: argparse.Namespace) -> None:
     """One variant: its step time (and, for `--profile`, the profile summary) as JSON."""
-    target = Path(args.target)
-    out: dict[str, Any] = decode_step_seconds(target, args.batch, args.prompt, args.tokens)
+    run = decoder(Path(args.target), args.batch, args.prompt, args.tokens)
+    out: dict[str, Any] = decode_step_seconds(run)
     if args.profile:
-        out["profile"] = profile_summary(target, args.batch, args.prompt, args.tokens)
+        out["profile"] = profile_summary(run)
     print(json.dumps(out))
 
 

@@ -26,19 +26,14 @@ changed its time by under 3% on a quiet host), so read it beside the minimum tim
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
 import json
 import statistics
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
-import jax
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, refuse_overwrite
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, profiled, refuse_overwrite
 from peers import NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
@@ -60,13 +55,7 @@ _NOT_KERNELS = (
 def kernels_per_round(run: Any) -> float:
     """XLA kernels per round of one profiled `run()` (which returns a `generate` result),
     counted from the generation loop's start."""
-    with tempfile.TemporaryDirectory() as out:
-        with jax.profiler.trace(out, create_perfetto_trace=True):
-            result = run()
-        (path,) = glob.glob(f"{out}/**/*perfetto_trace.json.gz", recursive=True)
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    result, events = profiled(run)
     spans = [e for e in events if e.get("ph") == "X"]
     start = max(e["ts"] for e in spans if e["name"].startswith("PjitFunction(jit(generate_loop"))
     kernels = sum(1 for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS))

@@ -24,23 +24,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import (
     DEFAULT_DRAFT,
     DEFAULT_TARGET,
-    ROOT,
     emit,
     llamacpp_prompt_ids,
     machine,
     refuse_overwrite,
 )
 from idle_rounds import kernels_per_round
-from peers import PROMPT_FILES
+from peers import DEFAULT_DFLASH, DEFAULT_DSPARK, DEFAULT_EAGLE3, PROMPT_FILES
 
 import specjax
 
 #: The shipped draft or head of each spec type with one.
 DRAFTS = {
     "draft-simple": DEFAULT_DRAFT,
-    "draft-eagle3": ROOT / "models" / "code-eagle3" / "code-eagle3-f16.gguf",
-    "draft-dflash": ROOT / "models" / "code-dflash" / "code-dflash-f16.gguf",
-    "draft-dspark": ROOT / "models" / "code-dspark" / "code-dspark-f16.gguf",
+    "draft-eagle3": DEFAULT_EAGLE3,
+    "draft-dflash": DEFAULT_DFLASH,
+    "draft-dspark": DEFAULT_DSPARK,
 }
 
 
