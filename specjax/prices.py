@@ -75,15 +75,14 @@ def timeable(params: Any) -> bool:
     return bool(layers) and LINEAR_WEIGHTS[0] in layers[0]
 
 
-def forward_timer(config: Any, params: Any, cache: Any, width: int, fill: int) -> Any:
-    """A thunk timing one `width`-token forward per row of the empty `cache` after `fill`
-    cells are written: a jitted loop of FORWARDS_PER_LOOP forwards (one dispatch, so host
-    overhead is not counted), each fed the previous one's argmax; seconds per forward.
-    Compiled and run once here."""
-    batch = cache.batch
-    fill_tokens = jnp.broadcast_to(jnp.arange(fill, dtype=jnp.int32) % config.V, (batch, fill))
+def forward_timer(config: Any, params: Any, cache: Any, width: int, fill_BT: Any) -> Any:
+    """A thunk timing one `width`-token forward per row of the empty `cache` after the
+    tokens `fill_BT` are written: a jitted loop of FORWARDS_PER_LOOP forwards (one dispatch,
+    so host overhead is not counted), each fed the previous one's argmax; seconds per
+    forward. Compiled and run once here."""
+    batch, fill = cache.batch, fill_BT.shape[1]
     fill_positions = jnp.broadcast_to(jnp.arange(fill, dtype=jnp.int32), (batch, fill))
-    cache = _forward_jit(config, params, fill_tokens, fill_positions, cache).cache
+    cache = _forward_jit(config, params, fill_BT, fill_positions, cache).cache
     positions = jnp.broadcast_to(fill + jnp.arange(width, dtype=jnp.int32), (batch, width))
     token = jnp.zeros((batch,), jnp.int32)
     jax.block_until_ready(_loop_jit(config, params, cache, token, positions))
@@ -128,15 +127,17 @@ def measure(
     hit = _MEASURED.pop(key, None)
     if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
         fill = max(1, min(capacity // 2, 256, capacity - width))
+        fill_BT = jnp.broadcast_to(jnp.arange(fill, dtype=jnp.int32), (batch, fill))
         # the engine's default cache type (F16), as it decodes
         cache = model.new_cache(batch, capacity, "f16", "f16")
         timers = [
-            forward_timer(model.config, params, cache, 1, fill),
-            forward_timer(model.config, params, cache, width, fill),
+            forward_timer(model.config, params, cache, 1, fill_BT % model.config.V),
+            forward_timer(model.config, params, cache, width, fill_BT % model.config.V),
         ]
         if draft is not None:
             draft_cache = draft.new_cache(batch, capacity, "f16", "f16")
-            timers.append(forward_timer(draft.config, draft_params, draft_cache, 1, fill))
+            draft_fill = fill_BT % draft.config.V
+            timers.append(forward_timer(draft.config, draft_params, draft_cache, 1, draft_fill))
         # interleaved, the fastest of each: a drift of the machine's speed hits all three
         best = [min(times) for times in zip(*([t() for t in timers] for _ in range(LOOPS)))]
         t_draft = best[2] if draft is not None else None

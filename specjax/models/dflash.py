@@ -33,8 +33,8 @@ Parameter dict (weights [out, in], as specjax.models.config)::
 
 Invariants: `block_forward` and `inject_kv` read the cache and never write it (the caller
 commits with `specjax.models.llama.commit_kv`); the attention and RoPE are the target's code
-(`specjax.models.llama._attend`, or `_attend_native` on the CPU kernel when the head's weights
-are in the kernel form; `apply_rope`), non-causality comes from giving every block query the
+(`specjax.models.llama.attend_segments`: the CPU kernel when the head's weights are in the
+kernel form, else XLA; `apply_rope`), non-causality comes from giving every block query the
 mask position of the block's last row while RoPE uses the real positions.
 """
 
@@ -53,10 +53,8 @@ from specjax.models.llama import (
     CACHE_CHUNK,
     LINEAR_WEIGHTS,
     KernelWeight,
-    _attend,
-    _attend_native,
-    _native_attention,
     apply_rope,
+    attend_segments,
     kernel_weight,
     linear,
     rms_norm,
@@ -381,11 +379,7 @@ def block_hidden(
             kv, ctx_pos = ctx
             own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
         cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
-        segments = own if cached is None else [*own, cached]
-        if native and all(_native_attention(qg, seg) for seg in segments):
-            attn = _attend_native(qg, own, mask_pos_BW, 0, cached, used)
-        else:
-            attn = _attend(qg, own, mask_pos_BW, 0, cached, n_chunks)
+        attn = attend_segments(qg, own, mask_pos_BW, 0, cached, n_chunks, used, native)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
         x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)

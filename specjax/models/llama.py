@@ -334,14 +334,40 @@ def _layer_attention(
     cached = None
     if n_chunks is not None:
         cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
-    segments = [*own] if cached is None else [*own, cached]
-    if native and all(_native_attention(q, s) for s in segments):
-        out = _attend_native(q, own, positions_BT, window, cached, used)
-    elif cached is None and extra is None:  # a prompt into an empty cache
-        out = _attend_prompt(q, *own[0], window)
+    if cached is None and extra is None and not _takes_native(native, q, own, cached):
+        out = _attend_prompt(q, *own[0], window)  # a prompt into an empty cache
     else:
-        out = _attend(q, own, positions_BT, window, cached, n_chunks)
+        out = attend_segments(q, own, positions_BT, window, cached, n_chunks, used, native)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
+
+
+def _takes_native(
+    native: bool,
+    q_BGRTE: Array,
+    own: list[tuple[Array, Array, Array]],
+    cached: tuple[Array, Array, Array] | None,
+) -> bool:
+    segments = own if cached is None else [*own, cached]
+    return native and all(_native_attention(q_BGRTE, s) for s in segments)
+
+
+def attend_segments(
+    q_BGRTE: Array,
+    own: list[tuple[Array, Array, Array]],
+    q_pos_BT: Array,
+    window: int,
+    cached: tuple[Array, Array, Array] | None,
+    n_chunks: Array | None,
+    used: Array | None,
+    native: bool,
+) -> Array:
+    """Attention over `own` segments and the cached cells: on the native kernel
+    (`_attend_native`, every cell below `used`) when `native` (the weights are in the kernel
+    form) and the kernel takes the segments' dtypes, else on XLA (`_attend`, `n_chunks`
+    chunks). The target's layers and the block heads' (`models.dflash`) share it."""
+    if _takes_native(native, q_BGRTE, own, cached):
+        return _attend_native(q_BGRTE, own, q_pos_BT, window, cached, used)
+    return _attend(q_BGRTE, own, q_pos_BT, window, cached, n_chunks)
 
 
 def _attend_native(
