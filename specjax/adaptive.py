@@ -33,7 +33,8 @@ defaults: `verify_token` 0.4, `call` 0.08, K = 4), while one that finds drafts a
 at full speed after a single hit. The backoff trades what probing a drafter that finds
 nothing costs against how late a run of repeated text is noticed: with 1/2^6 (about one
 round in 22) ngram-map-k over code that repeats a block took 211 rounds for 256 tokens where
-llama.cpp, asking every round, took ~153; with 1/2^5, 179. The prior (hit 1.0, accept
+llama.cpp, asking every round, took ~153; with 1/2^5, 179 (benchmarks/governor_rounds.py
+counts these). The prior (hit 1.0, accept
 0.95) is optimistic enough that a batch of up to 4 rows probes under those prices, so the
 governor measures a drafter before it turns it off; with accept 0.8 it judged drafting not
 worth a probe at B >= 2 and never measured it.

@@ -1,0 +1,76 @@
+"""What the draft governor asks of n-gram drafters: rounds per run and rounds it asked.
+
+    python benchmarks/governor_rounds.py [--tokens 256] [--out FILE]
+
+Deterministic counts (no timing), for comparing governor settings at two commits
+(`PYTHONPATH=<worktree>`): the shipped target, greedy, `--tokens` new tokens, governor on.
+
+* `cases`: each of ngram-simple / ngram-map-k / ngram-mod / ngram-cache over the `main`,
+  `repetitive` and `norepeat` prompts (as benchmarks/peers.py builds them): rounds taken
+  (fewer = more tokens per target forward) and rounds in which the drafter was asked;
+  `total_rounds` sums them.
+* `finds_nothing`: ngram-map-k with an n-gram size no text can match, asked rounds after
+  64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
+  `specjax.adaptive`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwrite
+from peers import NO_MATCH_N, PROMPT_FILES, Specjax
+
+import specjax
+
+DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
+PROMPTS = ("main", "repetitive", "norepeat")
+
+
+def asked(result: Any) -> int:
+    governor = result.stats.to_dict()["governor"]
+    return governor["rounds"] - governor["off"]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
+    peer = Specjax(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), args.tokens)
+    model = peer.model
+    ids = {p: peer.ids(PROMPT_FILES[p].read_text()) for p in PROMPTS}
+    cases: dict[str, dict[str, int]] = {}
+    for drafter in DRAFTERS:
+        spec = specjax.SpecConfig(types=(drafter,), draft_n_max=4)
+        for prompt in PROMPTS:
+            r = specjax.generate(
+                model, [ids[prompt]], max_new_tokens=args.tokens, n_ctx=2048, spec=spec
+            )
+            cases[f"{drafter}/{prompt}"] = {"rounds": r.timings["n_rounds"], "asked": asked(r)}
+    never = specjax.SpecConfig(types=("ngram-map-k",), draft_n_max=4, ngram_map_k_size_n=NO_MATCH_N)
+    finds_nothing = {}
+    for n in (64, 256, 1024):
+        r = specjax.generate(model, [ids["norepeat"]], max_new_tokens=n, n_ctx=4096, spec=never)
+        finds_nothing[str(n)] = asked(r)
+    emit(
+        {
+            "benchmark": "governor_rounds",
+            "tokens": args.tokens,
+            "machine": machine(),
+            "cases": cases,
+            "total_rounds": sum(c["rounds"] for c in cases.values()),
+            "finds_nothing_asked": finds_nothing,
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
