@@ -50,10 +50,10 @@ def test_measure_times_each_model_and_shape_once(shipped, monkeypatch):
     target, draft = shipped
     made = []
 
-    def fake_timer(config, params, cache, width, fill):
+    def fake_timer(config, params, cache, width, fill_BT):
         # the target: 1 ms per forward of one token per row, +0.2 ms per extra token; the
         # draft: 0.3 ms
-        made.append((config.L, cache.batch, width, fill))
+        made.append((config.L, cache.batch, width, fill_BT.shape[1]))
         rows = cache.batch
         if config is draft.config:
             return lambda: 0.3e-3
