@@ -1,6 +1,6 @@
 """What the draft governor asks of n-gram drafters: rounds per run and rounds it asked.
 
-    python benchmarks/governor_rounds.py [--tokens 256] [--out FILE]
+    python benchmarks/governor_rounds.py [--tokens 256] [--cost-call C] [--out FILE]
 
 Deterministic counts (no timing), for comparing governor settings at two commits
 (`PYTHONPATH=<worktree>`): the shipped target, greedy, `--tokens` new tokens, governor on.
@@ -12,6 +12,9 @@ Deterministic counts (no timing), for comparing governor settings at two commits
 * `finds_nothing`: ngram-map-k with an n-gram size no text can match, asked rounds after
   64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
   `specjax.adaptive`).
+
+`--cost-call` sets `SpecConfig.cost_call` (the governor's price of asking the chain, in
+target forwards) for every run: the trade-off between the two lists above.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def asked(result: Any) -> int:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--cost-call", type=float, default=None, help="default: SpecConfig's")
     ap.add_argument("--out", default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
@@ -46,15 +50,18 @@ def main() -> None:
     peer = Specjax(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), args.tokens)
     model = peer.model
     ids = {p: peer.ids(PROMPT_FILES[p].read_text()) for p in PROMPTS}
+    priced = {} if args.cost_call is None else {"cost_call": args.cost_call}
     cases: dict[str, dict[str, int]] = {}
     for drafter in DRAFTERS:
-        spec = specjax.SpecConfig(types=(drafter,), draft_n_max=4)
+        spec = specjax.SpecConfig(types=(drafter,), draft_n_max=4, **priced)
         for prompt in PROMPTS:
             r = specjax.generate(
                 model, [ids[prompt]], max_new_tokens=args.tokens, n_ctx=2048, spec=spec
             )
             cases[f"{drafter}/{prompt}"] = {"rounds": r.timings["n_rounds"], "asked": asked(r)}
-    never = specjax.SpecConfig(types=("ngram-map-k",), draft_n_max=4, ngram_map_k_size_n=NO_MATCH_N)
+    never = specjax.SpecConfig(
+        types=("ngram-map-k",), draft_n_max=4, ngram_map_k_size_n=NO_MATCH_N, **priced
+    )
     finds_nothing = {}
     for n in (64, 256, 1024):
         r = specjax.generate(model, [ids["norepeat"]], max_new_tokens=n, n_ctx=4096, spec=never)
@@ -63,6 +70,7 @@ def main() -> None:
         {
             "benchmark": "governor_rounds",
             "tokens": args.tokens,
+            "cost_call": specjax.SpecConfig(**priced).cost_call,
             "machine": machine(),
             "cases": cases,
             "total_rounds": sum(c["rounds"] for c in cases.values()),

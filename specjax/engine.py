@@ -567,6 +567,36 @@ def spec_step(
     For a chain whose drafters change nothing after a round without drafts
     (`empty_rounds_are_plain`), a round in which the relay found no draft for any row is
     finished as an off round too, after the governor and the statistics have counted it."""
+    state, pending = _spec_round(engine, target_params, drafter_params, state, run, plan, off)
+    if pending is None:
+        return state
+
+    def empty_round(s: GenState) -> GenState:
+        zeros_B = jnp.zeros_like(s.length)
+        return spec_step(
+            engine, target_params, drafter_params, s, run, (zeros_B, s.governor), off=True
+        )
+
+    return run_once(pending, empty_round, state)
+
+
+def _spec_round(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+    plan: tuple[Array, adaptive.Governor] | None,
+    off: bool,
+) -> tuple[GenState, Array | None]:
+    """`spec_step` up to a round's 1-token step: (state, pending). pending is None when the
+    round is complete (an off round, or a chain that is not `empty_rounds_are_plain`);
+    otherwise [] bool: the relay found no draft for any row, the governor and the statistics
+    have counted the round (misses observed), and its 1-token step, an off round's
+    (`spec_step(plan=(0, governor), off=True)`), is still to run. The generation loop runs
+    it in its off rounds' loop: one copy of the 1-token round in the compiled program for
+    the rounds drafting is off and the rounds nothing was found (two copies cost ~5% of a
+    governed round on XLA CPU: the copy a rare round runs is cold in the caches)."""
     B = state.length.shape[0]
     # Draft columns of this round's arrays: none in an off round, whose verify batch is the
     # 1-token one (K-wide arrays there only add small kernels to a round that should cost
@@ -622,27 +652,24 @@ def spec_step(
     )
     state = replace(state, drafter_states=dstates, stats=stats, governor=governor)
     if off or not empty_rounds_are_plain(engine):
-        return _finish_round(engine, target_params, drafter_params, state, run, relay_out, off)
+        finished = _finish_round(engine, target_params, drafter_params, state, run, relay_out, off)
+        return finished, None
 
     # A round in which no row got a draft is finished as an off round (its verify the 1-token
-    # forward at top level, no K-wide arrays, no feedback: the chain's drafters leave their
-    # states as they are when nothing was drafted), after the governor has seen the misses.
-    # A round with drafts is never verified at width 1. Each loop runs 0 or 1 times.
+    # forward, no K-wide arrays, no feedback: the chain's drafters leave their states as they
+    # are when nothing was drafted), after the governor has seen the misses; the caller runs
+    # that step. A round with drafts is never verified at width 1 (a loop run 0 or 1 times).
     found = jnp.any(d_valid)
-
-    @jax.named_scope("nothing_found")
-    def nothing_found(s: GenState) -> GenState:
-        zeros_B = jnp.zeros((B,), jnp.int32)
-        with jax.named_scope("bookkeeping"):
-            governor = adaptive.observe(s.governor, active & (budget > 0), zeros_B, zeros_B)
-        return spec_step(
-            engine, target_params, drafter_params, s, run, (zeros_B, governor), off=True
-        )
 
     def drafts_found(s: GenState) -> GenState:
         return _finish_round(engine, target_params, drafter_params, s, run, relay_out, drafted=True)
 
-    return run_once(found, drafts_found, run_once(~found, nothing_found, state))
+    finished = run_once(found, drafts_found, state)
+    with jax.named_scope("bookkeeping"):  # (elementwise on [B]: no loop of its own)
+        zeros_B = jnp.zeros((B,), jnp.int32)
+        missed = adaptive.observe(governor, active & (budget > 0), zeros_B, zeros_B)
+        governor = jax.tree.map(lambda a, b: jnp.where(found, a, b), finished.governor, missed)
+    return replace(finished, governor=governor), ~found
 
 
 @pytree_dataclass
@@ -807,7 +834,15 @@ def generate_loop(
     skipped), the rounds run in an inner loop as `spec_step(off=True)`: the same rounds, with
     ~5 fewer nested loop evaluations each (each a computation XLA CPU launches on its own)
     and no governor work (the run of off rounds is planned once), so a stretch in which
-    drafting is off costs about what plain decoding costs."""
+    drafting is off costs about what plain decoding costs.
+
+    For a model-free chain (`empty_rounds_are_plain`), a round whose relay found no draft
+    for any row takes its 1-token step in that same inner loop (`_spec_round`'s pending
+    step), so the compiled program holds one copy of the 1-token round. With two copies (the
+    asked round finishing with a copy of its own) a governed run over text the drafter
+    cannot match ran ~5% slower than with one on XLA CPU, at about the same kernel count:
+    the copy a rare round runs is cold in the caches when it does (in a profile, every
+    kernel of those rounds ran 1.3-2x longer than the same kernels run every round)."""
 
     def cond(s: GenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
@@ -821,32 +856,39 @@ def generate_loop(
     # Every round's plan is computed once, after the round before it, and carried: its budget
     # beside the state, its governor (counters updated) in the state's place, so that the
     # loops carry one governor, not two (each small loop-carried array can cost a copy per
-    # round, a kernel of its own on XLA CPU).
-    Carry = tuple[GenState, Array]
+    # round, a kernel of its own on XLA CPU). `pending`: the round just run found no draft
+    # for any row and its 1-token step is still to run (`_spec_round`), in the off rounds'
+    # loop, so that the program holds one copy of that step.
+    Carry = tuple[GenState, Array, Array]
+    no_budget = jnp.zeros_like(state.length)
 
     @jax.named_scope("plan")
-    def planned(s: GenState) -> Carry:
+    def planned(s: GenState) -> tuple[GenState, Array]:
         budget, governor = draft_budget(engine, s, run)
         return replace(s, governor=governor), budget
 
     def off_cond(c: Carry) -> Array:
-        s, budget = c
-        return cond(s) & ~jnp.any(budget > 0)
+        s, budget, pending = c
+        return pending | (cond(s) & ~jnp.any(budget > 0))
 
     @jax.named_scope("off_rounds")
     def off_rounds(c: Carry) -> Carry:
-        """A run of off rounds planned once: the planned one and as many after it as the
-        governor's choice stays 0 (`adaptive.rounds_off_ahead`) while no row finishes. Its
-        rounds do no governor work; `adaptive.advance` adds them up after the run."""
-        s, _ = c
+        """A pending round's step alone, or a run of off rounds planned once: the planned one
+        and as many after it as the governor's choice stays 0 (`adaptive.rounds_off_ahead`)
+        while no row finishes. Its rounds do no governor work; `adaptive.advance` adds them
+        up after the run (a pending round's were done with its relay)."""
+        s, _, pending = c
         active = ~s.done
         headroom = jnp.where(active, _headroom(engine, s, run), 0)
         reachable = jnp.minimum(jnp.clip(headroom, 0, engine.k_max), run.chain_n_max)
-        ahead = adaptive.rounds_off_ahead(
-            s.governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
+        ahead = run_once(  # (a pending round runs alone: its next round is planned after it)
+            ~pending,
+            lambda _: adaptive.rounds_off_ahead(
+                s.governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
+            ),
+            jnp.zeros((), jnp.int32),
         )
         n_done = jnp.sum(s.done)
-        no_budget = jnp.zeros_like(s.length)
 
         def more(c: tuple[GenState, Array]) -> Array:
             s, n = c
@@ -862,17 +904,26 @@ def generate_loop(
         # budget left: round j of the run while j < the row's headroom; 0 when n_max is 0)
         counted = jnp.clip(jnp.max(headroom) - 1, 0, n - 1)
         counted = jnp.where((run.chain_n_max > 0) & (engine.k_max > 0), counted, 0)
-        return planned(replace(s, governor=adaptive.advance(s.governor, n, counted)))
+        advanced = adaptive.advance(s.governor, n, counted)
+        governor = jax.tree.map(lambda a, b: jnp.where(pending, a, b), s.governor, advanced)
+        return (*planned(replace(s, governor=governor)), jnp.zeros((), bool))
 
     def round_then_off_rounds(c: Carry) -> Carry:
-        s, budget = c
-        s = spec_step(engine, target_params, drafter_params, s, run, (budget, s.governor))
-        return jax.lax.while_loop(off_cond, off_rounds, planned(s))
+        s, budget, _ = c
+        s, pending = _spec_round(
+            engine, target_params, drafter_params, s, run, (budget, s.governor), off=False
+        )
+        if pending is None:  # (a chain that is not `empty_rounds_are_plain`)
+            pending = jnp.zeros((), bool)
+        # the next round's plan, unless this one's step is pending (its plan comes after it)
+        c = run_once(~pending, lambda c: (*planned(c[0]), c[2]), (s, no_budget, pending))
+        return jax.lax.while_loop(off_cond, off_rounds, c)
 
     # The first round is a full one even when its plan drafts nothing (the same round, a few
     # loop evaluations dearer): a stretch before it would be a second copy of the off round
     # in the compiled program.
-    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_rounds, planned(state))[0]
+    first = (*planned(state), jnp.zeros((), bool))
+    return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_rounds, first)[0]
 
 
 prefill_jit = jax.jit(prefill, static_argnames=("engine",))

@@ -254,12 +254,19 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     assert_same_state(got, want)
 
 
-def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target):
+@pytest.mark.parametrize(
+    "chain, call", [(("ngram-mod", "draft-simple"), 0.0), (("ngram-simple", "ngram-mod"), 0.2)]
+)
+def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target, chain, call):
     """`engine.generate_loop` runs the rounds the governor turns off in an inner loop of
-    `spec_step(off=True)`; the whole generation must leave the state that calling
-    `spec_step` round by round leaves, with off rounds and drafting rounds both taken."""
+    `spec_step(off=True)`, and, for a model-free chain, the 1-token step of a round in which
+    the relay found nothing in that same loop (`_spec_round`'s pending step); the whole
+    generation must leave the state that calling `spec_step` round by round leaves, with
+    off rounds, drafting rounds and (model-free) rounds that found nothing all taken."""
     spec = SpecConfig(
-        types=("ngram-mod", "draft-simple"),
+        types=chain,
+        ngram_simple_size_n=2,
+        ngram_simple_size_m=4,
         ngram_mod_n_match=2,
         ngram_mod_n_min=1,
         ngram_mod_n_max=4,
@@ -271,25 +278,32 @@ def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target)
         target=target.config, drafters=drafters, k_max=4, capacity=S, out_capacity=OUT
     )
     assert eng.idle_rounds_are_plain(engine)
+    assert eng.empty_rounds_are_plain(engine) == ("draft-simple" not in chain)
     tokens, lengths = prompt_arrays()
     on = run_params(adaptive.CostModel.off(), 0.0)
     state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, on)
     for _ in range(3):  # drafts, partly rejected: the governor learns a low acceptance
         state = eng.step_jit(engine, target.params, dparams, state, on)
     # cheap drafting: the governor drafts where it expects acceptance and turns rounds off
-    # elsewhere (and every round in which no row has budget left is off too)
+    # elsewhere (and every round in which no row has budget left is off too); the n-gram
+    # chain's calls priced so that it also turns rounds off after asking and finding nothing
     cheap = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(0.05, jnp.float32),
         draft_step=jnp.asarray(0.0, jnp.float32),
-        call=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(call, jnp.float32),
     )
     run = run_params(cheap, 0.0)
     want = _copy(state)
+    found_nothing = 0  # rounds in which the relay was called and no row got a draft
     while bool(jnp.any(~want.done)) and int(want.n_rounds) < OUT:
+        before = (int(want.stats.n_call_draft[0]), int(want.stats.n_draft_tokens))
         want = eng.step_jit(engine, target.params, dparams, want, run)
+        called = int(want.stats.n_call_draft[0]) > before[0]
+        found_nothing += called and int(want.stats.n_draft_tokens) == before[1]
     got = eng.generate_loop_jit(engine, target.params, dparams, _copy(state), run)
     n_off = int(want.governor.n_off) - int(state.governor.n_off)
     assert 0 < n_off < int(want.governor.n_rounds) - int(state.governor.n_rounds)
     assert int(want.stats.n_draft_tokens) > int(state.stats.n_draft_tokens)
+    assert found_nothing > 0 or not eng.empty_rounds_are_plain(engine)
     assert_same_state(got, want)
