@@ -42,6 +42,7 @@ Invariants:
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -316,6 +317,27 @@ def lean_step(
         return eng.spec_step(medium, target_params, drafter_params, s, run, plan)
 
     short = need <= MID_K
+    if idle and eng.empty_rounds_are_plain(engine):
+        # A round in which nothing was drafted (none asked, or the relay found nothing) takes
+        # its 1-token step after both width variants: one copy of it in the program
+        # (`engine.spec_round`), warm in the caches when a rare asked round needs it.
+        def round_at(e: eng.Engine) -> Callable[[Any], Any]:
+            def at(c: tuple[eng.GenState, Array]) -> tuple[eng.GenState, Array]:
+                s, pending = eng.spec_round(
+                    e, target_params, drafter_params, c[0], run, plan, False
+                )
+                assert pending is not None  # (an empty_rounds_are_plain chain)
+                return s, pending
+
+            return at
+
+        c = (state, jnp.zeros((), bool))
+        c = once(drafting & short, round_at(medium), once(~(drafting & short), round_at(engine), c))
+
+        def pending_step(s: eng.GenState) -> eng.GenState:
+            return eng.pending_step(engine, target_params, drafter_params, s, run)
+
+        return once(c[1], pending_step, c[0])
     if idle:
         return once(drafting & short, mid, once(~(drafting & short), wide, state))
     state = once(drafting & ~short, wide, state)

@@ -567,20 +567,29 @@ def spec_step(
     For a chain whose drafters change nothing after a round without drafts
     (`empty_rounds_are_plain`), a round in which the relay found no draft for any row is
     finished as an off round too, after the governor and the statistics have counted it."""
-    state, pending = _spec_round(engine, target_params, drafter_params, state, run, plan, off)
+    state, pending = spec_round(engine, target_params, drafter_params, state, run, plan, off)
     if pending is None:
         return state
 
-    def empty_round(s: GenState) -> GenState:
-        zeros_B = jnp.zeros_like(s.length)
-        return spec_step(
-            engine, target_params, drafter_params, s, run, (zeros_B, s.governor), off=True
-        )
-
-    return run_once(pending, empty_round, state)
+    return run_once(
+        pending, lambda s: pending_step(engine, target_params, drafter_params, s, run), state
+    )
 
 
-def _spec_round(
+def pending_step(
+    engine: Engine,
+    target_params: Params,
+    drafter_params: tuple[Any, ...],
+    state: GenState,
+    run: RunParams,
+) -> GenState:
+    """The 1-token step `spec_round` left pending: an off round (`spec_step(off=True)`)."""
+    no_budget = jnp.zeros_like(state.length)
+    plan = (no_budget, state.governor)
+    return spec_step(engine, target_params, drafter_params, state, run, plan, off=True)
+
+
+def spec_round(
     engine: Engine,
     target_params: Params,
     drafter_params: tuple[Any, ...],
@@ -593,10 +602,11 @@ def _spec_round(
     round is complete (an off round, or a chain that is not `empty_rounds_are_plain`);
     otherwise [] bool: the relay found no draft for any row, the governor and the statistics
     have counted the round (misses observed), and its 1-token step, an off round's
-    (`spec_step(plan=(0, governor), off=True)`), is still to run. The generation loop runs
-    it in its off rounds' loop: one copy of the 1-token round in the compiled program for
-    the rounds drafting is off and the rounds nothing was found (two copies cost ~5% of a
-    governed round on XLA CPU: the copy a rare round runs is cold in the caches)."""
+    (`pending_step`), is still to run. The generation loop runs it in its off rounds' loop
+    and `continuous.lean_step` after its width variants: one copy of the 1-token round in
+    the compiled program for the rounds drafting is off and the rounds nothing was found
+    (two copies cost ~5% of a governed round on XLA CPU: the copy a rare round runs is cold
+    in the caches)."""
     B = state.length.shape[0]
     # Draft columns of this round's arrays: none in an off round, whose verify batch is the
     # 1-token one (K-wide arrays there only add small kernels to a round that should cost
@@ -837,7 +847,7 @@ def generate_loop(
     drafting is off costs about what plain decoding costs.
 
     For a model-free chain (`empty_rounds_are_plain`), a round whose relay found no draft
-    for any row takes its 1-token step in that same inner loop (`_spec_round`'s pending
+    for any row takes its 1-token step in that same inner loop (`spec_round`'s pending
     step), so the compiled program holds one copy of the 1-token round. With two copies (the
     asked round finishing with a copy of its own) a governed run over text the drafter
     cannot match ran ~5% slower than with one on XLA CPU, at about the same kernel count:
@@ -857,7 +867,7 @@ def generate_loop(
     # beside the state, its governor (counters updated) in the state's place, so that the
     # loops carry one governor, not two (each small loop-carried array can cost a copy per
     # round, a kernel of its own on XLA CPU). `pending`: the round just run found no draft
-    # for any row and its 1-token step is still to run (`_spec_round`), in the off rounds'
+    # for any row and its 1-token step is still to run (`spec_round`), in the off rounds'
     # loop, so that the program holds one copy of that step.
     Carry = tuple[GenState, Array, Array]
     no_budget = jnp.zeros_like(state.length)
@@ -896,8 +906,7 @@ def generate_loop(
 
         def one(c: tuple[GenState, Array]) -> tuple[GenState, Array]:
             s, n = c
-            plan = (no_budget, s.governor)
-            return spec_step(engine, target_params, drafter_params, s, run, plan, off=True), n + 1
+            return pending_step(engine, target_params, drafter_params, s, run), n + 1
 
         s, n = jax.lax.while_loop(more, one, (s, jnp.zeros((), jnp.int32)))
         # rounds after the planned one that `draft_budget` would have counted (some row with
@@ -910,7 +919,7 @@ def generate_loop(
 
     def round_then_off_rounds(c: Carry) -> Carry:
         s, budget, _ = c
-        s, pending = _spec_round(
+        s, pending = spec_round(
             engine, target_params, drafter_params, s, run, (budget, s.governor), off=False
         )
         if pending is None:  # (a chain that is not `empty_rounds_are_plain`)

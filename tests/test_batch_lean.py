@@ -260,7 +260,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
 def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target, chain, call):
     """`engine.generate_loop` runs the rounds the governor turns off in an inner loop of
     `spec_step(off=True)`, and, for a model-free chain, the 1-token step of a round in which
-    the relay found nothing in that same loop (`_spec_round`'s pending step); the whole
+    the relay found nothing in that same loop (`spec_round`'s pending step); the whole
     generation must leave the state that calling `spec_step` round by round leaves, with
     off rounds, drafting rounds and (model-free) rounds that found nothing all taken."""
     spec = SpecConfig(
@@ -307,3 +307,60 @@ def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target,
     assert int(want.stats.n_draft_tokens) > int(state.stats.n_draft_tokens)
     assert found_nothing > 0 or not eng.empty_rounds_are_plain(engine)
     assert_same_state(got, want)
+
+
+def test_lean_step_of_a_model_free_chain_leaves_the_state_spec_step_leaves(target):
+    """For an n-gram chain (`empty_rounds_are_plain`), `continuous.lean_step` runs the
+    1-token step of a round that drafted nothing once, after its wide and middle-width
+    variants (`engine.spec_round`'s pending step). Round by round it must leave the state
+    the reference (drafters called every round, every round a full `spec_step`) leaves, with
+    rounds that drafted at either width, rounds whose relay found nothing, and off rounds."""
+    spec = SpecConfig(
+        types=("ngram-simple", "ngram-mod"),
+        ngram_simple_size_n=2,
+        ngram_simple_size_m=4,
+        ngram_mod_n_match=2,
+        ngram_mod_n_min=1,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 10,
+    )
+    drafters, dparams = build_drafters(spec, target, None)
+    out = S - 12  # (longer outputs than the module's: drafting starts late and runs fast)
+    engine = eng.Engine(
+        target=target.config, drafters=drafters, k_max=2 * cont.MID_K, capacity=S, out_capacity=out
+    )
+    assert eng.empty_rounds_are_plain(engine)
+    reference = eager(engine)
+    tokens, lengths = prompt_arrays()
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run_params(
+        adaptive.CostModel.off(), 0.0
+    ))  # fmt: skip
+    lean = STEPS[cont.lean_step]
+
+    def long_run(cost: adaptive.CostModel) -> eng.RunParams:
+        return replace(run_params(cost, 0.0), max_new=jnp.asarray([out, 3, out], jnp.int32))
+
+    wide, mid, off = adaptive.CostModel.off(), throttles(), never_pays()
+    # (budgets > MID_K take lean_step's wide variant, throttled ones <= MID_K its middle one)
+    phases = [("wide", wide, 16), ("mid", mid, 6), ("wide", wide, 6), ("off", off, 3)]
+    phases += [("mid", mid, 4), ("wide", wide, 4)]  # (the chain drafts from ~round 30 on)
+    drafted = {"wide": 0, "mid": 0}
+    found_nothing = {"wide": 0, "mid": 0}
+    for name, cost, n_rounds in phases:
+        run = long_run(cost)
+        want, got = _copy(state), _copy(state)
+        n_off = int(want.governor.n_off)
+        for _ in range(n_rounds):
+            before = (int(want.stats.n_call_draft[0]), int(want.stats.n_draft_tokens))
+            want = eng.step_jit(reference, target.params, dparams, want, run)
+            got = lean(engine, target.params, dparams, got, run)
+            if name != "off":
+                called = int(want.stats.n_call_draft[0]) > before[0]
+                drafted[name] += int(want.stats.n_draft_tokens) - before[1]
+                found_nothing[name] += called and int(want.stats.n_draft_tokens) == before[1]
+        assert_same_state(got, want)
+        if name == "off":
+            assert int(want.governor.n_off) - n_off == n_rounds
+        state = want
+    assert drafted["mid"] > 0 and drafted["wide"] > 0
+    assert found_nothing["mid"] > 0 and found_nothing["wide"] > 0
