@@ -6,7 +6,9 @@ and lowering (about 1.5 s for the engine on 2 CPU cores) in every process; specj
 also keeps its engine executables, serialised, in `<cache dir>/specjax-executables/`, keyed by
 what determines the program before tracing (`executable_key`): the entry point, the static
 engine configuration, the arguments' structure, shapes, dtypes and shardings, specjax's own
-source, the JAX version, backend, devices, XLA flags and JAX's configuration. A warm start
+source and what its modules' constants and functions are bound to in the process (a constant
+set at run time is not in the source), the JAX version, backend, devices, XLA flags and JAX's
+configuration. A warm start
 loads them directly and traces nothing.
 
 Where the cache lives, in order of precedence:
@@ -36,6 +38,7 @@ import os
 import pickle
 import sys
 import tempfile
+import types
 import warnings
 from pathlib import Path
 from typing import Any
@@ -148,11 +151,66 @@ def _environment_digest() -> str:
     return h.hexdigest()
 
 
+#: Values a module-level constant may hold for `_bindings_digest` to key it by its repr.
+_PLAIN = (type(None), bool, int, float, complex, str, bytes)
+
+
+def _binding_text(value: Any, package: Path) -> str:
+    """What a module attribute contributes to `_bindings_digest`: a constant's repr; for a
+    function (jitted or not) or class, where it was defined, and for one defined outside
+    specjax's source tree the bytes of its file (a module loaded from elsewhere)."""
+    if isinstance(value, _PLAIN):
+        return repr(value)
+    if isinstance(value, tuple) and all(isinstance(v, _PLAIN) for v in value):
+        return repr(value)
+    if isinstance(value, frozenset) and all(isinstance(v, _PLAIN) for v in value):
+        return repr(sorted(value, key=repr))  # (a set's order follows the string hash seed)
+    target = value
+    while hasattr(target, "__wrapped__"):
+        target = target.__wrapped__
+    if not callable(target):
+        return type(value).__qualname__
+    where = f"{getattr(target, '__module__', '')}.{getattr(target, '__qualname__', '')}"
+    code = getattr(target, "__code__", None)
+    if code is not None:
+        path = Path(code.co_filename).resolve()
+        if package not in path.parents and path.is_file():
+            where += hashlib.sha256(path.read_bytes()).hexdigest()
+    return where
+
+
+def _bindings_digest() -> str:
+    """What specjax's modules are bound to in this process, as far as it can decide a traced
+    program beyond their source: every UPPER_CASE constant's value (`adaptive.MAX_BACKOFF`,
+    say, set by a user or a benchmark) and where every function and class attribute was
+    defined (a function rebound to another one). Lower-case plain values are state (counters,
+    caches), not read while tracing, and left out. Computed per key: it can change between
+    calls (a module imported later adds its own bindings: a key may change once, never to
+    one of another program)."""
+    h = hashlib.sha256()
+    package = Path(__file__).resolve().parent
+    names = sorted(m for m in list(sys.modules) if m == "specjax" or m.startswith("specjax."))
+    for name in names:
+        module = sys.modules.get(name)
+        if module is None:
+            continue
+        for attr, value in sorted(vars(module).items()):
+            if attr.startswith("__") or isinstance(value, types.ModuleType):
+                continue  # (a submodule attribute appears when it is imported)
+            if isinstance(value, _PLAIN) and not attr.isupper():
+                continue
+            h.update(f"{name}.{attr}={_binding_text(value, package)};".encode())
+    return h.hexdigest()
+
+
 def executable_key(
     fn: Any, static: Any, args: Any, options: dict[str, str] | None = None
 ) -> str | None:
     """Stable key of the executable `fn.lower(static, *args).compile(options)` would produce,
-    or None when some part has no stable text (an object printed by address)."""
+    or None when some part has no stable text (an object printed by address). It covers the
+    source (`_environment_digest`) and what the source's names are bound to at the call
+    (`_bindings_digest`): a stored executable traced with other constants or functions is
+    never loaded."""
     leaves, treedef = jax.tree.flatten(args)
     text = repr(
         (
@@ -166,7 +224,8 @@ def executable_key(
     )
     if " at 0x" in text or getattr(fn, "__qualname__", None) is None:
         return None
-    return hashlib.sha256((_environment_digest() + text).encode()).hexdigest()
+    digests = _environment_digest() + _bindings_digest()
+    return hashlib.sha256((digests + text).encode()).hexdigest()
 
 
 def _store_dir() -> Path | None:

@@ -40,12 +40,22 @@ from specjax import compile_cache
 mode = sys.argv[1]
 if mode.startswith("set:"):
     specjax.set_compile_cache(mode[4:] or None)
-tokens = None
+tokens = governor = None
 if mode == "generate":
     from specjax.testing import tiny_model
 
     out = specjax.generate(tiny_model(0), [[5, 6, 7, 8, 9]], max_new_tokens=6)
     tokens = out.tokens
+elif mode.startswith("ngram"):  # "ngram" or "ngram:PRIOR_WEIGHT=0.25" (a patched constant)
+    from specjax import adaptive
+    from specjax.testing import tiny_model
+
+    for assignment in mode.split(":")[1:]:
+        name, value = assignment.split("=")
+        setattr(adaptive, name, float(value))
+    spec = specjax.SpecConfig(types=("ngram-simple",), ngram_simple_size_n=3)
+    out = specjax.generate(tiny_model(0), [[5, 6, 7, 8, 9]], max_new_tokens=40, spec=spec)
+    tokens, governor = out.tokens, out.stats.to_dict()["governor"]
 else:
     jax.block_until_ready(jax.jit(lambda x: x * 3 + 1)(jax.numpy.arange(7)))
 print(json.dumps({
@@ -54,6 +64,7 @@ print(json.dumps({
     "misses": events.get("/jax/compilation_cache/cache_misses", 0),
     "compiles": compiles[0],
     "tokens": tokens,
+    "governor": governor,
     "traced": traced,
 }))
 """
@@ -149,6 +160,53 @@ def test_second_process_loads_the_engine_without_tracing_it(tmp_path):
     reload = _run("generate", tmp_path, cache_env=str(cache_dir))
     assert not {"prefill", "generate_loop"} & set(reload["traced"])
     assert refill["tokens"] == reload["tokens"] == cold["tokens"]
+
+
+def test_an_executable_traced_with_a_patched_constant_is_not_loaded_for_the_unpatched_one(tmp_path):
+    """A module constant read while tracing (`adaptive.PRIOR_WEIGHT`, set at run time by a
+    user or a benchmark) is not in specjax's source: the store must not hand the executable
+    traced with the patched value to a process running with the shipped one (it once did,
+    and benchmarks/peers.py then measured a governor the code did not have)."""
+    cache_dir = str(tmp_path / "cache")
+    fresh = _run("ngram", tmp_path, cache_env="0")  # the shipped constant, nothing stored
+    patched = _run("ngram:PRIOR_WEIGHT=0.25", tmp_path, cache_env=cache_dir)
+    assert patched["governor"] != fresh["governor"]  # (the constant changes the program)
+    assert patched["tokens"] == fresh["tokens"]  # (the governor never changes greedy tokens)
+    shipped = _run("ngram", tmp_path, cache_env=cache_dir)
+    assert "generate_loop" in shipped["traced"]  # traced anew, not loaded
+    assert shipped["governor"] == fresh["governor"]
+    again = _run("ngram", tmp_path, cache_env=cache_dir)
+    assert "generate_loop" not in again["traced"]  # its own executable, stored and loaded
+    assert again["governor"] == fresh["governor"]
+
+
+def test_executable_keys_follow_constants_and_functions_not_state(monkeypatch):
+    """`executable_key` changes with an UPPER_CASE module constant and with a function an
+    attribute is rebound to, and comes back when they do; lower-case values (counters,
+    caches) do not enter it."""
+    import jax.numpy as jnp
+
+    from specjax import adaptive, api, compile_cache
+    from specjax import engine as eng
+    from specjax.engine import prefill_jit
+
+    args = (jnp.zeros((2, 3), jnp.float32),)
+
+    def key() -> str | None:
+        return compile_cache.executable_key(prefill_jit, "static", args)
+
+    shipped = key()
+    with monkeypatch.context() as m:
+        m.setattr(adaptive, "MAX_BACKOFF", adaptive.MAX_BACKOFF + 1)
+        assert key() != shipped
+    assert key() == shipped
+    with monkeypatch.context() as m:
+        m.setattr(eng, "spec_step", lambda *a, **k: None)
+        assert key() != shipped
+    assert key() == shipped
+    with monkeypatch.context() as m:
+        m.setattr(api, "_compiles_made", api._compiles_made + 7)
+        assert key() == shipped
 
 
 @pytest.mark.parametrize(
