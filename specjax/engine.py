@@ -923,10 +923,10 @@ def generate_loop(
         s, pending = spec_round(
             engine, target_params, drafter_params, s, run, (budget, s.governor), off=False
         )
-        if pending is None:  # (a chain that is not `empty_rounds_are_plain`)
-            pending = jnp.zeros((), bool)
-        # the next round's plan, unless this one's step is pending (its plan comes after it)
-        c = run_once(~pending, lambda c: (*planned(c[0]), c[2]), (s, no_budget, pending))
+        if pending is None:  # (a chain that is not `empty_rounds_are_plain`: never pending)
+            c = (*planned(s), jnp.zeros((), bool))
+        else:  # the next round's plan, unless this one's step is pending (planned after it)
+            c = run_once(~pending, lambda c: (*planned(c[0]), c[2]), (s, no_budget, pending))
         return jax.lax.while_loop(off_cond, off_rounds, c)
 
     # The first round is a full one even when its plan drafts nothing (the same round, a few
