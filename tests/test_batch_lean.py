@@ -331,16 +331,14 @@ def test_lean_step_of_a_model_free_chain_leaves_the_state_spec_step_leaves(targe
     )
     assert eng.empty_rounds_are_plain(engine)
     reference = eager(engine)
-    tokens, lengths = prompt_arrays()
-    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run_params(
-        adaptive.CostModel.off(), 0.0
-    ))  # fmt: skip
     lean = STEPS[cont.lean_step]
 
     def long_run(cost: adaptive.CostModel) -> eng.RunParams:
         return replace(run_params(cost, 0.0), max_new=jnp.asarray([out, 3, out], jnp.int32))
 
     wide, mid, off = adaptive.CostModel.off(), throttles(), never_pays()
+    tokens, lengths = prompt_arrays()
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, long_run(wide))
     # (budgets > MID_K take lean_step's wide variant, throttled ones <= MID_K its middle one)
     phases = [("wide", wide, 16), ("mid", mid, 6), ("wide", wide, 6), ("off", off, 3)]
     phases += [("mid", mid, 4), ("wide", wide, 4)]  # (the chain drafts from ~round 30 on)
