@@ -24,12 +24,16 @@ profiled run (`jax.profiler`): the noise-free companion of the times (on a share
 run-to-run swings of 10-40% hide differences of a few percent). It counts work, not time: an
 un-profiled launch of a small kernel is cheap (cutting a plain round from 291 to 200 kernels
 changed its time by under 3% on a quiet host), so read it beside the minimum times.
+`kernels_by_scope` splits that count by the engine's named scope of each kernel (relay, plan,
+bookkeeping, verify<width>, ...: where an asked round's extra kernels come from).
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -40,11 +44,21 @@ from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, profiled, refuse_ove
 from peers import NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
+from specjax import api
 
 DRAFTERS: dict[str, dict[str, Any]] = {
     "ngram-simple": {"ngram_simple_size_n": NO_MATCH_N},
     "ngram-map-k": {"ngram_map_k_size_n": NO_MATCH_N},
     "ngram-mod": {"ngram_mod_n_match": NO_MATCH_N},
+}
+
+
+#: How the governor treats the drafter: the default, asked every round, never asked (a cost
+#: model under which drafting never pays).
+MODES: dict[str, dict[str, Any]] = {
+    "governed": {},
+    "asked": {"adaptive": False},
+    "never": {"cost_call": 1e6},
 }
 
 
@@ -55,14 +69,34 @@ _NOT_KERNELS = (
 )
 
 
-def kernels_per_round(run: Any) -> float:
+#: The engine's named scopes (`jax.named_scope` in specjax.engine), innermost first wins.
+SCOPES = ("relay", "plan", "bookkeeping", "feedback", "commit", "accept", "verify", "off_rounds")
+
+
+def _scope(op_name: str) -> str:
+    """The innermost engine scope in an HLO instruction's `op_name` path ("unnamed": none)."""
+    for part in reversed(op_name.split("/")):
+        if part.startswith(SCOPES):
+            return part
+    return "unnamed"
+
+
+def kernels_per_round(run: Any) -> tuple[float, dict[str, float]]:
     """XLA kernels per round of one profiled `run()` (which returns a `generate` result),
-    counted from the generation loop's start."""
+    counted from the generation loop's start, and the same count by the engine's scope of
+    each kernel (from the loop executable's HLO metadata; "unnamed": no engine scope, such
+    as the copies and reductions XLA adds)."""
     result, events = profiled(run)
     spans = [e for e in events if e.get("ph") == "X"]
     start = max(e["ts"] for e in spans if e["name"].startswith("PjitFunction(jit(generate_loop"))
-    kernels = sum(1 for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS))
-    return kernels / max(int(result.timings.get("n_rounds", 0)), 1)
+    names = [
+        e["name"] for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS)
+    ]
+    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    op_names = dict(re.findall(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", loops[-1].as_text()))
+    rounds = max(int(result.timings.get("n_rounds", 0)), 1)
+    by_scope = collections.Counter(_scope(op_names.get(n, "")) for n in names)
+    return len(names) / rounds, {k: v / rounds for k, v in sorted(by_scope.items())}
 
 
 def main() -> None:
@@ -80,13 +114,10 @@ def main() -> None:
     ids = peer.ids(PROMPT_FILES["norepeat"].read_text())  # as peers.py builds its prompts
     configs: dict[str, specjax.SpecConfig | None] = {"plain": None}
     for name, kwargs in DRAFTERS.items():
-        configs[f"governed/{name}"] = specjax.SpecConfig(types=(name,), draft_n_max=4, **kwargs)
-        configs[f"asked/{name}"] = specjax.SpecConfig(
-            types=(name,), draft_n_max=4, adaptive=False, **kwargs
-        )
-        configs[f"never/{name}"] = specjax.SpecConfig(
-            types=(name,), draft_n_max=4, cost_call=1e6, **kwargs
-        )
+        for mode, priced in MODES.items():
+            configs[f"{mode}/{name}"] = specjax.SpecConfig(
+                types=(name,), draft_n_max=4, **kwargs, **priced
+            )
     kw = dict(max_new_tokens=args.tokens, n_ctx=2048, temperature=0.0)
     for spec in configs.values():  # compile (or load) every program first
         specjax.generate(model, [ids], spec=spec, **kw)
@@ -107,7 +138,7 @@ def main() -> None:
             }
     if not args.no_kernels:
         for name, spec in configs.items():
-            facts[name]["kernels_per_round"] = kernels_per_round(
+            facts[name]["kernels_per_round"], facts[name]["kernels_by_scope"] = kernels_per_round(
                 lambda spec=spec: specjax.generate(model, [ids], spec=spec, **kw)
             )
     plain_min = min(per_round["plain"])

@@ -34,7 +34,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwrite
-from idle_rounds import DRAFTERS
+from idle_rounds import DRAFTERS, MODES
 from peers import PROMPT_FILES, Specjax
 
 import specjax
@@ -69,9 +69,9 @@ def config(name: str) -> tuple[specjax.SpecConfig | None, str]:
     first, second = name.split("/")
     if second == "repetitive":
         return specjax.SpecConfig(types=(first,), draft_n_max=4), "repetitive"
-    kwargs = dict(types=(second,), draft_n_max=4, **DRAFTERS[second])
-    modes = {"governed": {}, "asked": {"adaptive": False}, "never": {"cost_call": 1e6}}
-    return specjax.SpecConfig(**kwargs, **modes[first]), "norepeat"
+    return specjax.SpecConfig(
+        types=(second,), draft_n_max=4, **DRAFTERS[second], **MODES[first]
+    ), "norepeat"
 
 
 def main() -> None:

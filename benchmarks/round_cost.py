@@ -76,10 +76,12 @@ def main() -> None:
         for _ in range(args.repeats):
             r = run()
             ms.append(r.timings["decode_seconds"] / max(r.timings["n_rounds"], 1) * 1e3)
+        kernels, by_scope = kernels_per_round(run)
         result["configs"][spec_type] = {
             "ms_per_round_min": min(ms),
             "ms_per_round_median": statistics.median(ms),
-            "kernels_per_round": kernels_per_round(run),
+            "kernels_per_round": kernels,
+            "kernels_by_scope": by_scope,
             "rounds": first.timings["n_rounds"],
             "mean_acceptance_length": first.stats.to_dict()["mean_acceptance_length"],
         }

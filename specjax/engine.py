@@ -605,8 +605,9 @@ def spec_round(
     (`pending_step`), is still to run. The generation loop runs it in its off rounds' loop
     and `continuous.lean_step` after its width variants: one copy of the 1-token round in
     the compiled program for the rounds drafting is off and the rounds nothing was found
-    (two copies cost 5-8% of a governed round on XLA CPU: the copy a rare round runs is cold
-    in the caches)."""
+    (with the asked round finishing in a copy of its own, a governed run over text the
+    drafter cannot match ran 5-8% slower on XLA CPU at about the same kernel count: the copy
+    only rare rounds run is cold in the caches; benchmarks/loop_ab.py measured it)."""
     B = state.length.shape[0]
     # Draft columns of this round's arrays: none in an off round, whose verify batch is the
     # 1-token one (K-wide arrays there only add small kernels to a round that should cost
@@ -848,12 +849,7 @@ def generate_loop(
 
     For a model-free chain (`empty_rounds_are_plain`), a round whose relay found no draft
     for any row takes its 1-token step in that same inner loop (`spec_round`'s pending
-    step), so the compiled program holds one copy of the 1-token round. With two copies (the
-    asked round finishing with a copy of its own) a governed run over text the drafter
-    cannot match ran 5-8% slower than with one on XLA CPU, at about the same kernel count:
-    the copy a rare round runs is cold in the caches when it does (in a one-off profile,
-    the kernels of those rounds ran 1.3-2x longer than the same kernels run every round;
-    benchmarks/loop_ab.py measures the difference)."""
+    step): one copy of the 1-token round in the compiled program (why: `spec_round`)."""
 
     def cond(s: GenState) -> Array:
         return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
