@@ -27,10 +27,10 @@ k is chosen for the batch. Estimates start from an optimistic prior and rounds w
 drafting pull them back towards it, so a turned-off batch probes again after a while. The
 pull backs off: each asked round in a row that drafted nothing (`miss_streak`) halves it,
 down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps finding nothing
-(ngram lookups over text that does not repeat) is asked in 26 of its first 64 rounds, then
-about one round in 11 (ngram-map-k over benchmarks/prompts/norepeat.py with the CPU
-defaults: `verify_token` 0.4, `call` 0.08, K = 4), while one that finds drafts again is back
-at full speed after a single hit. The backoff trades what probing a drafter that finds
+(ngram lookups over text that does not repeat), started from the prior alone, is asked in
+26 of its first 64 rounds, then about one round in 11 (ngram-map-k over
+benchmarks/prompts/norepeat.py with the CPU defaults: `verify_token` 0.4, `call` 0.08,
+K = 4), while one that finds drafts again is back at full speed after a single hit. The backoff trades what probing a drafter that finds
 nothing costs against how late a run of repeated text is noticed: with 1/2^6 (about one
 round in 22) ngram-map-k over code that repeats a block took 211 rounds for 256 tokens where
 llama.cpp, asking every round, took ~153; with 1/2^5, 179 (benchmarks/governor_rounds.py
@@ -38,6 +38,19 @@ counts these). The prior (hit 1.0, accept
 0.95) is optimistic enough that a batch of up to 4 rows probes under those prices, so the
 governor measures a drafter before it turns it off; with accept 0.8 it judged drafting not
 worth a probe at B >= 2 and never measured it.
+
+The prompt is evidence too (`from_prompt`, applied by `engine.prompt_governor` to every row
+that starts a request): for a chain of lookup drafters (each declares `lookup_size` n: it
+can draft only where the stream's last n tokens occurred earlier), the governor starts as
+if it had asked at the prompt's last PROMPT_PROBES positions, a hit where the n-gram ending
+there occurred earlier in the prompt. A row whose prompt repeats itself starts where a fresh
+governor does (hits keep the hit estimate at the prior's 1.0); one whose prompt never does
+starts after 16 misses, backed off, instead of spending its first rounds on asks the prompt
+already answered. Over the norepeat prompt (ngram-map-k, an n-gram nothing matches) that is
+11 asks in the first 64 rounds instead of 26, and 28 instead of 43 in 256; the repetitive
+prompts, which need the early probes, keep them. Acceptance keeps its prior (nothing was
+verified). Chains with another drafter (draft-simple, ngram-cache: its files may draft
+without any repeat) start from the prior alone.
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 
@@ -74,6 +87,8 @@ DECAY = 0.9
 RELAX = 0.97
 #: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
 MAX_BACKOFF = 5
+#: Prompt positions at which `from_prompt` counts the chain's lookups as asked rounds.
+PROMPT_PROBES = 16
 #: Rounds `rounds_off_ahead` looks ahead (a run of off rounds longer than this is planned
 #: again after it).
 OFF_HORIZON = 32
@@ -123,6 +138,32 @@ class Governor:
             n_off=zero,
             miss_streak=jnp.zeros((batch,), jnp.int32),
         )
+
+
+def from_prompt(gov: Governor, seen_BM: Array, valid_BM: Array) -> Governor:
+    """`gov` after one asked round per valid prompt position (oldest first, the valid ones
+    the last): a hit where `seen_BM` (the chain's lookup could have drafted there,
+    `drafters.base.prompt_lookup_hits`), else a miss. Only the hit estimate and the backoff
+    move: nothing was verified, so acceptance keeps its counts (an asked round that drafts
+    nothing relaxes it towards the prior, which is where a fresh governor's already is).
+    Closed form of that many `observe` hit updates, in elementwise ops."""
+    M = seen_BM.shape[1]
+    weight_M = DECAY ** jnp.arange(M - 1, -1, -1, dtype=jnp.float32)  # the last weighs 1
+    valid = valid_BM.astype(jnp.float32)
+    n_valid = jnp.sum(valid, axis=1)
+    keep = DECAY**n_valid
+    hits = jnp.sum(valid * seen_BM.astype(jnp.float32) * weight_M[None, :], axis=1)
+    trials = jnp.sum(valid * weight_M[None, :], axis=1)
+    # misses in a row at the end (the invalid positions come first: they end no streak early)
+    last_hit = jnp.max(jnp.where(seen_BM | ~valid_BM, jnp.arange(M)[None, :], -1), axis=1)
+    streak = (M - 1 - last_hit).astype(jnp.int32)
+    any_hit = jnp.any(seen_BM & valid_BM, axis=1)
+    return replace(
+        gov,
+        hit_num=keep * gov.hit_num + hits,
+        hit_den=keep * gov.hit_den + trials,
+        miss_streak=jnp.where(any_hit, streak, gov.miss_streak + streak),
+    )
 
 
 def _pull(streak_B: Array) -> Array:

@@ -231,7 +231,7 @@ def prefill_chunk(
     out_cap = engine.out_capacity
     out_row = jnp.zeros((1, out_cap), jnp.int32).at[0, 0].set(first)
     gov = state.governor
-    fresh = adaptive.Governor.create(1)
+    fresh = eng.prompt_governor(engine, hist_1S, length_1)  # (the final chunk's is kept)
     governor = replace(
         gov,
         hit_num=_set_row(gov.hit_num, slot, fresh.hit_num),

@@ -54,6 +54,7 @@ from specjax.drafters.base import (
     TargetBatch,
     TokenHistory,
     hidden_by_layer,
+    prompt_lookup_hits,
 )
 from specjax.models.config import ModelConfig
 from specjax.models.llama import commit_kv, forward_compute, new_cache
@@ -259,9 +260,19 @@ def prefill(
         drafter_states=states,
         impl_last=jnp.full((B,), -1, jnp.int32),
         stats=stats,
-        governor=adaptive.Governor.create(B),
+        governor=prompt_governor(engine, history, lengths_B),
         n_rounds=jnp.zeros((), jnp.int32),
     )
+
+
+def prompt_governor(engine: Engine, history_BS: Array, lengths_B: Array) -> adaptive.Governor:
+    """A fresh governor for rows starting on these prompts: for a chain of lookup drafters,
+    as if it had asked at the prompt's last `adaptive.PROMPT_PROBES` positions
+    (`adaptive.from_prompt`), so a chain that could find nothing in the prompt starts backed
+    off instead of probing its first rounds one after the other."""
+    governor = adaptive.Governor.create(history_BS.shape[0])
+    hits = prompt_lookup_hits(engine.drafters, history_BS, lengths_B, adaptive.PROMPT_PROBES)
+    return governor if hits is None else adaptive.from_prompt(governor, *hits)
 
 
 def _prefill_chunked(

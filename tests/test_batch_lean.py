@@ -255,7 +255,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
 
 
 @pytest.mark.parametrize(
-    "chain, call", [(("ngram-mod", "draft-simple"), 0.0), (("ngram-simple", "ngram-mod"), 0.2)]
+    "chain, call", [(("ngram-mod", "draft-simple"), 0.0), (("ngram-simple", "ngram-mod"), 0.1)]
 )
 def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target, chain, call):
     """`engine.generate_loop` runs the rounds the governor turns off in an inner loop of

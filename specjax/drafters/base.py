@@ -184,6 +184,12 @@ class ModelFreeDrafter:
     #: whose feedback does more must set it False.
     quiet_without_draft: ClassVar[bool] = True
 
+    def lookup_size(self) -> int | None:
+        """The length n of the n-gram the drafter looks up: it can draft only where the last n
+        tokens of the stream occurred earlier in it (`prompt_lookup_hits`); None = no such
+        condition (a drafter that may draft from other sources, e.g. ngram-cache's files)."""
+        return None
+
     def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
         del params, batch
         return state
@@ -199,6 +205,62 @@ class ModelFreeDrafter:
     def accept(self, state: Any, n_accepted: Array, is_other: Array, active: Array) -> Any:
         del n_accepted, is_other, active
         return state
+
+
+#: Odd multiplier of `ngram_end_hashes` (invertible mod 2^32) and its inverse.
+_HASH_A = 0x9E3779B1
+_HASH_A_INV = pow(_HASH_A, -1, 1 << 32)
+
+
+def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
+    """[B, S] uint32: a hash of the n-gram `t[p-n+1 : p+1]` ending at each position p (equal
+    n-grams hash equally wherever they are; garbage where p < n - 1).
+
+    Polynomial `sum_k (t_{p-n+1+k} + 1) A^k mod 2^32`, from one prefix sum of `(t_j + 1) A^j`
+    and the inverse powers of A: O(S) for any n."""
+    B, S = tokens_BS.shape
+    pow_a, pow_inv = (  # A^j and A^-j mod 2^32, j = 0..S-1 (uint32 products wrap)
+        np.concatenate([[1], np.cumprod(np.full(S - 1, x, np.uint32), dtype=np.uint32)]).astype(
+            np.uint32
+        )
+        for x in (_HASH_A, _HASH_A_INV)
+    )
+    terms = (tokens_BS.astype(jnp.uint32) + jnp.uint32(1)) * jnp.asarray(pow_a)[None, :]
+    prefix = jnp.concatenate(
+        [jnp.zeros((B, 1), jnp.uint32), jnp.cumsum(terms, axis=1, dtype=jnp.uint32)], axis=1
+    )  # prefix[:, i] = sum_{j < i}
+    end = jnp.arange(S)
+    start = jnp.clip(end - n + 1, 0, S - 1)
+    window = prefix[:, 1:] - jnp.take(prefix, start, axis=1)  # A^start * hash
+    return window * jnp.asarray(pow_inv)[start][None, :]
+
+
+def prompt_lookup_hits(
+    drafters: Sequence[Any], tokens_BS: Array, length_B: Array, probes: int
+) -> tuple[Array, Array] | None:
+    """Whether the chain's lookups could have drafted at each of the prompt's last `probes`
+    positions: (seen [B, probes], valid [B, probes]), oldest first; None when some drafter of
+    the chain has no `lookup_size` (the prompt then says nothing about the chain).
+
+    Position p is seen when, for some drafter of the chain, the n-gram ending at p also ends
+    at an earlier position (a necessary condition of its lookup, up to hash collisions: a
+    seen position may still give no draft). Valid: p >= 0 (a shorter prompt has fewer)."""
+    found = [getattr(d, "lookup_size", lambda: None)() for d in drafters]
+    sizes = [int(n) for n in found if n is not None]
+    if not drafters or len(sizes) < len(found):
+        return None
+    B, S = tokens_BS.shape
+    end_P = length_B[:, None] - probes + jnp.arange(probes)[None, :]  # [B, probes]
+    valid = end_P >= 0
+    seen = jnp.zeros((B, probes), bool)
+    earlier = jnp.arange(S)[None, None, :] < end_P[:, :, None]
+    for n in sorted(set(sizes)):
+        hashes = ngram_end_hashes(tokens_BS, n)
+        probe = jnp.take_along_axis(hashes, jnp.clip(end_P, 0, S - 1), axis=1)
+        full = earlier & (jnp.arange(S)[None, None, :] >= n - 1)
+        match = jnp.any(full & (hashes[:, None, :] == probe[:, :, None]), axis=2)
+        seen = seen | (match & (end_P >= n - 1))
+    return seen & valid, valid
 
 
 def prefix_mask(valid_BK: Array) -> Array:

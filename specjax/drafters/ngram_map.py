@@ -280,6 +280,9 @@ class NgramMap(ModelFreeDrafter):
             key_index=st.key_index,
         )
 
+    def lookup_size(self) -> int:
+        return self.size_n
+
     # ------------------------------------------------------------------ draft
     def draft(
         self, params: Any, state: NgramMapState, inp: DraftInput, k_max: int

@@ -291,6 +291,9 @@ class NgramMod(ModelFreeDrafter):
 
         return lax.fori_loop(0, B, body, state)
 
+    def lookup_size(self) -> int:
+        return self.n_match
+
     # ------------------------------------------------------------------ draft
     def draft(
         self, params: Any, state: NgramModState, inp: DraftInput, k_max: int

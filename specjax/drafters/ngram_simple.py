@@ -114,6 +114,9 @@ class NgramSimple(ModelFreeDrafter):
         del history, rows
         return state
 
+    def lookup_size(self) -> int:
+        return self.size_n
+
     def draft(
         self, params: Any, state: NgramSimpleState, inp: DraftInput, k_max: int
     ) -> tuple[NgramSimpleState, DraftOutput]:
