@@ -113,17 +113,21 @@ def used_cells(pos_BS: Array) -> Array:
     return jnp.max(row_high_water(pos_BS))
 
 
-def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:
+def assign_slots(
+    pos_BS: Array, positions_BT: Array, high_water_B: Array | None = None
+) -> tuple[Array, Array]:
     """Cells for new tokens: the k-th valid token of a row goes to the row's k-th free cell.
 
-    Returns (slot [B, T] with S for "not written", overflow [B]).
+    `high_water_B`: `row_high_water(pos_BS)` when the caller has it (one pass over the cells
+    fewer). Returns (slot [B, T] with S for "not written", overflow [B]).
     """
     S = pos_BS.shape[1]
     T = positions_BT.shape[1]
     valid_BT = positions_BT >= 0
     rank_BT = jnp.cumsum(valid_BT, axis=1) - 1
     occupied_BS = pos_BS >= 0
-    high_water_B = row_high_water(pos_BS)
+    if high_water_B is None:
+        high_water_B = row_high_water(pos_BS)
     # Only tails are removed during generation, so the occupied cells of each row usually
     # form a prefix: then the free cells are simply those from the high-water mark on, found
     # with two reductions instead of a search over all S cells (O(S) scans dominated decode
@@ -134,20 +138,25 @@ def assign_slots(pos_BS: Array, positions_BT: Array) -> tuple[Array, Array]:
         idx_BT = high_water_B[:, None] + jnp.arange(T, dtype=jnp.int32)[None, :]
         return jnp.where(idx_BT < S, idx_BT, S).astype(jnp.int32)
 
-    def lowest_free(occupied_BS: Array) -> Array:
+    def lowest_free(pos_BS: Array) -> Array:
         search = jax.vmap(lambda free: jnp.nonzero(free, size=T, fill_value=S)[0])
-        return search(~occupied_BS).astype(jnp.int32)
+        return search(pos_BS < 0).astype(jnp.int32)
 
-    free_idx_BT = jax.lax.cond(compact, after_high_water, lowest_free, occupied_BS)
+    # (the branch gets `pos`, not the occupancy: an operand is computed whichever branch
+    # runs, and the compact one, taken every decode step, needs no [B, S] array)
+    free_idx_BT = jax.lax.cond(compact, after_high_water, lowest_free, pos_BS)
     slot_BT = jnp.take_along_axis(free_idx_BT, jnp.clip(rank_BT, 0, T - 1), axis=1)
     slot_BT = jnp.where(valid_BT, slot_BT, S).astype(jnp.int32)
     overflow_B = jnp.any(valid_BT & (slot_BT >= S), axis=1)
     return slot_BT, overflow_B
 
 
-def write_positions(cache: KVCache, positions_BT: Array) -> tuple[KVCache, Array]:
-    """Claim cells for `positions_BT` (-1 = padding); returns the new cache and the slots."""
-    slot_BT, overflow_B = assign_slots(cache.pos, positions_BT)
+def write_positions(
+    cache: KVCache, positions_BT: Array, high_water_B: Array | None = None
+) -> tuple[KVCache, Array]:
+    """Claim cells for `positions_BT` (-1 = padding); returns the new cache and the slots.
+    `high_water_B`: as `assign_slots`'s."""
+    slot_BT, overflow_B = assign_slots(cache.pos, positions_BT, high_water_B)
     rows_BT = jnp.arange(cache.batch, dtype=jnp.int32)[:, None] + jnp.zeros_like(slot_BT)
     pos = cache.pos.at[rows_BT, slot_BT].set(positions_BT.astype(jnp.int32), mode="drop")
     return (

@@ -47,7 +47,7 @@ import jax.numpy as jnp
 
 from specjax import adaptive, sampling, verify
 from specjax import stats as stats_mod
-from specjax.cache import KVCache, keep_prefix
+from specjax.cache import KVCache, keep_prefix, row_high_water
 from specjax.drafters.base import (
     DraftInput,
     DraftOutput,
@@ -453,6 +453,7 @@ def _verify_round(
         @jax.named_scope(f"verify{width}")
         def run_width(carry: Any) -> Any:
             cache, _, _, hidden0 = carry
+            high_water = row_high_water(cache.pos)  # (read and write share one pass)
             out = forward_compute(
                 engine.target,
                 target_params,
@@ -460,6 +461,7 @@ def _verify_round(
                 v_pos[:, :width],
                 cache,
                 engine.hidden_layers,
+                high_water_B=high_water,
             )
             logits = out.logits
             assert logits is not None
@@ -496,7 +498,9 @@ def _verify_round(
                     result = jax.lax.cond(
                         all_greedy, lambda _: verify.verify_greedy(greedy, narrow), sampled, logits
                     )
-            cache = commit_kv(cache, v_pos[:, :width], out.k, out.v, after=logits)
+            cache = commit_kv(
+                cache, v_pos[:, :width], out.k, out.v, after=logits, high_water_B=high_water
+            )
             hidden = tuple(
                 jax.lax.dynamic_update_slice(h0, h.astype(h0.dtype), (0, 0, 0))
                 for h0, h in zip(hidden0, out.hidden)
@@ -742,7 +746,11 @@ def _finish_round(
     with jax.named_scope("commit"):
         # commit: keep id_last + accepted drafts in memory, drop the rejected cells
         keep = state.length + n_acc + 1
-        cache = keep_prefix(cache, jnp.where(active, keep, state.length))
+        if K > 0:  # (static) a 1-token round wrote only position `length`, which it keeps:
+            # before a round no cell holds a position >= length (prefill, restored slots and
+            # every commit leave none), so there is nothing to drop, and an O(S) pass over
+            # every row's cells is saved in each plain and off round
+            cache = keep_prefix(cache, jnp.where(active, keep, state.length))
         rows_BT = jnp.arange(B)[:, None] + jnp.zeros((1, K + 1), jnp.int32)
         hist_pos = state.length[:, None] + jnp.arange(K + 1)[None, :]
         write_ok = active[:, None] & (jnp.arange(K + 1)[None, :] <= n_acc[:, None])

@@ -442,6 +442,7 @@ def forward_compute(
     extra: ExtraKV | None = None,
     logits: bool = True,
     logit_index: Array | None = None,
+    high_water_B: Array | None = None,
 ) -> ForwardCompute:
     """The forward with the cache read-only: returns logits and the new tokens' K/V.
 
@@ -452,6 +453,8 @@ def forward_compute(
     callers branch (`lax.switch` over verify widths) without XLA copying the whole cache into
     and out of every branch. `logits=False` skips the LM head; `logit_index [B]` computes the
     logits of one token per row only (prefill needs just the last prompt token's).
+    `high_water_B`: `cache.row_high_water(cache.pos)` when the caller has it (a caller that
+    also commits passes the same to `commit_kv`: one pass over the cells instead of two).
     """
     E, H, G = config.E, config.H, config.G
     inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
@@ -461,7 +464,7 @@ def forward_compute(
     native = bool(params["layers"]) and isinstance(params["layers"][0].get("wqkv"), KernelWeight)
     if not cache_empty:
         chunk = min(CACHE_CHUNK, cache.capacity)
-        used = used_cells(cache.pos)
+        used = used_cells(cache.pos) if high_water_B is None else jnp.max(high_water_B)
         n_chunks = (used + chunk - 1) // chunk
 
     x = params["embed"][tokens_BT]
@@ -518,8 +521,10 @@ def commit_kv(
     k: tuple[Array, ...],
     v: tuple[Array, ...],
     after: Array | None = None,
+    high_water_B: Array | None = None,
 ) -> KVCache:
     """Write new tokens' K/V into the lowest free cells (padding, position -1, is skipped).
+    `high_water_B`: as `forward_compute`'s.
 
     `after`: an array computed from every read of `cache` (the logits, or the last hidden).
     XLA's CPU runtime runs independent ops concurrently, so an in-place write that does not
@@ -530,7 +535,7 @@ def commit_kv(
     if after is not None:
         probe = after.reshape(-1)[0]
         positions_BT = jnp.where(probe != probe, -1, positions_BT)
-    cache, slot_BT = write_positions(cache, positions_BT)
+    cache, slot_BT = write_positions(cache, positions_BT, high_water_B)
     return KVCache(
         k=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.k, k)),
         v=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.v, v)),
