@@ -188,6 +188,24 @@ def test_generation_loop_copies_no_kv_buffer(types):
     assert _cache_copies(hlo, capacity) == []  # ... and never copied
 
 
+def test_plain_decode_passes_over_the_cells_only_where_it_must():
+    """Per-step work over all S cells of a row is what makes decode cost grow with the
+    capacity. The plain generation loop's optimised HLO holds five fusions producing a
+    [B, S] array: the occupancy count and the high-water mark (once, shared by the
+    forward's attention and the slot assignment), the position and history writes (in
+    place), and the non-compact slot search's mask, a branch decode never takes. Three
+    more were there before: the tail drop after a 1-token round (which drops nothing), a
+    second high-water mark and the occupancy mask of the branch not taken."""
+    capacity = 320
+    target = tiny_model(4)
+    api._COMPILED.clear()
+    generate(target, [[1, 2, 3]], max_new_tokens=8, n_ctx=capacity)
+    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    hlo = loops[0].as_text()
+    passes = re.findall(r"= \w+\[1," + str(capacity) + r"\]\{[0-9,]+\} fusion\(", hlo)
+    assert 0 < len(passes) <= 5, passes
+
+
 def test_round_without_a_draft_pads_nothing_to_the_widest_verify():
     """ngram-mod's chain is 64 long (verify widths 1, 5, 17, 65): each width runs its own
     forward, acceptance and cache write, so no logits or K/V are padded to 65 columns (a
