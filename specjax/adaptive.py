@@ -30,14 +30,14 @@ down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps find
 (ngram lookups over text that does not repeat), started from the prior alone, is asked in
 26 of its first 64 rounds, then about one round in 11 (ngram-map-k over
 benchmarks/prompts/norepeat.py with the CPU defaults: `verify_token` 0.4, `call` 0.08,
-K = 4), while one that finds drafts again is back at full speed after a single hit. The backoff trades what probing a drafter that finds
-nothing costs against how late a run of repeated text is noticed: with 1/2^6 (about one
-round in 22) ngram-map-k over code that repeats a block took 211 rounds for 256 tokens where
-llama.cpp, asking every round, took ~153; with 1/2^5, 179 (benchmarks/governor_rounds.py
-counts these). The prior (hit 1.0, accept
-0.95) is optimistic enough that a batch of up to 4 rows probes under those prices, so the
-governor measures a drafter before it turns it off; with accept 0.8 it judged drafting not
-worth a probe at B >= 2 and never measured it.
+K = 4), while one that finds drafts again is back at full speed after a single hit. The
+backoff trades what probing a drafter that finds nothing costs against how late a run of
+repeated text is noticed: with 1/2^6 (about one round in 22) ngram-map-k over code that
+repeats a block took 211 rounds for 256 tokens where llama.cpp, asking every round, took
+~153; with 1/2^5, 179 (benchmarks/governor_rounds.py counts these). The prior (hit 1.0,
+accept 0.95) is optimistic enough that a batch of up to 4 rows probes under those prices,
+so the governor measures a drafter before it turns it off; with accept 0.8 it judged
+drafting not worth a probe at B >= 2 and never measured it.
 
 The prompt is evidence too (`from_prompt`, applied by `engine.prompt_governor` to every row
 that starts a request): for a chain of lookup drafters (each declares `lookup_size` n: it

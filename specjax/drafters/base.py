@@ -212,6 +212,12 @@ _HASH_A = 0x9E3779B1
 _HASH_A_INV = pow(_HASH_A, -1, 1 << 32)
 
 
+def _powers(x: int, count: int) -> np.ndarray:
+    """x^0 .. x^(count-1) mod 2^32 (uint32 products wrap)."""
+    steps = np.full(max(count - 1, 0), x, np.uint32)
+    return np.concatenate([np.ones(1, np.uint32), np.cumprod(steps, dtype=np.uint32)])
+
+
 def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
     """[B, S] uint32: a hash of the n-gram `t[p-n+1 : p+1]` ending at each position p (equal
     n-grams hash equally wherever they are; garbage where p < n - 1).
@@ -219,12 +225,7 @@ def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
     Polynomial `sum_k (t_{p-n+1+k} + 1) A^k mod 2^32`, from one prefix sum of `(t_j + 1) A^j`
     and the inverse powers of A: O(S) for any n."""
     B, S = tokens_BS.shape
-    pow_a, pow_inv = (  # A^j and A^-j mod 2^32, j = 0..S-1 (uint32 products wrap)
-        np.concatenate([[1], np.cumprod(np.full(S - 1, x, np.uint32), dtype=np.uint32)]).astype(
-            np.uint32
-        )
-        for x in (_HASH_A, _HASH_A_INV)
-    )
+    pow_a, pow_inv = _powers(_HASH_A, S), _powers(_HASH_A_INV, S)
     terms = (tokens_BS.astype(jnp.uint32) + jnp.uint32(1)) * jnp.asarray(pow_a)[None, :]
     prefix = jnp.concatenate(
         [jnp.zeros((B, 1), jnp.uint32), jnp.cumsum(terms, axis=1, dtype=jnp.uint32)], axis=1
