@@ -9,7 +9,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import adaptive, sampling
 from specjax.api import Model, init_model
+from specjax.engine import RunParams
 from specjax.models import forward_fn, new_cache
 from specjax.models.config import ModelConfig
 
@@ -133,3 +135,28 @@ def tiny_model_with_tokenizer(seed: int = 0, **overrides: object) -> Model:
     tokenizer = tiny_tokenizer()
     vocab = tokenizer.vocab_size  # type: ignore[attr-defined]
     return init_model(tiny_config(vocab_size=vocab, **overrides), seed, tokenizer=tokenizer)
+
+
+def run_params(
+    max_new: list[int],
+    *,
+    temperature: float = 0.0,
+    seed: int = 0,
+    n_max: int = 4,
+    k_max: int = 4,
+    cost: adaptive.CostModel | None = None,
+) -> RunParams:
+    """Per-call values for tests that drive `specjax.engine` directly: one row per entry of
+    `max_new`, the samplers (top-k/p, min-p) off, n_min 0, p_min 0, and the draft governor
+    off unless `cost` is given."""
+    return RunParams(
+        sampling=sampling.SamplingParams.create(
+            batch=len(max_new), temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=seed
+        ),
+        max_new=jnp.asarray(max_new, jnp.int32),
+        n_max=jnp.asarray(n_max, jnp.int32),
+        n_min=jnp.asarray(0, jnp.int32),
+        p_min=jnp.asarray(0.0, jnp.float32),
+        synth_rates=jnp.zeros((max(k_max, 1),), jnp.float32),
+        cost=adaptive.CostModel.off() if cost is None else cost,
+    )

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, sampling
+from specjax import adaptive, testing
 from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.api import Model
@@ -57,17 +57,26 @@ def eagle3_head(target: Model) -> Model:
 
 
 def run_params(cost: adaptive.CostModel, temperature: float) -> eng.RunParams:
-    return eng.RunParams(
-        sampling=sampling.SamplingParams.create(
-            batch=B, temperature=temperature, top_k=0, top_p=1.0, min_p=0.0, seed=7
-        ),
-        max_new=jnp.asarray([40, 3, 40], jnp.int32),  # row 1 finishes within the rounds
-        n_max=jnp.asarray(4, jnp.int32),
-        n_min=jnp.asarray(0, jnp.int32),
-        p_min=jnp.asarray(0.0, jnp.float32),
-        synth_rates=jnp.zeros((4,), jnp.float32),
-        cost=cost,
+    # row 1 finishes within the rounds
+    return testing.run_params([40, 3, 40], temperature=temperature, seed=7, cost=cost)
+
+
+def small_ngrams(types: tuple[str, ...], **overrides: object) -> SpecConfig:
+    """The n-gram drafters at sizes the module's short outputs repeat (2-grams, 4 tokens
+    copied, ngram-mod drafting up to 8 from a small pool)."""
+    sizes: dict[str, object] = dict(
+        ngram_simple_size_n=2,
+        ngram_simple_size_m=4,
+        ngram_map_k_size_n=2,
+        ngram_map_k_size_m=4,
+        ngram_map_k4v_size_n=2,
+        ngram_map_k4v_size_m=4,
+        ngram_mod_n_match=2,
+        ngram_mod_n_min=1,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 10,
     )
+    return SpecConfig(types=types, **{**sizes, **overrides})
 
 
 def never_pays() -> adaptive.CostModel:
@@ -184,20 +193,7 @@ def assert_same_state(got: eng.GenState, want: eng.GenState) -> None:
     ],
 )
 def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, temperature, lean):
-    spec = SpecConfig(
-        types=chain,
-        ngram_simple_size_n=2,
-        ngram_simple_size_m=4,
-        ngram_map_k_size_n=2,
-        ngram_map_k_size_m=4,
-        ngram_map_k4v_size_n=2,
-        ngram_map_k4v_size_m=4,
-        ngram_mod_n_match=2,
-        ngram_mod_n_min=1,
-        ngram_mod_n_max=8,
-        ngram_mod_pool_size=1 << 10,
-        draft_n_max=4,
-    )
+    spec = small_ngrams(chain, draft_n_max=4)
     draft = eagle3_head(target) if "draft-eagle3" in chain else noisy_copy(target, 0.3)
     drafters, dparams = build_drafters(spec, target, draft)
     engine = eng.Engine(
@@ -263,16 +259,7 @@ def test_generation_loop_with_off_stretches_equals_its_rounds_one_by_one(target,
     the relay found nothing in that same loop (`spec_round`'s pending step); the whole
     generation must leave the state that calling `spec_step` round by round leaves, with
     off rounds, drafting rounds and (model-free) rounds that found nothing all taken."""
-    spec = SpecConfig(
-        types=chain,
-        ngram_simple_size_n=2,
-        ngram_simple_size_m=4,
-        ngram_mod_n_match=2,
-        ngram_mod_n_min=1,
-        ngram_mod_n_max=4,
-        ngram_mod_pool_size=1 << 10,
-        draft_n_max=4,
-    )
+    spec = small_ngrams(chain, ngram_mod_n_max=4, draft_n_max=4)
     drafters, dparams = build_drafters(spec, target, noisy_copy(target, 0.3))
     engine = eng.Engine(
         target=target.config, drafters=drafters, k_max=4, capacity=S, out_capacity=OUT
@@ -315,15 +302,7 @@ def test_lean_step_of_a_model_free_chain_leaves_the_state_spec_step_leaves(targe
     variants (`engine.spec_round`'s pending step). Round by round it must leave the state
     the reference (drafters called every round, every round a full `spec_step`) leaves, with
     rounds that drafted at either width, rounds whose relay found nothing, and off rounds."""
-    spec = SpecConfig(
-        types=("ngram-simple", "ngram-mod"),
-        ngram_simple_size_n=2,
-        ngram_simple_size_m=4,
-        ngram_mod_n_match=2,
-        ngram_mod_n_min=1,
-        ngram_mod_n_max=8,
-        ngram_mod_pool_size=1 << 10,
-    )
+    spec = small_ngrams(("ngram-simple", "ngram-mod"))
     drafters, dparams = build_drafters(spec, target, None)
     out = S - 12  # (longer outputs than the module's: drafting starts late and runs fast)
     engine = eng.Engine(

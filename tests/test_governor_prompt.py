@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, sampling
+from specjax import adaptive
 from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.api import generate
@@ -25,7 +25,7 @@ from specjax.drafters.ngram_mod import NgramMod
 from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.registry import build_drafters
 from specjax.pytree import replace
-from specjax.testing import tiny_model
+from specjax.testing import run_params, tiny_model
 
 M = adaptive.PROMPT_PROBES
 
@@ -124,17 +124,7 @@ def _engine(types, **kw):
 
 
 def _run(batch):
-    return eng.RunParams(
-        sampling=sampling.SamplingParams.create(
-            batch=batch, temperature=0.0, top_k=0, top_p=1.0, min_p=0.0, seed=0
-        ),
-        max_new=jnp.full((batch,), 8, jnp.int32),
-        n_max=jnp.asarray(4, jnp.int32),
-        n_min=jnp.asarray(0, jnp.int32),
-        p_min=jnp.asarray(0.0, jnp.float32),
-        synth_rates=jnp.zeros((4,), jnp.float32),
-        cost=adaptive.CostModel.off(),
-    )
+    return run_params([8] * batch)
 
 
 REPEATS = [5, 6, 7, 8, 9] * 5  # every 4-gram after the first block occurred before
