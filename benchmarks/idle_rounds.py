@@ -70,7 +70,10 @@ _NOT_KERNELS = (
 
 
 #: The engine's named scopes (`jax.named_scope` in specjax.engine), innermost first wins.
-SCOPES = ("relay", "plan", "bookkeeping", "feedback", "commit", "accept", "verify", "off_rounds")
+SCOPES = (
+    *("relay", "plan", "bookkeeping", "feedback", "commit", "accept", "verify", "off_rounds"),
+    "lookup",
+)
 
 
 def _scope(op_name: str) -> str:

@@ -39,18 +39,12 @@ accept 0.95) is optimistic enough that a batch of up to 4 rows probes under thos
 so the governor measures a drafter before it turns it off; with accept 0.8 it judged
 drafting not worth a probe at B >= 2 and never measured it.
 
-The prompt is evidence too (`from_prompt`, applied by `engine.prompt_governor` to every row
-that starts a request): for a chain of lookup drafters (each declares `lookup_size` n: it
-can draft only where the stream's last n tokens occurred earlier), the governor starts as
-if it had asked at the prompt's last PROMPT_PROBES positions, a hit where the n-gram ending
-there occurred earlier in the prompt. A row whose prompt repeats itself starts where a fresh
-governor does (hits keep the hit estimate at the prior's 1.0); one whose prompt never does
-starts after 16 misses, backed off, instead of spending its first rounds on asks the prompt
-already answered. Over the norepeat prompt (ngram-map-k, an n-gram nothing matches) that is
-11 asks in the first 64 rounds instead of 26, and 28 instead of 43 in 256; the repetitive
-prompts, which need the early probes, keep them. Acceptance keeps its prior (nothing was
-verified). Chains with another drafter (draft-simple, ngram-cache: its files may draft
-without any repeat) start from the prior alone.
+A chain of lookup drafters is not asked at all for a row whose stream's last n-gram never
+occurred before (`specjax.lookup_index`, `possible_B` of `choose_budget`): such a round is
+off whatever the estimates, so over text that does not repeat the chain costs no asks, and
+the estimates measure the chain where it could draft. Over the norepeat prompt (ngram-map-k,
+an n-gram nothing matches) that is 0 asks in 256 rounds, where probing from the prior asked
+43 (benchmarks/governor_rounds.py).
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 
@@ -87,8 +81,6 @@ DECAY = 0.9
 RELAX = 0.97
 #: Most halvings of the pull towards the prior after asked rounds that drafted nothing.
 MAX_BACKOFF = 5
-#: Prompt positions at which `from_prompt` counts the chain's lookups as asked rounds.
-PROMPT_PROBES = 16
 #: Rounds `rounds_off_ahead` looks ahead (a run of off rounds longer than this is planned
 #: again after it).
 OFF_HORIZON = 32
@@ -138,32 +130,6 @@ class Governor:
             n_off=zero,
             miss_streak=jnp.zeros((batch,), jnp.int32),
         )
-
-
-def from_prompt(gov: Governor, seen_BM: Array, valid_BM: Array) -> Governor:
-    """`gov` after one asked round per valid prompt position (oldest first, the valid ones
-    the last): a hit where `seen_BM` (the chain's lookup could have drafted there,
-    `drafters.base.prompt_lookup_hits`), else a miss. Only the hit estimate and the backoff
-    move: nothing was verified, so acceptance keeps its counts (an asked round that drafts
-    nothing relaxes it towards the prior, which is where a fresh governor's already is).
-    Closed form of that many `observe` hit updates, in elementwise ops."""
-    M = seen_BM.shape[1]
-    weight_M = DECAY ** jnp.arange(M - 1, -1, -1, dtype=jnp.float32)  # the last weighs 1
-    valid = valid_BM.astype(jnp.float32)
-    n_valid = jnp.sum(valid, axis=1)
-    keep = DECAY**n_valid
-    hits = jnp.sum(valid * seen_BM.astype(jnp.float32) * weight_M[None, :], axis=1)
-    trials = jnp.sum(valid * weight_M[None, :], axis=1)
-    # misses in a row at the end (the invalid positions come first: they end no streak early)
-    last_hit = jnp.max(jnp.where(seen_BM | ~valid_BM, jnp.arange(M)[None, :], -1), axis=1)
-    streak = (M - 1 - last_hit).astype(jnp.int32)
-    any_hit = jnp.any(seen_BM & valid_BM, axis=1)
-    return replace(
-        gov,
-        hit_num=keep * gov.hit_num + hits,
-        hit_den=keep * gov.hit_den + trials,
-        miss_streak=jnp.where(any_hit, streak, gov.miss_streak + streak),
-    )
 
 
 def _pull(streak_B: Array) -> Array:
@@ -223,21 +189,29 @@ def choose_budget(
     active_B: Array,
     k_max: int,
     widths: tuple[int, ...] | None = None,
+    possible_B: Array | None = None,
 ) -> tuple[Array, Governor]:
     """The governed budget [B] (<= budget_B) and the governor with its counters updated.
 
-    `widths`: the compiled verify widths (static; None = every width 1..k_max + 1)."""
+    `widths`: the compiled verify widths (static; None = every width 1..k_max + 1).
+    `possible_B` [B] bool: rows the chain may find a draft for (`specjax.lookup_index`;
+    None = all). With the cost model on, the others get budget 0 and are weighed as rows
+    that cannot draft (their budget 0, the verify's cost unchanged: so a round that is off
+    for a larger budget stays off, as `rounds_off_ahead` assumes); a round in which no row
+    may draft counts as `off`."""
     hit, accept = estimates(gov)
+    wanted = jnp.any(budget_B > 0)
+    if possible_B is not None:
+        budget_B = jnp.where(possible_B | ~cost.enabled, budget_B, 0)
     ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
     best = _best_k(ratio_k, cost, k_max)
     governed = jnp.minimum(budget_B, best)
-    wanted = jnp.any(budget_B > 0)
     throttled = wanted & (best > 0) & jnp.any(governed < budget_B)
     gov = replace(
         gov,
         n_rounds=gov.n_rounds + wanted.astype(jnp.int32),
         n_throttled=gov.n_throttled + throttled.astype(jnp.int32),
-        n_off=gov.n_off + (wanted & (best == 0)).astype(jnp.int32),
+        n_off=gov.n_off + (wanted & ~jnp.any(governed > 0)).astype(jnp.int32),
     )
     return governed, gov
 

@@ -80,7 +80,7 @@ def state_shardings(
             return rep
         if names[0] == "cache" and names[1] in ("k", "v"):
             return kv
-        if names[0] == "governor" and not (x.ndim and x.shape[0] == B):
+        if names[0] in ("governor", "lookup_seen") and not (x.ndim and x.shape[0] == B):
             return rep
         return rows(x)
 

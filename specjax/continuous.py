@@ -48,7 +48,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import adaptive, sampling
+from specjax import adaptive, lookup_index, sampling
 from specjax import engine as eng
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
@@ -115,6 +115,9 @@ def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]
         governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
         drafted=zeros,
+        lookup_seen=None
+        if engine.lookup_n is None
+        else jnp.zeros(lookup_index.table_shape(B, S, engine.lookup_shared), bool),
     )
     return state, SlotStats(rounds=zeros, accepted=zeros, drafted=zeros)
 
@@ -231,7 +234,7 @@ def prefill_chunk(
     out_cap = engine.out_capacity
     out_row = jnp.zeros((1, out_cap), jnp.int32).at[0, 0].set(first)
     gov = state.governor
-    fresh = eng.prompt_governor(engine, hist_1S, length_1)  # (the final chunk's is kept)
+    fresh = adaptive.Governor.create(1)
     governor = replace(
         gov,
         hit_num=_set_row(gov.hit_num, slot, fresh.hit_num),
@@ -257,6 +260,7 @@ def prefill_chunk(
         impl_last=_set_row(state.impl_last, slot, jnp.full((1,), -1, jnp.int32)),
         stats=stats_mod.record_begin(state.stats, final[None]) if engine.drafters else state.stats,
         governor=governor,
+        lookup_seen=_index_chunk(engine, state.lookup_seen, hist_1S, slot, start, n_valid, C),
     )
     zero = jnp.zeros((1,), jnp.int32)
     slot_stats = SlotStats(
@@ -265,6 +269,28 @@ def prefill_chunk(
         drafted=_set_row(slot_stats.drafted, slot, zero),
     )
     return new_state, slot_stats
+
+
+def _index_chunk(
+    engine: eng.Engine,
+    table: Array | None,
+    hist_1S: Array,
+    slot: Array,
+    start: Array,
+    n_valid: Array,
+    width: int,
+) -> Array | None:
+    """The lookup index (`specjax.lookup_index`) after a prompt chunk of slot `slot`: the
+    n-grams ending at the chunk's positions added to the slot's row (cleared first when the
+    chunk begins a request), or to the one shared table, which keeps every request's."""
+    n = engine.lookup_n
+    if table is None or n is None:
+        return table
+    if engine.lookup_shared:
+        return lookup_index.insert(table, hist_1S, start[None], n_valid[None], n, width)
+    row = _row(table, slot) & (start > 0)
+    row = lookup_index.insert(row, hist_1S, start[None], n_valid[None], n, width)
+    return _set_row(table, slot, row)
 
 
 #: Draft width of the middle path of `lean_step`: rounds whose budgets are all <= MID_K (the

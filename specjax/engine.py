@@ -7,7 +7,9 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
 
     1 budget   n_draft_max = min(S - length - 2, remaining - 1), clipped to [0, K] (each
                drafter stops at its own n_max); the draft governor (specjax.adaptive) may
-               shorten it, or set it to 0, when drafting does not pay under its cost model
+               shorten it, or set it to 0, when drafting does not pay under its cost model,
+               and sets it to 0 for a row a chain of lookup drafters cannot draft for
+               (`specjax.lookup_index`: the n-gram ending at id_last never occurred before)
     2 relay    drafters in llama.cpp's fixed priority; the first with a draft wins the row.
                A chain whose drafters all declare `idle_noop` is not called at all in a round
                in which no row may draft (the governor turned it off)
@@ -45,7 +47,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import adaptive, sampling, verify
+from specjax import adaptive, lookup_index, sampling, verify
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix, row_high_water
 from specjax.drafters.base import (
@@ -54,7 +56,6 @@ from specjax.drafters.base import (
     TargetBatch,
     TokenHistory,
     hidden_by_layer,
-    prompt_lookup_hits,
 )
 from specjax.models.config import ModelConfig
 from specjax.models.llama import commit_kv, forward_compute, new_cache
@@ -101,6 +102,16 @@ class Engine:
     def probabilistic(self) -> bool:
         return any(getattr(d, "probabilistic", False) for d in self.drafters)
 
+    @property
+    def lookup_n(self) -> int | None:
+        """n of the chain's lookup index (`specjax.lookup_index`); None: no index."""
+        return lookup_index.lookup_n(self.drafters)
+
+    @property
+    def lookup_shared(self) -> bool:
+        """Whether the lookup index is one table for all rows (`lookup_index.shares_memory`)."""
+        return lookup_index.shares_memory(self.drafters, self.capacity)
+
     def verify_widths(self) -> tuple[int, ...]:
         """Verify-batch widths, each compiled once (1 = no draft in any row)."""
         widths = {1, self.k_max + 1}
@@ -144,6 +155,9 @@ class GenState:
     #: [B] int32 drafted tokens verified per row since the row's counter was reset, or None
     #: (not kept): continuous batching's per-request statistics (specjax.continuous)
     drafted: Array | None = None
+    #: [G, M] bool, the n-grams the rows' streams hold (`specjax.lookup_index`), or None: the
+    #: chain has no lookup index (`Engine.lookup_n`)
+    lookup_seen: Array | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -179,6 +193,7 @@ def prefill(
     )
     cache = new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v)
     last_idx = jnp.maximum(lengths_B - 1, 0)
+    carried = states is not None
     if states is None:
         states = tuple(d.init(B, S) for d in engine.drafters)
     else:
@@ -260,19 +275,36 @@ def prefill(
         drafter_states=states,
         impl_last=jnp.full((B,), -1, jnp.int32),
         stats=stats,
-        governor=prompt_governor(engine, history, lengths_B),
+        governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
+        lookup_seen=prompt_lookup_index(engine, history, lengths_B, carried),
     )
 
 
-def prompt_governor(engine: Engine, history_BS: Array, lengths_B: Array) -> adaptive.Governor:
-    """A fresh governor for rows starting on these prompts: for a chain of lookup drafters,
-    as if it had asked at the prompt's last `adaptive.PROMPT_PROBES` positions
-    (`adaptive.from_prompt`), so a chain that could find nothing in the prompt starts backed
-    off instead of probing its first rounds one after the other."""
-    governor = adaptive.Governor.create(history_BS.shape[0])
-    hits = prompt_lookup_hits(engine.drafters, history_BS, lengths_B, adaptive.PROMPT_PROBES)
-    return governor if hits is None else adaptive.from_prompt(governor, *hits)
+def prompt_lookup_index(
+    engine: Engine, history_BS: Array, lengths_B: Array, carried: bool = False
+) -> Array | None:
+    """The lookup index (`specjax.lookup_index`) of rows starting on these prompts, or None
+    (the chain has none). `carried` (static): the drafter states come from an earlier call;
+    memory they share across requests may hold any n-gram, so a shared table starts full."""
+    n = engine.lookup_n
+    if n is None:
+        return None
+    shared = engine.lookup_shared
+    shape = lookup_index.table_shape(history_BS.shape[0], engine.capacity, shared)
+    if carried and shared:
+        return jnp.ones(shape, bool)
+    return lookup_index.build(history_BS, lengths_B, n, shape)
+
+
+def could_draft(engine: Engine, state: GenState) -> Array | None:
+    """[B] bool: rows some drafter of the chain may find a draft for this round (False is
+    exact: `specjax.lookup_index`); None: the chain has no lookup index."""
+    if state.lookup_seen is None or engine.lookup_n is None:
+        return None
+    return lookup_index.query(
+        state.lookup_seen, state.history, state.length, state.last_token, engine.lookup_n
+    )
 
 
 def _prefill_chunked(
@@ -549,7 +581,13 @@ def draft_budget(
         # K is only the static width); when it does not shorten, the budget stays as it was.
         reachable = jnp.minimum(budget, run.chain_n_max)
         governed, governor = adaptive.choose_budget(
-            governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
+            governor,
+            run.cost,
+            reachable,
+            active,
+            engine.k_max,
+            engine.verify_widths(),
+            possible_B=could_draft(engine, state),
         )
         budget = jnp.where(governed < reachable, governed, budget)
     return budget, governor
@@ -757,6 +795,12 @@ def _finish_round(
         history = state.history.at[rows_BT, jnp.where(write_ok, hist_pos, S)].set(
             v_tokens, mode="drop"
         )
+        lookup_seen = state.lookup_seen
+        if lookup_seen is not None and engine.lookup_n is not None:
+            written = jnp.where(active, n_acc + 1, 0)
+            lookup_seen = lookup_index.insert(
+                lookup_seen, history, state.length, written, engine.lookup_n, K + 1
+            )
 
         # emit d_1..d_nacc, next_token; stop at EOG / n_predict
         emitted = jnp.concatenate([d_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -831,6 +875,7 @@ def _finish_round(
         governor=governor,
         n_rounds=state.n_rounds + 1,
         drafted=None if state.drafted is None else state.drafted + draft_len,
+        lookup_seen=lookup_seen,
     )
 
 
@@ -899,15 +944,18 @@ def generate_loop(
 
     @jax.named_scope("off_rounds")
     def off_rounds(c: Carry) -> Carry:
-        """A pending round's step alone, or a run of off rounds planned once: the planned one
-        and as many after it as the governor's choice stays 0 (`adaptive.rounds_off_ahead`)
-        while no row finishes. Its rounds do no governor work; `adaptive.advance` adds them
-        up after the run (a pending round's were done with its relay)."""
+        """A run of off rounds planned once: a pending round's step or the planned round,
+        then as many as the governor's choice stays 0 (`adaptive.rounds_off_ahead`; none
+        after a pending step, whose next round is planned after it), and after those, for a
+        chain with a lookup index, while no active row could draft (`could_draft`: the
+        choice is 0 whatever the estimates), while no row finishes. Its rounds do no
+        governor work; `adaptive.advance` adds them up after the run (a pending round's own
+        were done with its relay)."""
         s, _, pending = c
         active = ~s.done
         headroom = jnp.where(active, _headroom(engine, s, run), 0)
         reachable = jnp.minimum(jnp.clip(headroom, 0, engine.k_max), run.chain_n_max)
-        ahead = run_once(  # (a pending round runs alone: its next round is planned after it)
+        ahead = run_once(  # (a pending round's estimates move after it: planned after it)
             ~pending,
             lambda _: adaptive.rounds_off_ahead(
                 s.governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
@@ -918,7 +966,11 @@ def generate_loop(
 
         def more(c: tuple[GenState, Array]) -> Array:
             s, n = c
-            return (n == 0) | ((n <= ahead) & cond(s) & (jnp.sum(s.done) == n_done))
+            off = n <= ahead
+            could = could_draft(engine, s)
+            if could is not None:  # (beyond the plan: no row the chain could draft for)
+                off = off | (run.cost.enabled & ~jnp.any(could & ~s.done))
+            return (n == 0) | (off & cond(s) & (jnp.sum(s.done) == n_done))
 
         def one(c: tuple[GenState, Array]) -> tuple[GenState, Array]:
             s, n = c
@@ -929,8 +981,7 @@ def generate_loop(
         # budget left: round j of the run while j < the row's headroom; 0 when n_max is 0)
         counted = jnp.clip(jnp.max(headroom) - 1, 0, n - 1)
         counted = jnp.where((run.chain_n_max > 0) & (engine.k_max > 0), counted, 0)
-        advanced = adaptive.advance(s.governor, n, counted)
-        governor = jax.tree.map(lambda a, b: jnp.where(pending, a, b), s.governor, advanced)
+        governor = adaptive.advance(s.governor, n - pending.astype(jnp.int32), counted)
         return (*planned(replace(s, governor=governor)), jnp.zeros((), bool))
 
     def round_then_off_rounds(c: Carry) -> Carry:

@@ -186,7 +186,7 @@ class ModelFreeDrafter:
 
     def lookup_size(self) -> int | None:
         """The length n of the n-gram the drafter looks up: it can draft only where the last n
-        tokens of the stream occurred earlier in it (`prompt_lookup_hits`); None = no such
+        tokens of the stream occurred earlier in it (`specjax.lookup_index`); None = no such
         condition (a drafter that may draft from other sources, e.g. ngram-cache's files)."""
         return None
 
@@ -234,34 +234,6 @@ def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
     start = jnp.clip(end - n + 1, 0, S - 1)
     window = prefix[:, 1:] - jnp.take(prefix, start, axis=1)  # A^start * hash
     return window * jnp.asarray(pow_inv)[start][None, :]
-
-
-def prompt_lookup_hits(
-    drafters: Sequence[Any], tokens_BS: Array, length_B: Array, probes: int
-) -> tuple[Array, Array] | None:
-    """Whether the chain's lookups could have drafted at each of the prompt's last `probes`
-    positions: (seen [B, probes], valid [B, probes]), oldest first; None when some drafter of
-    the chain has no `lookup_size` (the prompt then says nothing about the chain).
-
-    Position p is seen when, for some drafter of the chain, the n-gram ending at p also ends
-    at an earlier position (a necessary condition of its lookup, up to hash collisions: a
-    seen position may still give no draft). Valid: p >= 0 (a shorter prompt has fewer)."""
-    found = [getattr(d, "lookup_size", lambda: None)() for d in drafters]
-    sizes = [int(n) for n in found if n is not None]
-    if not drafters or len(sizes) < len(found):
-        return None
-    B, S = tokens_BS.shape
-    end_P = length_B[:, None] - probes + jnp.arange(probes)[None, :]  # [B, probes]
-    valid = end_P >= 0
-    seen = jnp.zeros((B, probes), bool)
-    earlier = jnp.arange(S)[None, None, :] < end_P[:, :, None]
-    for n in sorted(set(sizes)):
-        hashes = ngram_end_hashes(tokens_BS, n)
-        probe = jnp.take_along_axis(hashes, jnp.clip(end_P, 0, S - 1), axis=1)
-        full = earlier & (jnp.arange(S)[None, None, :] >= n - 1)
-        match = jnp.any(full & (hashes[:, None, :] == probe[:, :, None]), axis=2)
-        seen = seen | (match & (end_P >= n - 1))
-    return seen & valid, valid
 
 
 def prefix_mask(valid_BK: Array) -> Array:

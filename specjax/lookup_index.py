@@ -1,0 +1,150 @@
+"""Which rows a chain of lookup drafters could draft for this round, for one hash and one read.
+
+A lookup drafter (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod) declares
+`lookup_size()` n: it can draft only where the stream's last n tokens occurred earlier in the
+stream, followed by a token. Asking it costs a round more than a plain one (the relay, and on
+XLA CPU the loop structure around it: ~65 us against ~150 us for a whole plain round of the
+shipped target), so over text that does not repeat the governor's probes were the whole cost
+of carrying such a drafter. This index answers the question before anyone is asked: the
+engine keeps, beside the token history, a bit table of the n-grams the stream has held, and
+the governor asks a row only where the n-gram ending at its last token is in it.
+
+Table: `[G, M]` bool, G = B (a row each) or 1 (`shared`: one table for all rows); M a power
+of two, about 4 slots per cell the table covers. The slot of the n-gram `t[p-n+1 : p+1]` is
+the top log2(M) bits of `drafters.base.ngram_end_hashes`'s polynomial hash (mod 2^32) after
+a 32-bit mix, n the shortest `lookup_size` of the chain (a longer n-gram that occurred earlier contains a
+shorter one that did).
+
+Invariants:
+* After prefill and after every round, for each row b and every position p with
+  n - 1 <= p < length_b (each n-gram of the stream that a later token follows), the slot of
+  the n-gram ending at p is set in the row's table. So `query` is never False where the
+  chain could draft: a False is exact, a True may come from a colliding n-gram (then the
+  asked drafter finds nothing, as it did without the index).
+* `shared`: a drafter of the chain keeps memory shared by all rows, which outlives a request
+  (ngram-mod's pool: a leaf of its state has no batch axis). Its lookups may then hit
+  n-grams of another row or of an earlier request, so the one table collects every row's
+  n-grams and is never cleared (continuous batching keeps it across requests, as the pool
+  is kept). When such a state is carried into a call (a server slot's drafter memory), the
+  n-grams it already holds are unknown: the table starts full and every row stays askable.
+* The index decides only whether the governor asks a row (`engine.draft_budget`): with the
+  cost model off (llama.cpp's behaviour, `adaptive=False`) every row is asked as before,
+  and the tokens never depend on it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.drafters.base import _HASH_A, _powers, ngram_end_hashes
+from specjax.types import Array
+
+#: Table slots per cell the table covers (about 1 - e^(-1/4) = 22% of lookups over a full
+#: table come back True by collision).
+SLOTS_PER_CELL = 4
+#: The smallest table (slots per row).
+MIN_SLOTS = 1024
+#: `insert` hashes up to this many positions window by window (a round's K + 1 new tokens:
+#: O(width * n), no pass over S); more (a prompt), from one prefix sum over the row.
+ROUND_WIDTH = 128
+
+
+def lookup_n(drafters: Sequence[Any]) -> int | None:
+    """The chain's shortest `lookup_size`, or None: no drafters, or one without a lookup
+    size (draft-simple, ngram-cache: they may draft without any repeat)."""
+    sizes = [getattr(d, "lookup_size", lambda: None)() for d in drafters]
+    known = [int(n) for n in sizes if n is not None]
+    if not sizes or len(known) < len(sizes):
+        return None
+    return min(known)
+
+
+def shares_memory(drafters: Sequence[Any], capacity: int) -> bool:
+    """Whether some drafter's state has a leaf without the batch axis (memory shared by the
+    rows and kept across requests, such as ngram-mod's pool)."""
+    for d in drafters:
+        two = jax.tree.leaves(jax.eval_shape(lambda d=d: d.init(2, capacity)))
+        three = jax.tree.leaves(jax.eval_shape(lambda d=d: d.init(3, capacity)))
+        if any(x.ndim == 0 or x.shape[0] == y.shape[0] for x, y in zip(two, three)):
+            return True
+    return False
+
+
+def table_shape(batch: int, capacity: int, shared: bool) -> tuple[int, int]:
+    """(G, M) of the table of `batch` rows of `capacity` cells."""
+    cells = capacity * (batch if shared else 1)
+    slots = max(MIN_SLOTS, 1 << int(np.ceil(np.log2(SLOTS_PER_CELL * cells))))
+    return (1 if shared else batch), slots
+
+
+def _slot(hashes: Array, slots: int) -> Array:
+    """Table slot of each hash: the top log2(slots) bits of its 32-bit finalizer mix
+    (MurmurHash3's `fmix32`; the polynomial's own top bits barely depend on its oldest
+    token, whose term is not multiplied)."""
+    x = hashes ^ (hashes >> jnp.uint32(16))
+    x = x * jnp.uint32(0x85EBCA6B)
+    x = x ^ (x >> jnp.uint32(13))
+    x = x * jnp.uint32(0xC2B2AE35)
+    x = x ^ (x >> jnp.uint32(16))
+    shift = 32 - (slots.bit_length() - 1)
+    return (x >> jnp.uint32(shift)).astype(jnp.int32)
+
+
+def _group(table: Array, batch: int) -> Array:
+    """[B] the table row of each batch row."""
+    return jnp.arange(batch) if table.shape[0] == batch else jnp.zeros((batch,), jnp.int32)
+
+
+def _window_hashes(tokens_BEn: Array, n: int) -> Array:
+    """Hash of each n-token window `tokens_BEn[..., :]` (oldest first), as
+    `ngram_end_hashes` computes it: sum_k (t_k + 1) A^k mod 2^32."""
+    pow_a = jnp.asarray(_powers(_HASH_A, n)).reshape((1,) * (tokens_BEn.ndim - 1) + (n,))
+    terms = (tokens_BEn.astype(jnp.uint32) + jnp.uint32(1)) * pow_a
+    return jnp.sum(terms, axis=-1, dtype=jnp.uint32)
+
+
+def build(history_BS: Array, length_B: Array, n: int, shape: tuple[int, int]) -> Array:
+    """A table holding the n-grams ending at positions n-1 .. length-1 of every row."""
+    S = history_BS.shape[1]
+    table = jnp.zeros(shape, bool)
+    return insert(table, history_BS, jnp.zeros_like(length_B), length_B, n, S)
+
+
+@jax.named_scope("lookup")
+def insert(
+    table: Array, history_BS: Array, first_B: Array, count_B: Array, n: int, width: int
+) -> Array:
+    """`table` with the n-grams ending at positions first .. first + count - 1 of each row
+    (count <= width, static) set; positions < n - 1 hold no n-gram and are skipped."""
+    B, S = history_BS.shape
+    M = table.shape[1]
+    ends_BW = first_B[:, None] + jnp.arange(width)[None, :]
+    ok_BW = (jnp.arange(width)[None, :] < count_B[:, None]) & (ends_BW >= n - 1) & (ends_BW < S)
+    if width > ROUND_WIDTH:  # (a prompt: one prefix-sum pass over the rows, O(S) for any n)
+        hashes_BW = jnp.take_along_axis(
+            ngram_end_hashes(history_BS, n), jnp.clip(ends_BW, 0, S - 1), axis=1
+        )
+    else:  # (a round's few positions: their windows, O(width * n))
+        idx = ends_BW[:, :, None] - n + 1 + jnp.arange(n)[None, None, :]
+        tokens = jnp.take_along_axis(history_BS, jnp.clip(idx, 0, S - 1).reshape(B, -1), axis=1)
+        hashes_BW = _window_hashes(tokens.reshape(B, width, n), n)
+    rows_BW = jnp.broadcast_to(_group(table, B)[:, None], (B, width))
+    slots_BW = jnp.where(ok_BW, _slot(hashes_BW, M), M)
+    return table.at[rows_BW, slots_BW].set(True, mode="drop")
+
+
+@jax.named_scope("lookup")
+def query(table: Array, history_BS: Array, length_B: Array, last_B: Array, n: int) -> Array:
+    """[B] bool: the n-gram ending at the row's last token (position `length`, not in the
+    history yet) is in its table: some lookup of the chain may find a draft."""
+    B, S = history_BS.shape
+    idx_Bn = length_B[:, None] - n + 1 + jnp.arange(n)[None, :]
+    past = jnp.take_along_axis(history_BS, jnp.clip(idx_Bn, 0, S - 1), axis=1)
+    tokens = jnp.where(idx_Bn == length_B[:, None], last_B[:, None], past)
+    slots = _slot(_window_hashes(tokens, n), table.shape[1])
+    return (length_B >= n - 1) & table[_group(table, B), slots]

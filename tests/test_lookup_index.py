@@ -1,0 +1,263 @@
+"""The lookup index (`specjax.lookup_index`): a chain of lookup drafters is asked only for rows
+whose stream's last n-gram occurred before.
+
+Independent sources: a plain-Python transcription of the index (the polynomial hash mod 2^32,
+the slot = its top bits, every n-gram of the stream) and a plain-Python scan for repeated
+n-grams; plain decoding's tokens.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import adaptive, lookup_index
+from specjax import continuous as cont
+from specjax import engine as eng
+from specjax.api import generate
+from specjax.config import SpecConfig
+from specjax.drafters.ngram_cache import NgramCache
+from specjax.drafters.ngram_mod import NgramMod
+from specjax.drafters.ngram_simple import NgramSimple
+from specjax.drafters.registry import build_drafters
+from specjax.pytree import replace
+from specjax.testing import run_params, tiny_model
+
+A = 0x9E3779B1
+
+
+def python_slot(gram: list[int], slots: int) -> int:
+    h = sum((t + 1) * pow(A, k, 1 << 32) for k, t in enumerate(gram)) % (1 << 32)
+    h ^= h >> 16  # MurmurHash3's fmix32
+    h = (h * 0x85EBCA6B) % (1 << 32)
+    h ^= h >> 13
+    h = (h * 0xC2B2AE35) % (1 << 32)
+    h ^= h >> 16
+    return h >> (32 - (slots.bit_length() - 1))
+
+
+def python_table(stream: list[int], length: int, n: int, slots: int) -> set[int]:
+    """Slots of the n-grams ending at positions n-1 .. length-1 of `stream`."""
+    return {python_slot(stream[p - n + 1 : p + 1], slots) for p in range(n - 1, length)}
+
+
+def repeats(stream: list[int], n: int) -> bool:
+    """Whether the n-gram ending at the stream's last token ends at an earlier position."""
+    L = len(stream) - 1
+    return n - 1 <= L and any(
+        stream[q - n + 1 : q + 1] == stream[L - n + 1 :] for q in range(n - 1, L)
+    )
+
+
+ROWS = [
+    [3, 1, 3, 1, 3, 1, 2, 3, 1, 3],  # small vocabulary: most 2- and 3-grams repeat
+    list(range(10, 40)),  # no repeats
+    [7, 8, 9, 7, 8],  # short
+    [5, 5, 5, 5, 5, 5, 5, 5],  # one token repeated
+    [4],
+]
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_build_insert_and_query_are_the_python_index(n):
+    S, slots = 48, 1024
+    B = len(ROWS)
+    history = np.zeros((B, S), np.int32)
+    for b, r in enumerate(ROWS):
+        history[b, : len(r)] = r
+    hist = jnp.asarray(history)
+    # the prompt minus its last 4 tokens, then those in one insert (a round's window path)
+    part = jnp.asarray([max(len(r) - 4, 0) for r in ROWS], jnp.int32)
+    full = jnp.asarray([len(r) for r in ROWS], jnp.int32)
+    table = lookup_index.build(hist, part, n, (B, slots))
+    table = lookup_index.insert(table, hist, part, full - part, n, 4)
+    assert np.array_equal(table, lookup_index.build(hist, full, n, (B, slots)))
+    for b, r in enumerate(ROWS):
+        assert set(np.flatnonzero(np.asarray(table[b]))) == python_table(r, len(r), n, slots), b
+    # next tokens: a row's first (its last n-gram may repeat) or a new one (it cannot)
+    nexts = [ROWS[0][0], 99, ROWS[2][0], 5, 98]
+    last = jnp.asarray(nexts, jnp.int32)
+    got = np.asarray(lookup_index.query(table, hist, full, last, n))
+    want = []
+    for b, r in enumerate(ROWS):
+        stream = r + [nexts[b]]
+        L = len(r)
+        inside = n - 1 <= L and python_slot(stream[L - n + 1 :], slots) in python_table(
+            r, L, n, slots
+        )
+        want.append(inside)
+        assert inside or not repeats(stream, n)  # a False is exact
+    assert got.tolist() == want
+    assert any(want) and not all(want)
+    # one table for all rows: each row's query sees every row's n-grams
+    shared = lookup_index.build(hist, full, n, (1, slots))
+    assert set(np.flatnonzero(np.asarray(shared[0]))) == set().union(
+        *(python_table(r, len(r), n, slots) for r in ROWS)
+    )
+
+
+def test_a_chain_has_an_index_only_when_every_drafter_is_a_lookup():
+    assert lookup_index.lookup_n([NgramSimple(size_n=3), NgramMod(n_match=5)]) == 3
+    assert lookup_index.lookup_n([NgramSimple(), NgramCache()]) is None
+    assert lookup_index.lookup_n([]) is None
+    assert not lookup_index.shares_memory([NgramSimple()], 64)
+    assert lookup_index.shares_memory([NgramSimple(), NgramMod(pool_size=64)], 64)
+    assert lookup_index.table_shape(4, 64, shared=False) == (4, 1024)
+    assert lookup_index.table_shape(4, 1024, shared=True) == (1, 16384)
+
+
+def _engine(types, **kw):
+    target = tiny_model(0)
+    spec = SpecConfig(types=types, draft_n_max=4, **kw)
+    drafters, dparams = build_drafters(spec, target, None)
+    engine = eng.Engine(
+        target=target.config, drafters=drafters, k_max=4, capacity=64, out_capacity=40
+    )
+    return target, engine, dparams
+
+
+#: the governor on, at the CPU defaults' prices (`SpecConfig`)
+_CPU_PRICES = adaptive.CostModel(
+    enabled=jnp.asarray(True),
+    verify_token=jnp.asarray(0.4, jnp.float32),
+    draft_step=jnp.asarray(0.0, jnp.float32),
+    call=jnp.asarray(0.08, jnp.float32),
+)
+DISTINCT = list(range(10, 25))
+
+
+def echo_prompt(target) -> list[int]:
+    """A prompt, what greedy decoding continues it with, and the prompt again: the output
+    then repeats n-grams of the prompt (drafts made, some accepted, some rejected)."""
+    head = [3, 14, 15, 9, 2, 6]
+    out = generate(target, [head], max_new_tokens=12, n_ctx=64).tokens[0]
+    return head + out + head
+
+
+@pytest.mark.parametrize("adaptive_on", [True, False])
+def test_generation_keeps_the_index_of_every_ngram_it_holds(adaptive_on):
+    """After prefill and a whole generation (rounds with and without drafts), the table is
+    the one built from scratch from the stream: every round added what it committed."""
+    target, engine, dparams = _engine(
+        ("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=4
+    )
+    tokens = jnp.asarray([echo_prompt(target), DISTINCT + [0] * 9], jnp.int32)
+    lengths = jnp.asarray([24, len(DISTINCT)], jnp.int32)
+    run = run_params([30, 30], cost=_CPU_PRICES if adaptive_on else None)
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
+    shape = lookup_index.table_shape(2, 64, shared=False)
+    assert np.array_equal(state.lookup_seen, lookup_index.build(state.history, lengths, 2, shape))
+    state = eng.generate_loop_jit(engine, target.params, dparams, state, run)
+    assert int(state.stats.n_draft_tokens) > 0
+    rebuilt = lookup_index.build(state.history, state.length, 2, shape)
+    assert np.array_equal(state.lookup_seen, rebuilt)
+
+
+def test_a_lookup_that_can_find_nothing_is_never_asked_and_one_that_can_is():
+    """Over a prompt without repeats and an n-gram no output repeats, the governed chain is
+    not asked in any round (probing from the prior asked several); over a prompt the output
+    echoes, it is asked and drafts. The tokens are plain decoding's."""
+    target = tiny_model(0)
+    spec = SpecConfig(
+        types=("ngram-simple",), ngram_simple_size_n=24, ngram_simple_size_m=4, draft_n_max=4
+    )
+    plain = generate(target, [DISTINCT], max_new_tokens=24, n_ctx=64)
+    run = generate(target, [DISTINCT], max_new_tokens=24, n_ctx=64, spec=spec)
+    assert run.tokens == plain.tokens
+    g = run.stats.governor
+    assert g["rounds"] >= 20 and g["rounds"] == g["off"], g
+    echo = echo_prompt(target)
+    spec = SpecConfig(
+        types=("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=4, draft_n_max=4
+    )
+    plain = generate(target, [echo], max_new_tokens=24, n_ctx=64)
+    run = generate(target, [echo], max_new_tokens=24, n_ctx=64, spec=spec)
+    assert run.tokens == plain.tokens
+    g = run.stats.governor
+    assert g["rounds"] > g["off"] and run.stats.to_dict()["num_draft_tokens"] > 0, g
+
+
+def _chunks(engine, target, dparams, slots, slot_stats, slot, prompt, C=8):
+    chunk = jax.jit(cont.prefill_chunk, static_argnums=0)
+    for start in range(0, len(prompt), C):
+        piece = prompt[start : start + C]
+        slots, slot_stats = chunk(
+            engine, target.params, dparams, slots, slot_stats, jnp.asarray(slot),
+            jnp.asarray(piece + [0] * (C - len(piece)), jnp.int32), jnp.asarray(start),
+            jnp.asarray(len(piece)), jnp.asarray(start + C >= len(prompt)), run_params([4]),
+        )  # fmt: skip
+    return slots, slot_stats
+
+
+def test_slot_admission_indexes_the_new_request_and_a_shared_table_keeps_the_old():
+    """Continuous batching: a slot that starts a new request holds that prompt's n-grams
+    only (its row cleared first); with ngram-mod in the chain (a pool shared by the slots
+    and kept across requests) the one table keeps every request's n-grams."""
+    first, second = list(range(30, 50)), [3, 1, 3, 1, 2, 7, 3, 1, 2]
+    for types, shared in ((("ngram-simple",), False), (("ngram-simple", "ngram-mod"), True)):
+        target, engine, dparams = _engine(types, ngram_simple_size_n=2, ngram_mod_n_match=3)
+        assert engine.lookup_shared == shared
+        slots, slot_stats = cont.init_slots(engine, 2)
+        slots, slot_stats = _chunks(engine, target, dparams, slots, slot_stats, 1, first)
+        slots, slot_stats = _chunks(engine, target, dparams, slots, slot_stats, 1, second)
+        table = np.asarray(slots.lookup_seen)
+        M = table.shape[1]
+        want = python_table(second, len(second), 2, M)
+        if shared:
+            assert table.shape == (1, M)
+            want |= python_table(first, len(first), 2, M)
+            assert set(np.flatnonzero(table[0])) == want
+        else:
+            assert table.shape == (2, M) and not table[0].any()
+            assert set(np.flatnonzero(table[1])) == want
+
+
+def test_drafter_memory_carried_into_a_call_leaves_a_shared_table_full():
+    """Carried drafter states (a server slot's) may hold any n-gram in a shared pool: every
+    row stays askable. Per-row lookups start from the prompt as usual."""
+    for types, full in ((("ngram-simple",), False), (("ngram-simple", "ngram-mod"), True)):
+        target, engine, dparams = _engine(types, ngram_simple_size_n=2, ngram_mod_n_match=3)
+        tokens = jnp.asarray([DISTINCT], jnp.int32)
+        lengths = jnp.asarray([len(DISTINCT)], jnp.int32)
+        carried = tuple(d.init(1, 64) for d in engine.drafters)
+        state = eng.prefill_jit(
+            engine, target.params, dparams, tokens, lengths, run_params([4]), carried
+        )
+        assert bool(np.asarray(state.lookup_seen).all()) == full
+        assert np.asarray(state.lookup_seen).any()
+
+
+def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
+    """`engine.generate_loop` keeps running off rounds past the governor's plan while no
+    active row could draft (`could_draft`); the whole generation must leave the state that
+    `spec_step` round by round leaves (which plans every round, the index included), with
+    such rounds, asked rounds and drafts all taken."""
+    from test_batch_lean import _copy, assert_same_state
+
+    target, engine, dparams = _engine(
+        ("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=4
+    )
+    head = [3, 14, 15, 9, 2, 6]  # the output loops with period 10 after a few tokens
+    tokens = jnp.asarray([head + [0] * 9, DISTINCT], jnp.int32)
+    lengths = jnp.asarray([len(head), len(DISTINCT)], jnp.int32)
+    cheap = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(0.05, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(0.04, jnp.float32),
+    )
+    run = run_params([36, 36], cost=cheap)
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
+    want, quiet = _copy(state), 0
+    while bool(jnp.any(~want.done)) and int(want.n_rounds) < engine.out_capacity:
+        could = np.asarray(eng.could_draft(engine, want)) & ~np.asarray(want.done)
+        unindexed = eng.draft_budget(engine, replace(want, lookup_seen=None), run)
+        quiet += (not could.any()) and bool(jnp.any(unindexed[0] > 0))
+        want = eng.step_jit(engine, target.params, dparams, want, run)
+    got = eng.generate_loop_jit(engine, target.params, dparams, _copy(state), run)
+    assert quiet >= 3  # rounds the governor alone would have asked in, that nobody could
+    assert int(want.stats.n_draft_tokens) > 0
+    assert 0 < int(want.governor.n_off) < int(want.governor.n_rounds)
+    assert_same_state(got, want)
