@@ -281,15 +281,16 @@ def _index_chunk(
     width: int,
 ) -> Array | None:
     """The lookup index (`specjax.lookup_index`) after a prompt chunk of slot `slot`: the
-    n-grams ending at the chunk's positions added to the slot's row (cleared first when the
+    n-grams ending at the chunk's positions, less the chain's gap, added to the slot's row (cleared first when the
     chunk begins a request), or to the one shared table, which keeps every request's."""
     n = engine.lookup_n
     if table is None or n is None:
         return table
+    first = (start - engine.lookup_gap)[None]
     if engine.lookup_shared:
-        return lookup_index.insert(table, hist_1S, start[None], n_valid[None], n, width)
+        return lookup_index.insert(table, hist_1S, first, n_valid[None], n, width)
     row = _row(table, slot) & (start > 0)
-    row = lookup_index.insert(row, hist_1S, start[None], n_valid[None], n, width)
+    row = lookup_index.insert(row, hist_1S, first, n_valid[None], n, width)
     return _set_row(table, slot, row)
 
 

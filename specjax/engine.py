@@ -108,6 +108,11 @@ class Engine:
         return lookup_index.lookup_n(self.drafters)
 
     @property
+    def lookup_gap(self) -> int:
+        """g of the chain's lookup index (`specjax.lookup_index`)."""
+        return lookup_index.lookup_gap(self.drafters)
+
+    @property
     def lookup_shared(self) -> bool:
         """Whether the lookup index is one table for all rows (`lookup_index.shares_memory`)."""
         return lookup_index.shares_memory(self.drafters, self.capacity)
@@ -294,7 +299,7 @@ def prompt_lookup_index(
     shape = lookup_index.table_shape(history_BS.shape[0], engine.capacity, shared)
     if carried and shared:
         return jnp.ones(shape, bool)
-    return lookup_index.build(history_BS, lengths_B, n, shape)
+    return lookup_index.build(history_BS, lengths_B, n, shape, engine.lookup_gap)
 
 
 def could_draft(engine: Engine, state: GenState) -> Array | None:
@@ -798,8 +803,9 @@ def _finish_round(
         lookup_seen = state.lookup_seen
         if lookup_seen is not None and engine.lookup_n is not None:
             written = jnp.where(active, n_acc + 1, 0)
+            first = state.length - engine.lookup_gap  # (the n-grams a lookup may now use)
             lookup_seen = lookup_index.insert(
-                lookup_seen, history, state.length, written, engine.lookup_n, K + 1
+                lookup_seen, history, first, written, engine.lookup_n, K + 1
             )
 
         # emit d_1..d_nacc, next_token; stop at EOG / n_predict

@@ -1,8 +1,9 @@
 """Which rows a chain of lookup drafters could draft for this round, for one hash and one read.
 
 A lookup drafter (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod) declares
-`lookup_size()` n: it can draft only where the stream's last n tokens occurred earlier in the
-stream, followed by a token. Asking it costs a round more than a plain one (the relay, and on
+`lookup_size()` n and `lookup_gap()` g: it can draft only where the stream's last n tokens
+occurred earlier in the stream, ending at a position <= L - 1 - g (L: the position of the
+stream's last token; ngram-map-k, for one, scans only occurrences followed by m + 1 tokens). Asking it costs a round more than a plain one (the relay, and on
 XLA CPU the loop structure around it: ~65 us against ~150 us for a whole plain round of the
 shipped target), so over text that does not repeat the governor's probes were the whole cost
 of carrying such a drafter. This index answers the question before anyone is asked: the
@@ -13,12 +14,12 @@ Table: `[G, M]` bool, G = B (a row each) or 1 (`shared`: one table for all rows)
 of two, about 4 slots per cell the table covers. The slot of the n-gram `t[p-n+1 : p+1]` is
 the top log2(M) bits of `drafters.base.ngram_end_hashes`'s polynomial hash (mod 2^32) after
 a 32-bit mix, n the shortest `lookup_size` of the chain (a longer n-gram that occurred earlier contains a
-shorter one that did).
+shorter one that did) and g its smallest `lookup_gap`.
 
 Invariants:
 * After prefill and after every round, for each row b and every position p with
-  n - 1 <= p < length_b (each n-gram of the stream that a later token follows), the slot of
-  the n-gram ending at p is set in the row's table. So `query` is never False where the
+  n - 1 <= p <= length_b - 1 - g (the n-grams a lookup may use), the slot of the n-gram
+  ending at p is set in the row's table. So `query` is never False where the
   chain could draft: a False is exact, a True may come from a colliding n-gram (then the
   asked drafter finds nothing, as it did without the index).
 * `shared`: a drafter of the chain keeps memory shared by all rows, which outlives a request
@@ -62,6 +63,11 @@ def lookup_n(drafters: Sequence[Any]) -> int | None:
     if not sizes or len(known) < len(sizes):
         return None
     return min(known)
+
+
+def lookup_gap(drafters: Sequence[Any]) -> int:
+    """The chain's smallest `lookup_gap` (0 for a drafter that declares none)."""
+    return min((int(getattr(d, "lookup_gap", lambda: 0)()) for d in drafters), default=0)
 
 
 def shares_memory(drafters: Sequence[Any], capacity: int) -> bool:
@@ -108,11 +114,14 @@ def _window_hashes(tokens_BEn: Array, n: int) -> Array:
     return jnp.sum(terms, axis=-1, dtype=jnp.uint32)
 
 
-def build(history_BS: Array, length_B: Array, n: int, shape: tuple[int, int]) -> Array:
-    """A table holding the n-grams ending at positions n-1 .. length-1 of every row."""
+def build(
+    history_BS: Array, length_B: Array, n: int, shape: tuple[int, int], gap: int = 0
+) -> Array:
+    """A table holding the n-grams ending at positions n-1 .. length-1-gap of every row."""
     S = history_BS.shape[1]
     table = jnp.zeros(shape, bool)
-    return insert(table, history_BS, jnp.zeros_like(length_B), length_B, n, S)
+    count = jnp.maximum(length_B - gap, 0)
+    return insert(table, history_BS, jnp.zeros_like(length_B), count, n, S)
 
 
 @jax.named_scope("lookup")
@@ -124,7 +133,8 @@ def insert(
     B, S = history_BS.shape
     M = table.shape[1]
     ends_BW = first_B[:, None] + jnp.arange(width)[None, :]
-    ok_BW = (jnp.arange(width)[None, :] < count_B[:, None]) & (ends_BW >= n - 1) & (ends_BW < S)
+    ok_BW = (jnp.arange(width)[None, :] < count_B[:, None]) & (ends_BW >= max(n - 1, 0))
+    ok_BW = ok_BW & (ends_BW < S)
     if width > ROUND_WIDTH:  # (a prompt: one prefix-sum pass over the rows, O(S) for any n)
         hashes_BW = jnp.take_along_axis(
             ngram_end_hashes(history_BS, n), jnp.clip(ends_BW, 0, S - 1), axis=1

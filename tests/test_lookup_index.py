@@ -18,7 +18,9 @@ from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.api import generate
 from specjax.config import SpecConfig
+from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache
+from specjax.drafters.ngram_map import NgramMapK
 from specjax.drafters.ngram_mod import NgramMod
 from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.registry import build_drafters
@@ -38,16 +40,17 @@ def python_slot(gram: list[int], slots: int) -> int:
     return h >> (32 - (slots.bit_length() - 1))
 
 
-def python_table(stream: list[int], length: int, n: int, slots: int) -> set[int]:
-    """Slots of the n-grams ending at positions n-1 .. length-1 of `stream`."""
-    return {python_slot(stream[p - n + 1 : p + 1], slots) for p in range(n - 1, length)}
+def python_table(stream: list[int], length: int, n: int, slots: int, gap: int = 0) -> set[int]:
+    """Slots of the n-grams ending at positions n-1 .. length-1-gap of `stream`."""
+    return {python_slot(stream[p - n + 1 : p + 1], slots) for p in range(n - 1, length - gap)}
 
 
-def repeats(stream: list[int], n: int) -> bool:
-    """Whether the n-gram ending at the stream's last token ends at an earlier position."""
+def repeats(stream: list[int], n: int, gap: int = 0) -> bool:
+    """Whether the n-gram ending at the stream's last token (position L) also ends at a
+    position <= L - 1 - gap."""
     L = len(stream) - 1
     return n - 1 <= L and any(
-        stream[q - n + 1 : q + 1] == stream[L - n + 1 :] for q in range(n - 1, L)
+        stream[q - n + 1 : q + 1] == stream[L - n + 1 :] for q in range(n - 1, L - gap)
     )
 
 
@@ -60,8 +63,8 @@ ROWS = [
 ]
 
 
-@pytest.mark.parametrize("n", [1, 3])
-def test_build_insert_and_query_are_the_python_index(n):
+@pytest.mark.parametrize("n, gap", [(1, 0), (3, 0), (2, 3)])
+def test_build_insert_and_query_are_the_python_index(n, gap):
     S, slots = 48, 1024
     B = len(ROWS)
     history = np.zeros((B, S), np.int32)
@@ -71,11 +74,12 @@ def test_build_insert_and_query_are_the_python_index(n):
     # the prompt minus its last 4 tokens, then those in one insert (a round's window path)
     part = jnp.asarray([max(len(r) - 4, 0) for r in ROWS], jnp.int32)
     full = jnp.asarray([len(r) for r in ROWS], jnp.int32)
-    table = lookup_index.build(hist, part, n, (B, slots))
-    table = lookup_index.insert(table, hist, part, full - part, n, 4)
-    assert np.array_equal(table, lookup_index.build(hist, full, n, (B, slots)))
+    table = lookup_index.build(hist, part, n, (B, slots), gap)
+    table = lookup_index.insert(table, hist, part - gap, full - part, n, 4)
+    assert np.array_equal(table, lookup_index.build(hist, full, n, (B, slots), gap))
     for b, r in enumerate(ROWS):
-        assert set(np.flatnonzero(np.asarray(table[b]))) == python_table(r, len(r), n, slots), b
+        want = python_table(r, len(r), n, slots, gap)
+        assert set(np.flatnonzero(np.asarray(table[b]))) == want, b
     # next tokens: a row's first (its last n-gram may repeat) or a new one (it cannot)
     nexts = [ROWS[0][0], 99, ROWS[2][0], 5, 98]
     last = jnp.asarray(nexts, jnp.int32)
@@ -85,16 +89,16 @@ def test_build_insert_and_query_are_the_python_index(n):
         stream = r + [nexts[b]]
         L = len(r)
         inside = n - 1 <= L and python_slot(stream[L - n + 1 :], slots) in python_table(
-            r, L, n, slots
+            r, L, n, slots, gap
         )
         want.append(inside)
-        assert inside or not repeats(stream, n)  # a False is exact
+        assert inside or not repeats(stream, n, gap)  # a False is exact
     assert got.tolist() == want
     assert any(want) and not all(want)
     # one table for all rows: each row's query sees every row's n-grams
-    shared = lookup_index.build(hist, full, n, (1, slots))
+    shared = lookup_index.build(hist, full, n, (1, slots), gap)
     assert set(np.flatnonzero(np.asarray(shared[0]))) == set().union(
-        *(python_table(r, len(r), n, slots) for r in ROWS)
+        *(python_table(r, len(r), n, slots, gap) for r in ROWS)
     )
 
 
@@ -148,10 +152,12 @@ def test_generation_keeps_the_index_of_every_ngram_it_holds(adaptive_on):
     run = run_params([30, 30], cost=_CPU_PRICES if adaptive_on else None)
     state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
     shape = lookup_index.table_shape(2, 64, shared=False)
-    assert np.array_equal(state.lookup_seen, lookup_index.build(state.history, lengths, 2, shape))
+    assert engine.lookup_gap == 2  # (ngram-simple: its size_n)
+    built = lookup_index.build(state.history, lengths, 2, shape, 2)
+    assert np.array_equal(state.lookup_seen, built)
     state = eng.generate_loop_jit(engine, target.params, dparams, state, run)
     assert int(state.stats.n_draft_tokens) > 0
-    rebuilt = lookup_index.build(state.history, state.length, 2, shape)
+    rebuilt = lookup_index.build(state.history, state.length, 2, shape, 2)
     assert np.array_equal(state.lookup_seen, rebuilt)
 
 
@@ -203,11 +209,12 @@ def test_slot_admission_indexes_the_new_request_and_a_shared_table_keeps_the_old
         slots, slot_stats = _chunks(engine, target, dparams, slots, slot_stats, 1, first)
         slots, slot_stats = _chunks(engine, target, dparams, slots, slot_stats, 1, second)
         table = np.asarray(slots.lookup_seen)
-        M = table.shape[1]
-        want = python_table(second, len(second), 2, M)
+        M, gap = table.shape[1], engine.lookup_gap
+        assert gap == (1 if shared else 2)  # (ngram-mod's 1, ngram-simple's size_n)
+        want = python_table(second, len(second), 2, M, gap)
         if shared:
             assert table.shape == (1, M)
-            want |= python_table(first, len(first), 2, M)
+            want |= python_table(first, len(first), 2, M, gap)
             assert set(np.flatnonzero(table[0])) == want
         else:
             assert table.shape == (2, M) and not table[0].any()
@@ -261,3 +268,74 @@ def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
     assert int(want.stats.n_draft_tokens) > 0
     assert 0 < int(want.governor.n_off) < int(want.governor.n_rounds)
     assert_same_state(got, want)
+
+
+@pytest.mark.parametrize("drafter", ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"])
+def test_every_draft_comes_in_a_round_the_index_allows(drafter):
+    """The declared n-gram sizes and gaps against the drafters themselves: asked every round
+    (governor off), a drafter drafts only in rounds in which `could_draft` is True; the index
+    still rules out some rounds."""
+    sizes = dict(
+        ngram_simple_size_n=2, ngram_simple_size_m=4, ngram_map_k_size_n=2,
+        ngram_map_k_size_m=4, ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=4,
+        ngram_mod_n_match=2, ngram_mod_n_min=1, ngram_mod_n_max=8, ngram_mod_pool_size=1 << 10,
+    )  # fmt: skip
+    target, engine, dparams = _engine((drafter,), **sizes)
+    drafted_rounds, ruled_out = 0, 0
+    for prompt in (echo_prompt(target), [3, 14, 15, 9, 2, 6]):
+        run = run_params([36])
+        tokens, lengths = jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32)
+        state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
+        while not bool(state.done[0]):
+            could = bool(eng.could_draft(engine, state)[0])
+            n_draft = int(state.stats.n_draft_tokens)
+            state = eng.step_jit(engine, target.params, dparams, state, run)
+            drafted = int(state.stats.n_draft_tokens) > n_draft
+            assert could or not drafted, int(state.n_rounds)
+            drafted_rounds += drafted
+            ruled_out += not could
+    assert drafted_rounds > 0 and ruled_out > 0
+
+
+@pytest.mark.parametrize(
+    "drafter",
+    [
+        NgramSimple(size_n=2, size_m=3),
+        NgramMapK(size_n=2, size_m=3),
+        NgramMod(n_match=2, n_min=1, pool_size=1 << 10),
+    ],
+    ids=lambda d: d.name,
+)
+def test_the_declared_gap_is_the_drafters_own(drafter):
+    """Over many random histories (3 tokens: n-grams repeat at every distance), a drafter
+    asked once drafts only where the index built with its n and gap allows it, and at some
+    where an index one position stricter would not: the gap is neither too large (lost
+    drafts) nor, by more than the drafters' other conditions, too small."""
+    B, S = 256, 48
+    rng = np.random.default_rng(3)
+    tokens = jnp.asarray(rng.integers(0, 3, (B, S)), jnp.int32)
+    lengths = jnp.asarray(rng.integers(12, S - 1, B), jnp.int32)
+    last = jnp.asarray(rng.integers(0, 3, B), jnp.int32)
+
+    def first_draft_token(tokens_S: jax.Array, length: jax.Array, last_token: jax.Array):
+        """Whether the drafter drafts for one row, in a state of its own (ngram-mod's pool is
+        shared by a call's rows: each row here is a call of one row)."""
+        history = TokenHistory(tokens=tokens_S[None], length=length[None])
+        state = drafter.begin(drafter.init(1, S), history)
+        inp = DraftInput(
+            history=history, last_token=last_token[None], n_max=jnp.full((1,), 4, jnp.int32),
+            drafting=jnp.ones((1,), bool), n_min=jnp.asarray(0), p_min=jnp.asarray(0.0),
+            temperature=jnp.zeros((1,), jnp.float32),
+        )  # fmt: skip
+        return drafter.draft(None, state, inp, 4)[1].valid[0, 0]
+
+    drafted = np.asarray(jax.jit(jax.vmap(first_draft_token))(tokens, lengths, last))
+    n, gap = drafter.lookup_size(), drafter.lookup_gap()
+
+    def allowed(g: int) -> np.ndarray:
+        table = lookup_index.build(tokens, lengths, n, (B, 1024), g)
+        return np.asarray(lookup_index.query(table, tokens, lengths, last, n))
+
+    assert drafted.sum() > 20
+    assert not (drafted & ~allowed(gap)).any()
+    assert (drafted & ~allowed(gap + 1)).any()

@@ -190,6 +190,12 @@ class ModelFreeDrafter:
         condition (a drafter that may draft from other sources, e.g. ngram-cache's files)."""
         return None
 
+    def lookup_gap(self) -> int:
+        """How recent an earlier occurrence of that n-gram may be and still give a draft: it
+        must end at a position <= L - 1 - gap (L = `TokenHistory.length`; the stream's last
+        token sits at L). 0 = any earlier occurrence."""
+        return 0
+
     def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
         del params, batch
         return state

@@ -283,6 +283,10 @@ class NgramMap(ModelFreeDrafter):
     def lookup_size(self) -> int:
         return self.size_n
 
+    def lookup_gap(self) -> int:
+        # occurrences start at <= L - n - m - 1 (upstream's scan range): end <= L - 1 - (m + 1)
+        return self.size_m + 1
+
     # ------------------------------------------------------------------ draft
     def draft(
         self, params: Any, state: NgramMapState, inp: DraftInput, k_max: int

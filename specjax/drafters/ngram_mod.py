@@ -294,6 +294,10 @@ class NgramMod(ModelFreeDrafter):
     def lookup_size(self) -> int:
         return self.n_match
 
+    def lookup_gap(self) -> int:
+        # the pool holds n-grams starting at <= L - n - 1 (each with its next token): end <= L - 2
+        return 1
+
     # ------------------------------------------------------------------ draft
     def draft(
         self, params: Any, state: NgramModState, inp: DraftInput, k_max: int

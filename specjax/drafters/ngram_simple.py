@@ -117,6 +117,10 @@ class NgramSimple(ModelFreeDrafter):
     def lookup_size(self) -> int:
         return self.size_n
 
+    def lookup_gap(self) -> int:
+        # the match ends at p = j + n - 1 and needs copy = L - (j + n) >= n: p <= L - 1 - n
+        return self.size_n
+
     def draft(
         self, params: Any, state: NgramSimpleState, inp: DraftInput, k_max: int
     ) -> tuple[NgramSimpleState, DraftOutput]:
