@@ -118,6 +118,7 @@ def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]
         lookup_seen=None
         if engine.lookup_n is None
         else jnp.zeros(lookup_index.table_shape(B, S, engine.lookup_shared), bool),
+        lookup_next=None if engine.lookup_n is None else jnp.zeros((B,), bool),
     )
     return state, SlotStats(rounds=zeros, accepted=zeros, drafted=zeros)
 
@@ -260,7 +261,7 @@ def prefill_chunk(
         impl_last=_set_row(state.impl_last, slot, jnp.full((1,), -1, jnp.int32)),
         stats=stats_mod.record_begin(state.stats, final[None]) if engine.drafters else state.stats,
         governor=governor,
-        lookup_seen=_index_chunk(engine, state.lookup_seen, hist_1S, slot, start, n_valid, C),
+        **_index_chunk(engine, state, hist_1S, slot, start, n_valid, first, C),
     )
     zero = jnp.zeros((1,), jnp.int32)
     slot_stats = SlotStats(
@@ -273,25 +274,32 @@ def prefill_chunk(
 
 def _index_chunk(
     engine: eng.Engine,
-    table: Array | None,
+    state: eng.GenState,
     hist_1S: Array,
     slot: Array,
     start: Array,
     n_valid: Array,
+    first_token: Array,
     width: int,
-) -> Array | None:
+) -> dict[str, Array]:
     """The lookup index (`specjax.lookup_index`) after a prompt chunk of slot `slot`: the
-    n-grams ending at the chunk's positions, less the chain's gap, added to the slot's row (cleared first when the
-    chunk begins a request), or to the one shared table, which keeps every request's."""
-    n = engine.lookup_n
-    if table is None or n is None:
-        return table
+    n-grams ending at the chunk's positions, less the chain's gap, added to the slot's row
+    (cleared first when the chunk begins a request), or to the one shared table, which keeps
+    every request's; and the slot's `lookup_next` (read when the chunk is the final one)."""
+    n, table = engine.lookup_n, state.lookup_seen
+    if table is None or n is None or state.lookup_next is None:
+        return {}
     first = (start - engine.lookup_gap)[None]
+    length_1 = (start + n_valid)[None]
     if engine.lookup_shared:
-        return lookup_index.insert(table, hist_1S, first, n_valid[None], n, width)
-    row = _row(table, slot) & (start > 0)
-    row = lookup_index.insert(row, hist_1S, first, n_valid[None], n, width)
-    return _set_row(table, slot, row)
+        table = lookup_index.insert(table, hist_1S, first, n_valid[None], n, width)
+        row = table
+    else:
+        row = _row(table, slot) & (start > 0)
+        row = lookup_index.insert(row, hist_1S, first, n_valid[None], n, width)
+        table = _set_row(table, slot, row)
+    could = eng.next_lookup(engine, row, hist_1S, length_1, first_token[None])
+    return dict(lookup_seen=table, lookup_next=_set_row(state.lookup_next, slot, could))
 
 
 #: Draft width of the middle path of `lean_step`: rounds whose budgets are all <= MID_K (the

@@ -163,6 +163,9 @@ class GenState:
     #: [G, M] bool, the n-grams the rows' streams hold (`specjax.lookup_index`), or None: the
     #: chain has no lookup index (`Engine.lookup_n`)
     lookup_seen: Array | None = None
+    #: [B] bool, `could_draft` of this state (the index read for the n-gram ending at
+    #: last_token: kept by whatever moves history or last_token), or None with lookup_seen
+    lookup_next: Array | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -268,6 +271,7 @@ def prefill(
     )
     stats = stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1))
     stats = stats_mod.record_begin(stats, jnp.ones((B,), bool))
+    seen = prompt_lookup_index(engine, history, lengths_B, carried)
     return GenState(
         cache=cache,
         history=history,
@@ -282,7 +286,8 @@ def prefill(
         stats=stats,
         governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
-        lookup_seen=prompt_lookup_index(engine, history, lengths_B, carried),
+        lookup_seen=seen,
+        lookup_next=None if seen is None else next_lookup(engine, seen, history, lengths_B, first),
     )
 
 
@@ -302,14 +307,20 @@ def prompt_lookup_index(
     return lookup_index.build(history_BS, lengths_B, n, shape, engine.lookup_gap)
 
 
+def next_lookup(
+    engine: Engine, table: Array, history_BS: Array, length_B: Array, last_B: Array
+) -> Array:
+    """[B] bool: the index's answer for rows whose stream ends with `last_B` at `length_B`
+    (`GenState.lookup_next`)."""
+    assert engine.lookup_n is not None
+    return lookup_index.query(table, history_BS, length_B, last_B, engine.lookup_n)
+
+
 def could_draft(engine: Engine, state: GenState) -> Array | None:
     """[B] bool: rows some drafter of the chain may find a draft for this round (False is
     exact: `specjax.lookup_index`); None: the chain has no lookup index."""
-    if state.lookup_seen is None or engine.lookup_n is None:
-        return None
-    return lookup_index.query(
-        state.lookup_seen, state.history, state.length, state.last_token, engine.lookup_n
-    )
+    del engine
+    return state.lookup_next
 
 
 def _prefill_chunked(
@@ -800,13 +811,6 @@ def _finish_round(
         history = state.history.at[rows_BT, jnp.where(write_ok, hist_pos, S)].set(
             v_tokens, mode="drop"
         )
-        lookup_seen = state.lookup_seen
-        if lookup_seen is not None and engine.lookup_n is not None:
-            written = jnp.where(active, n_acc + 1, 0)
-            first = state.length - engine.lookup_gap  # (the n-grams a lookup may now use)
-            lookup_seen = lookup_index.insert(
-                lookup_seen, history, first, written, engine.lookup_n, K + 1
-            )
 
         # emit d_1..d_nacc, next_token; stop at EOG / n_predict
         emitted = jnp.concatenate([d_tokens, jnp.zeros((B, 1), jnp.int32)], axis=1)
@@ -830,6 +834,20 @@ def _finish_round(
         len_stop = out_len >= run.max_new
         ctx_stop = new_length >= S - 1  # the emitted next token sits at position S - 1
         newly_done = active & (eog_stop | len_stop | ctx_stop)
+        last_token = jnp.where(active, next_token, state.last_token)
+        lookup_seen, lookup_next = state.lookup_seen, state.lookup_next
+        if lookup_seen is not None and engine.lookup_n is not None:
+            # the n-grams a lookup may now use, and the index's answer for the next round
+            lookup_seen, lookup_next = lookup_index.advance(
+                lookup_seen,
+                history,
+                state.length - engine.lookup_gap,
+                jnp.where(active, n_acc + 1, 0),
+                new_length,
+                last_token,
+                engine.lookup_n,
+                K + 1,
+            )
         finish = jnp.where(
             newly_done,
             jnp.where(eog_stop, FINISH_EOG, jnp.where(len_stop, FINISH_LENGTH, FINISH_CONTEXT)),
@@ -870,7 +888,7 @@ def _finish_round(
         cache=cache,
         history=history,
         length=new_length,
-        last_token=jnp.where(active, next_token, state.last_token),
+        last_token=last_token,
         out_tokens=out_tokens,
         out_len=out_len,
         done=state.done | newly_done,
@@ -882,6 +900,7 @@ def _finish_round(
         n_rounds=state.n_rounds + 1,
         drafted=None if state.drafted is None else state.drafted + draft_len,
         lookup_seen=lookup_seen,
+        lookup_next=lookup_next,
     )
 
 

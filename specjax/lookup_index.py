@@ -149,6 +149,38 @@ def insert(
 
 
 @jax.named_scope("lookup")
+def advance(
+    table: Array,
+    history_BS: Array,
+    first_B: Array,
+    count_B: Array,
+    length_B: Array,
+    last_B: Array,
+    n: int,
+    width: int,
+) -> tuple[Array, Array]:
+    """`insert(table, history_BS, first_B, count_B, n, width)` and then `query` at
+    (length_B, last_B), their windows hashed in one pass (a round's: width <= ROUND_WIDTH):
+    what a round leaves for the next one to read."""
+    B, S = history_BS.shape
+    G, M = table.shape
+    # window ends: the inserted positions, then the query's (a select, not a concatenate: a
+    # kernel of its own on XLA CPU, every round)
+    col_E = jnp.arange(width + 1)[None, :]
+    ends_BE = jnp.where(col_E < width, first_B[:, None] + col_E, length_B[:, None])
+    idx = ends_BE[:, :, None] - n + 1 + jnp.arange(n)[None, None, :]  # [B, width + 1, n]
+    past = jnp.take_along_axis(history_BS, jnp.clip(idx, 0, S - 1).reshape(B, -1), axis=1)
+    tokens = jnp.where(
+        idx == length_B[:, None, None], last_B[:, None, None], past.reshape(idx.shape)
+    )
+    # one flat index per cell (row * M + slot): a 1-D scatter and gather, no index pairs
+    flat_BE = _group(table, B)[:, None] * M + _slot(_window_hashes(tokens, n), M)
+    ok_BE = (col_E < count_B[:, None]) & (ends_BE >= n - 1) & (ends_BE < S)  # (query: False)
+    flat = table.reshape(G * M).at[jnp.where(ok_BE, flat_BE, G * M)].set(True, mode="drop")
+    return flat.reshape(G, M), (length_B >= n - 1) & flat[flat_BE[:, width]]
+
+
+@jax.named_scope("lookup")
 def query(table: Array, history_BS: Array, length_B: Array, last_B: Array, n: int) -> Array:
     """[B] bool: the n-gram ending at the row's last token (position `length`, not in the
     history yet) is in its table: some lookup of the chain may find a draft."""

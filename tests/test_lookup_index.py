@@ -159,6 +159,9 @@ def test_generation_keeps_the_index_of_every_ngram_it_holds(adaptive_on):
     assert int(state.stats.n_draft_tokens) > 0
     rebuilt = lookup_index.build(state.history, state.length, 2, shape, 2)
     assert np.array_equal(state.lookup_seen, rebuilt)
+    # and the answer the state carries for its next round is the rebuilt table's
+    fresh = lookup_index.query(rebuilt, state.history, state.length, state.last_token, 2)
+    assert np.array_equal(state.lookup_next, fresh)
 
 
 def test_a_lookup_that_can_find_nothing_is_never_asked_and_one_that_can_is():
@@ -219,6 +222,10 @@ def test_slot_admission_indexes_the_new_request_and_a_shared_table_keeps_the_old
         else:
             assert table.shape == (2, M) and not table[0].any()
             assert set(np.flatnonzero(table[1])) == want
+        # the slot's answer for its first round: its stream, ending with the sampled token
+        stream = second + [int(slots.last_token[1])]
+        L, n = len(second), 2
+        assert bool(slots.lookup_next[1]) == (python_slot(stream[L - n + 1 :], M) in want)
 
 
 def test_drafter_memory_carried_into_a_call_leaves_a_shared_table_full():
@@ -260,7 +267,7 @@ def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
     want, quiet = _copy(state), 0
     while bool(jnp.any(~want.done)) and int(want.n_rounds) < engine.out_capacity:
         could = np.asarray(eng.could_draft(engine, want)) & ~np.asarray(want.done)
-        unindexed = eng.draft_budget(engine, replace(want, lookup_seen=None), run)
+        unindexed = eng.draft_budget(engine, replace(want, lookup_next=None), run)
         quiet += (not could.any()) and bool(jnp.any(unindexed[0] > 0))
         want = eng.step_jit(engine, target.params, dparams, want, run)
     got = eng.generate_loop_jit(engine, target.params, dparams, _copy(state), run)
