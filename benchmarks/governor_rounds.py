@@ -11,7 +11,8 @@ Deterministic counts (no timing), for comparing governor settings at two commits
   `total_rounds` sums them.
 * `finds_nothing`: ngram-map-k with an n-gram size no text can match, asked rounds after
   64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
-  `specjax.adaptive`).
+  `specjax.adaptive`; 0 since the lookup index, `specjax.lookup_index`, rules every round
+  out).
 
 `--cost-call` sets `SpecConfig.cost_call` (the governor's price of asking the chain, in
 target forwards) for every run: the trade-off between the two lists above.

@@ -12,7 +12,9 @@ takes ~50 ms, so repeats are cheap (41 by default). On the shared 2-core host th
 still move by ~5% between runs of this script; `benchmarks/loop_ab.py` compares two engines'
 loops inside one process, which cancels more of that drift.
 
-* `governed/<drafter>`: the default (the governor asks for a draft in some rounds only);
+* `governed/<drafter>`: the default (the governor asks for a draft in some rounds only; none
+  here since the lookup index, `specjax.lookup_index`: no n-gram repeats, so every round is
+  an off round that also keeps the index);
 * `asked/<drafter>`: `adaptive=False`, asked every round: `extra_ms` is then the fixed cost of
   a speculative round that drafts nothing over a plain round (issue 8, goal 3: a drafter that
   proposes nothing costs at most 3%).
