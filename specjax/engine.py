@@ -316,10 +316,9 @@ def next_lookup(
     return lookup_index.query(table, history_BS, length_B, last_B, engine.lookup_n)
 
 
-def could_draft(engine: Engine, state: GenState) -> Array | None:
+def could_draft(state: GenState) -> Array | None:
     """[B] bool: rows some drafter of the chain may find a draft for this round (False is
     exact: `specjax.lookup_index`); None: the chain has no lookup index."""
-    del engine
     return state.lookup_next
 
 
@@ -603,7 +602,7 @@ def draft_budget(
             active,
             engine.k_max,
             engine.verify_widths(),
-            possible_B=could_draft(engine, state),
+            possible_B=could_draft(state),
         )
         budget = jnp.where(governed < reachable, governed, budget)
     return budget, governor
@@ -992,7 +991,7 @@ def generate_loop(
         def more(c: tuple[GenState, Array]) -> Array:
             s, n = c
             off = n <= ahead
-            could = could_draft(engine, s)
+            could = could_draft(s)
             if could is not None:  # (beyond the plan: no row the chain could draft for)
                 off = off | (run.cost.enabled & ~jnp.any(could & ~s.done))
             return (n == 0) | (off & cond(s) & (jnp.sum(s.done) == n_done))

@@ -169,23 +169,21 @@ def test_a_lookup_that_can_find_nothing_is_never_asked_and_one_that_can_is():
     not asked in any round (probing from the prior asked several); over a prompt the output
     echoes, it is asked and drafts. The tokens are plain decoding's."""
     target = tiny_model(0)
-    spec = SpecConfig(
-        types=("ngram-simple",), ngram_simple_size_n=24, ngram_simple_size_m=4, draft_n_max=4
-    )
-    plain = generate(target, [DISTINCT], max_new_tokens=24, n_ctx=64)
-    run = generate(target, [DISTINCT], max_new_tokens=24, n_ctx=64, spec=spec)
-    assert run.tokens == plain.tokens
-    g = run.stats.governor
+
+    def governed(prompt: list[int], n: int) -> tuple[dict[str, int], int]:
+        """The governor's counters and the drafted tokens of a governed ngram-simple run."""
+        spec = SpecConfig(
+            types=("ngram-simple",), ngram_simple_size_n=n, ngram_simple_size_m=4, draft_n_max=4
+        )
+        plain = generate(target, [prompt], max_new_tokens=24, n_ctx=64)
+        run = generate(target, [prompt], max_new_tokens=24, n_ctx=64, spec=spec)
+        assert run.tokens == plain.tokens
+        return run.stats.governor, run.stats.to_dict()["num_draft_tokens"]
+
+    g, _ = governed(DISTINCT, 24)
     assert g["rounds"] >= 20 and g["rounds"] == g["off"], g
-    echo = echo_prompt(target)
-    spec = SpecConfig(
-        types=("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=4, draft_n_max=4
-    )
-    plain = generate(target, [echo], max_new_tokens=24, n_ctx=64)
-    run = generate(target, [echo], max_new_tokens=24, n_ctx=64, spec=spec)
-    assert run.tokens == plain.tokens
-    g = run.stats.governor
-    assert g["rounds"] > g["off"] and run.stats.to_dict()["num_draft_tokens"] > 0, g
+    g, drafted = governed(echo_prompt(target), 2)
+    assert g["rounds"] > g["off"] and drafted > 0, g
 
 
 def _chunks(engine, target, dparams, slots, slot_stats, slot, prompt, C=8):
@@ -266,7 +264,7 @@ def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
     state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
     want, quiet = _copy(state), 0
     while bool(jnp.any(~want.done)) and int(want.n_rounds) < engine.out_capacity:
-        could = np.asarray(eng.could_draft(engine, want)) & ~np.asarray(want.done)
+        could = np.asarray(eng.could_draft(want)) & ~np.asarray(want.done)
         unindexed = eng.draft_budget(engine, replace(want, lookup_next=None), run)
         quiet += (not could.any()) and bool(jnp.any(unindexed[0] > 0))
         want = eng.step_jit(engine, target.params, dparams, want, run)
@@ -294,7 +292,7 @@ def test_every_draft_comes_in_a_round_the_index_allows(drafter):
         tokens, lengths = jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32)
         state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
         while not bool(state.done[0]):
-            could = bool(eng.could_draft(engine, state)[0])
+            could = bool(eng.could_draft(state)[0])
             n_draft = int(state.stats.n_draft_tokens)
             state = eng.step_jit(engine, target.params, dparams, state, run)
             drafted = int(state.stats.n_draft_tokens) > n_draft
