@@ -27,6 +27,7 @@ from jax.sharding import PartitionSpec as P
 
 from specjax import continuous as cont
 from specjax import engine as eng
+from specjax.drafters.base import per_row_leaves
 
 
 def make_mesh(axes: dict[str, int], n_parallel: int, config: Any) -> Mesh:
@@ -88,7 +89,7 @@ def state_shardings(
     shard = jax.tree_util.tree_map_with_path(place, without)
     dstates = []
     for d, s in zip(engine.drafters, state.drafter_states):
-        flags = cont._row_flags(d, engine.capacity)
+        flags = per_row_leaves(d, engine.capacity)
         leaves, treedef = jax.tree.flatten(s)
         dstates.append(
             jax.tree.unflatten(treedef, [rows(x) if f else rep for x, f in zip(leaves, flags)])

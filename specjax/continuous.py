@@ -52,7 +52,7 @@ from specjax import adaptive, lookup_index, sampling
 from specjax import engine as eng
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import TargetBatch, TokenHistory, hidden_by_layer
+from specjax.drafters.base import TargetBatch, TokenHistory, hidden_by_layer, per_row_leaves
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
@@ -63,13 +63,6 @@ class SlotStats:
     rounds: Array  # [B] int32 verify rounds of the row's current request
     accepted: Array  # [B] int32 accepted draft tokens of the row's current request
     drafted: Array  # [B] int32 drafted (and verified) tokens of the row's current request
-
-
-def _row_flags(drafter: Any, capacity: int) -> list[bool]:
-    """Per leaf of `drafter`'s state: True when its leading axis is the batch (per row)."""
-    a = jax.tree.leaves(jax.eval_shape(lambda: drafter.init(2, capacity)))
-    b = jax.tree.leaves(jax.eval_shape(lambda: drafter.init(3, capacity)))
-    return [x.ndim > 0 and x.shape[0] != y.shape[0] for x, y in zip(a, b)]
 
 
 def _take(tree: Any, flags: list[bool], slot: Array) -> Any:
@@ -201,7 +194,7 @@ def prefill_chunk(
     hist_1 = TokenHistory(tokens=hist_1S, length=length_1)
     dstates = []
     for d, p, s in zip(engine.drafters, drafter_params, state.drafter_states):
-        flags = _row_flags(d, S)
+        flags = per_row_leaves(d, S)
         s1 = _take(s, flags, slot)
         s1 = d.rollback(s1, start[None])
         if not getattr(d, "lazy_prompt", False):  # else the drafter catches up when it drafts
@@ -298,7 +291,7 @@ def _index_chunk(
         row = _row(table, slot) & (start > 0)
         row = lookup_index.insert(row, hist_1S, first, n_valid[None], n, width)
         table = _set_row(table, slot, row)
-    could = eng.next_lookup(engine, row, hist_1S, length_1, first_token[None])
+    could = lookup_index.query(row, hist_1S, length_1, first_token[None], n)
     return dict(lookup_seen=table, lookup_next=_set_row(state.lookup_next, slot, could))
 
 

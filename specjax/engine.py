@@ -163,8 +163,9 @@ class GenState:
     #: [G, M] bool, the n-grams the rows' streams hold (`specjax.lookup_index`), or None: the
     #: chain has no lookup index (`Engine.lookup_n`)
     lookup_seen: Array | None = None
-    #: [B] bool, `could_draft` of this state (the index read for the n-gram ending at
-    #: last_token: kept by whatever moves history or last_token), or None with lookup_seen
+    #: [B] bool, rows some drafter of the chain may find a draft for this round (the index
+    #: read for the n-gram ending at last_token; False is exact): kept by whatever moves
+    #: history or last_token. None with lookup_seen
     lookup_next: Array | None = None
 
 
@@ -287,7 +288,9 @@ def prefill(
         governor=adaptive.Governor.create(B),
         n_rounds=jnp.zeros((), jnp.int32),
         lookup_seen=seen,
-        lookup_next=None if seen is None else next_lookup(engine, seen, history, lengths_B, first),
+        lookup_next=None
+        if seen is None or engine.lookup_n is None
+        else lookup_index.query(seen, history, lengths_B, first, engine.lookup_n),
     )
 
 
@@ -305,21 +308,6 @@ def prompt_lookup_index(
     if carried and shared:
         return jnp.ones(shape, bool)
     return lookup_index.build(history_BS, lengths_B, n, shape, engine.lookup_gap)
-
-
-def next_lookup(
-    engine: Engine, table: Array, history_BS: Array, length_B: Array, last_B: Array
-) -> Array:
-    """[B] bool: the index's answer for rows whose stream ends with `last_B` at `length_B`
-    (`GenState.lookup_next`)."""
-    assert engine.lookup_n is not None
-    return lookup_index.query(table, history_BS, length_B, last_B, engine.lookup_n)
-
-
-def could_draft(state: GenState) -> Array | None:
-    """[B] bool: rows some drafter of the chain may find a draft for this round (False is
-    exact: `specjax.lookup_index`); None: the chain has no lookup index."""
-    return state.lookup_next
 
 
 def _prefill_chunked(
@@ -602,7 +590,7 @@ def draft_budget(
             active,
             engine.k_max,
             engine.verify_widths(),
-            possible_B=could_draft(state),
+            possible_B=state.lookup_next,
         )
         budget = jnp.where(governed < reachable, governed, budget)
     return budget, governor
@@ -971,7 +959,7 @@ def generate_loop(
         """A run of off rounds planned once: a pending round's step or the planned round,
         then as many as the governor's choice stays 0 (`adaptive.rounds_off_ahead`; none
         after a pending step, whose next round is planned after it), and after those, for a
-        chain with a lookup index, while no active row could draft (`could_draft`: the
+        chain with a lookup index, while no active row could draft (`lookup_next`: the
         choice is 0 whatever the estimates), while no row finishes. Its rounds do no
         governor work; `adaptive.advance` adds them up after the run (a pending round's own
         were done with its relay)."""
@@ -991,7 +979,7 @@ def generate_loop(
         def more(c: tuple[GenState, Array]) -> Array:
             s, n = c
             off = n <= ahead
-            could = could_draft(s)
+            could = s.lookup_next
             if could is not None:  # (beyond the plan: no row the chain could draft for)
                 off = off | (run.cost.enabled & ~jnp.any(could & ~s.done))
             return (n == 0) | (off & cond(s) & (jnp.sum(s.done) == n_done))

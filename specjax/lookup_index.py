@@ -3,18 +3,19 @@
 A lookup drafter (ngram-simple, ngram-map-k, ngram-map-k4v, ngram-mod) declares
 `lookup_size()` n and `lookup_gap()` g: it can draft only where the stream's last n tokens
 occurred earlier in the stream, ending at a position <= L - 1 - g (L: the position of the
-stream's last token; ngram-map-k, for one, scans only occurrences followed by m + 1 tokens). Asking it costs a round more than a plain one (the relay, and on
-XLA CPU the loop structure around it: ~65 us against ~150 us for a whole plain round of the
-shipped target), so over text that does not repeat the governor's probes were the whole cost
-of carrying such a drafter. This index answers the question before anyone is asked: the
-engine keeps, beside the token history, a bit table of the n-grams the stream has held, and
-the governor asks a row only where the n-gram ending at its last token is in it.
+stream's last token; ngram-map-k, for one, scans only occurrences followed by m + 1
+tokens). Asking it costs a round more than a plain one (the relay, and on XLA CPU the loop
+structure around it: ~65 us against ~150 us for a whole plain round of the shipped target),
+so over text that does not repeat the governor's probes were the whole cost of carrying
+such a drafter. This index answers the question before anyone is asked: the engine keeps,
+beside the token history, a bit table of the n-grams the stream has held, and the governor
+asks a row only where the n-gram ending at its last token is in it.
 
 Table: `[G, M]` bool, G = B (a row each) or 1 (`shared`: one table for all rows); M a power
 of two, about 4 slots per cell the table covers. The slot of the n-gram `t[p-n+1 : p+1]` is
-the top log2(M) bits of `drafters.base.ngram_end_hashes`'s polynomial hash (mod 2^32) after
-a 32-bit mix, n the shortest `lookup_size` of the chain (a longer n-gram that occurred earlier contains a
-shorter one that did) and g its smallest `lookup_gap`.
+the top log2(M) bits of a polynomial hash (`ngram_end_hashes`, mod 2^32) after a 32-bit
+mix; n is the shortest `lookup_size` of the chain (a longer n-gram that occurred earlier
+ends with a shorter one that did) and g its smallest `lookup_gap`.
 
 Invariants:
 * After prefill and after every round, for each row b and every position p with
@@ -42,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import _HASH_A, _powers, ngram_end_hashes
+from specjax.drafters.base import per_row_leaves
 from specjax.types import Array
 
 #: Table slots per cell the table covers (about 1 - e^(-1/4) = 22% of lookups over a full
@@ -53,6 +54,35 @@ MIN_SLOTS = 1024
 #: `insert` hashes up to this many positions window by window (a round's K + 1 new tokens:
 #: O(width * n), no pass over S); more (a prompt), from one prefix sum over the row.
 ROUND_WIDTH = 128
+
+
+#: Odd multiplier of `ngram_end_hashes` (invertible mod 2^32) and its inverse.
+_HASH_A = 0x9E3779B1
+_HASH_A_INV = pow(_HASH_A, -1, 1 << 32)
+
+
+def _powers(x: int, count: int) -> np.ndarray:
+    """x^0 .. x^(count-1) mod 2^32 (uint32 products wrap)."""
+    steps = np.full(max(count - 1, 0), x, np.uint32)
+    return np.concatenate([np.ones(1, np.uint32), np.cumprod(steps, dtype=np.uint32)])
+
+
+def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
+    """[B, S] uint32: a hash of the n-gram `t[p-n+1 : p+1]` ending at each position p (equal
+    n-grams hash equally wherever they are; garbage where p < n - 1).
+
+    Polynomial `sum_k (t_{p-n+1+k} + 1) A^k mod 2^32`, from one prefix sum of `(t_j + 1) A^j`
+    and the inverse powers of A: O(S) for any n."""
+    B, S = tokens_BS.shape
+    pow_a, pow_inv = _powers(_HASH_A, S), _powers(_HASH_A_INV, S)
+    terms = (tokens_BS.astype(jnp.uint32) + jnp.uint32(1)) * jnp.asarray(pow_a)[None, :]
+    prefix = jnp.concatenate(
+        [jnp.zeros((B, 1), jnp.uint32), jnp.cumsum(terms, axis=1, dtype=jnp.uint32)], axis=1
+    )  # prefix[:, i] = sum_{j < i}
+    end = jnp.arange(S)
+    start = jnp.clip(end - n + 1, 0, S - 1)
+    window = prefix[:, 1:] - jnp.take(prefix, start, axis=1)  # A^start * hash
+    return window * jnp.asarray(pow_inv)[start][None, :]
 
 
 def lookup_n(drafters: Sequence[Any]) -> int | None:
@@ -73,12 +103,7 @@ def lookup_gap(drafters: Sequence[Any]) -> int:
 def shares_memory(drafters: Sequence[Any], capacity: int) -> bool:
     """Whether some drafter's state has a leaf without the batch axis (memory shared by the
     rows and kept across requests, such as ngram-mod's pool)."""
-    for d in drafters:
-        two = jax.tree.leaves(jax.eval_shape(lambda d=d: d.init(2, capacity)))
-        three = jax.tree.leaves(jax.eval_shape(lambda d=d: d.init(3, capacity)))
-        if any(x.ndim == 0 or x.shape[0] == y.shape[0] for x, y in zip(two, three)):
-            return True
-    return False
+    return not all(all(per_row_leaves(d, capacity)) for d in drafters)
 
 
 def table_shape(batch: int, capacity: int, shared: bool) -> tuple[int, int]:
@@ -130,22 +155,17 @@ def insert(
 ) -> Array:
     """`table` with the n-grams ending at positions first .. first + count - 1 of each row
     (count <= width, static) set; positions < n - 1 hold no n-gram and are skipped."""
-    B, S = history_BS.shape
-    M = table.shape[1]
+    if width <= ROUND_WIDTH:  # (a round's few positions: their windows, O(width * n))
+        beyond = first_B + width  # (a query position past every window; its answer unused)
+        return advance(table, history_BS, first_B, count_B, beyond, first_B, n, width)[0]
+    # (a prompt: one prefix-sum pass over the rows, O(S) for any n)
+    S = history_BS.shape[1]
     ends_BW = first_B[:, None] + jnp.arange(width)[None, :]
-    ok_BW = (jnp.arange(width)[None, :] < count_B[:, None]) & (ends_BW >= max(n - 1, 0))
-    ok_BW = ok_BW & (ends_BW < S)
-    if width > ROUND_WIDTH:  # (a prompt: one prefix-sum pass over the rows, O(S) for any n)
-        hashes_BW = jnp.take_along_axis(
-            ngram_end_hashes(history_BS, n), jnp.clip(ends_BW, 0, S - 1), axis=1
-        )
-    else:  # (a round's few positions: their windows, O(width * n))
-        idx = ends_BW[:, :, None] - n + 1 + jnp.arange(n)[None, None, :]
-        tokens = jnp.take_along_axis(history_BS, jnp.clip(idx, 0, S - 1).reshape(B, -1), axis=1)
-        hashes_BW = _window_hashes(tokens.reshape(B, width, n), n)
-    rows_BW = jnp.broadcast_to(_group(table, B)[:, None], (B, width))
-    slots_BW = jnp.where(ok_BW, _slot(hashes_BW, M), M)
-    return table.at[rows_BW, slots_BW].set(True, mode="drop")
+    hashes_BW = jnp.take_along_axis(
+        ngram_end_hashes(history_BS, n), jnp.clip(ends_BW, 0, S - 1), axis=1
+    )
+    ok_BW = _insertable(ends_BW, count_B, n, S)
+    return _mark(table, _flat_slots(table, hashes_BW), ok_BW)[0]
 
 
 @jax.named_scope("lookup")
@@ -163,7 +183,6 @@ def advance(
     (length_B, last_B), their windows hashed in one pass (a round's: width <= ROUND_WIDTH):
     what a round leaves for the next one to read."""
     B, S = history_BS.shape
-    G, M = table.shape
     # window ends: the inserted positions, then the query's (a select, not a concatenate: a
     # kernel of its own on XLA CPU, every round)
     col_E = jnp.arange(width + 1)[None, :]
@@ -173,20 +192,33 @@ def advance(
     tokens = jnp.where(
         idx == length_B[:, None, None], last_B[:, None, None], past.reshape(idx.shape)
     )
-    # one flat index per cell (row * M + slot): a 1-D scatter and gather, no index pairs
-    flat_BE = _group(table, B)[:, None] * M + _slot(_window_hashes(tokens, n), M)
-    ok_BE = (col_E < count_B[:, None]) & (ends_BE >= n - 1) & (ends_BE < S)  # (query: False)
-    flat = table.reshape(G * M).at[jnp.where(ok_BE, flat_BE, G * M)].set(True, mode="drop")
-    return flat.reshape(G, M), (length_B >= n - 1) & flat[flat_BE[:, width]]
+    flat_BE = _flat_slots(table, _window_hashes(tokens, n))
+    table, flat = _mark(table, flat_BE, _insertable(ends_BE, count_B, n, S))  # (query: never)
+    return table, (length_B >= n - 1) & flat[flat_BE[:, width]]
 
 
-@jax.named_scope("lookup")
 def query(table: Array, history_BS: Array, length_B: Array, last_B: Array, n: int) -> Array:
     """[B] bool: the n-gram ending at the row's last token (position `length`, not in the
     history yet) is in its table: some lookup of the chain may find a draft."""
-    B, S = history_BS.shape
-    idx_Bn = length_B[:, None] - n + 1 + jnp.arange(n)[None, :]
-    past = jnp.take_along_axis(history_BS, jnp.clip(idx_Bn, 0, S - 1), axis=1)
-    tokens = jnp.where(idx_Bn == length_B[:, None], last_B[:, None], past)
-    slots = _slot(_window_hashes(tokens, n), table.shape[1])
-    return (length_B >= n - 1) & table[_group(table, B), slots]
+    none = jnp.zeros_like(length_B)
+    return advance(table, history_BS, length_B, none, length_B, last_B, n, 0)[1]
+
+
+def _insertable(ends_BE: Array, count_B: Array, n: int, S: int) -> Array:
+    """Which window ends are inserted: the first `count` of each row that end an n-gram."""
+    col_E = jnp.arange(ends_BE.shape[1])[None, :]
+    return (col_E < count_B[:, None]) & (ends_BE >= n - 1) & (ends_BE < S)
+
+
+def _flat_slots(table: Array, hashes_BE: Array) -> Array:
+    """One flat index per cell (table row * M + slot): a 1-D scatter and gather, no index
+    pairs (each pair a concatenation, a kernel of its own on XLA CPU)."""
+    B, M = hashes_BE.shape[0], table.shape[1]
+    return _group(table, B)[:, None] * M + _slot(hashes_BE, M)
+
+
+def _mark(table: Array, flat_BE: Array, ok_BE: Array) -> tuple[Array, Array]:
+    """(table, its flat view) with the cells `flat_BE` set where `ok_BE`."""
+    G, M = table.shape
+    flat = table.reshape(G * M).at[jnp.where(ok_BE, flat_BE, G * M)].set(True, mode="drop")
+    return flat.reshape(G, M), flat

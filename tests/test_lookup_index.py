@@ -243,7 +243,7 @@ def test_drafter_memory_carried_into_a_call_leaves_a_shared_table_full():
 
 def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
     """`engine.generate_loop` keeps running off rounds past the governor's plan while no
-    active row could draft (`could_draft`); the whole generation must leave the state that
+    active row could draft (`GenState.lookup_next`); the whole generation must leave the state that
     `spec_step` round by round leaves (which plans every round, the index included), with
     such rounds, asked rounds and drafts all taken."""
     from test_batch_lean import _copy, assert_same_state
@@ -264,7 +264,7 @@ def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
     state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
     want, quiet = _copy(state), 0
     while bool(jnp.any(~want.done)) and int(want.n_rounds) < engine.out_capacity:
-        could = np.asarray(eng.could_draft(want)) & ~np.asarray(want.done)
+        could = np.asarray(want.lookup_next) & ~np.asarray(want.done)
         unindexed = eng.draft_budget(engine, replace(want, lookup_next=None), run)
         quiet += (not could.any()) and bool(jnp.any(unindexed[0] > 0))
         want = eng.step_jit(engine, target.params, dparams, want, run)
@@ -278,8 +278,8 @@ def test_off_runs_that_no_row_could_draft_in_leave_the_rounds_state():
 @pytest.mark.parametrize("drafter", ["ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod"])
 def test_every_draft_comes_in_a_round_the_index_allows(drafter):
     """The declared n-gram sizes and gaps against the drafters themselves: asked every round
-    (governor off), a drafter drafts only in rounds in which `could_draft` is True; the index
-    still rules out some rounds."""
+    (governor off), a drafter drafts only in rounds in which `GenState.lookup_next` is True;
+    the index still rules out some rounds."""
     sizes = dict(
         ngram_simple_size_n=2, ngram_simple_size_m=4, ngram_map_k_size_n=2,
         ngram_map_k_size_m=4, ngram_map_k4v_size_n=2, ngram_map_k4v_size_m=4,
@@ -292,7 +292,7 @@ def test_every_draft_comes_in_a_round_the_index_allows(drafter):
         tokens, lengths = jnp.asarray([prompt], jnp.int32), jnp.asarray([len(prompt)], jnp.int32)
         state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, run)
         while not bool(state.done[0]):
-            could = bool(eng.could_draft(state)[0])
+            could = bool(state.lookup_next[0])
             n_draft = int(state.stats.n_draft_tokens)
             state = eng.step_jit(engine, target.params, dparams, state, run)
             drafted = int(state.stats.n_draft_tokens) > n_draft

@@ -213,33 +213,12 @@ class ModelFreeDrafter:
         return state
 
 
-#: Odd multiplier of `ngram_end_hashes` (invertible mod 2^32) and its inverse.
-_HASH_A = 0x9E3779B1
-_HASH_A_INV = pow(_HASH_A, -1, 1 << 32)
-
-
-def _powers(x: int, count: int) -> np.ndarray:
-    """x^0 .. x^(count-1) mod 2^32 (uint32 products wrap)."""
-    steps = np.full(max(count - 1, 0), x, np.uint32)
-    return np.concatenate([np.ones(1, np.uint32), np.cumprod(steps, dtype=np.uint32)])
-
-
-def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
-    """[B, S] uint32: a hash of the n-gram `t[p-n+1 : p+1]` ending at each position p (equal
-    n-grams hash equally wherever they are; garbage where p < n - 1).
-
-    Polynomial `sum_k (t_{p-n+1+k} + 1) A^k mod 2^32`, from one prefix sum of `(t_j + 1) A^j`
-    and the inverse powers of A: O(S) for any n."""
-    B, S = tokens_BS.shape
-    pow_a, pow_inv = _powers(_HASH_A, S), _powers(_HASH_A_INV, S)
-    terms = (tokens_BS.astype(jnp.uint32) + jnp.uint32(1)) * jnp.asarray(pow_a)[None, :]
-    prefix = jnp.concatenate(
-        [jnp.zeros((B, 1), jnp.uint32), jnp.cumsum(terms, axis=1, dtype=jnp.uint32)], axis=1
-    )  # prefix[:, i] = sum_{j < i}
-    end = jnp.arange(S)
-    start = jnp.clip(end - n + 1, 0, S - 1)
-    window = prefix[:, 1:] - jnp.take(prefix, start, axis=1)  # A^start * hash
-    return window * jnp.asarray(pow_inv)[start][None, :]
+def per_row_leaves(drafter: Any, capacity: int) -> list[bool]:
+    """Per leaf of `drafter`'s state: True when its leading axis is the batch (a row each),
+    False when the rows share it (ngram-mod's pool), from `init` at two batch sizes."""
+    a = jax.tree.leaves(jax.eval_shape(lambda: drafter.init(2, capacity)))
+    b = jax.tree.leaves(jax.eval_shape(lambda: drafter.init(3, capacity)))
+    return [x.ndim > 0 and x.shape[0] != y.shape[0] for x, y in zip(a, b)]
 
 
 def prefix_mask(valid_BK: Array) -> Array:
