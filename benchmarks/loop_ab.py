@@ -3,7 +3,7 @@ another one (a worktree of an earlier commit), interleaved run by run. Prints on
 
     git worktree add /tmp/base <commit>
     python benchmarks/loop_ab.py --base /tmp/base/specjax/engine.py [--repeats 150]
-                                 [--configs plain,governed/ngram-mod,...] [--out FILE]
+                                 [--base-modules lookup_index] [--configs plain,...] [--out FILE]
 
 On the shared 2-core host, separate processes drift by 5-20% between runs (benchmarks/
 idle_rounds.py's ratios move that much between two runs of the same code), which hides the
@@ -14,7 +14,9 @@ program on both sides, so its ratio shows the method's own noise.
 
 The base file is loaded as a module beside `specjax.engine` and called with this checkout's
 `Engine`, `GenState` and `RunParams` classes: it must be an engine.py whose generation loop
-works with the rest of this checkout (a change confined to engine.py). Each configuration's
+works with the rest of this checkout (a change confined to engine.py, or also to the modules
+named by `--base-modules`, which the base engine then takes from its own folder; code outside
+the loop, such as prefill, runs this checkout's modules on both sides). Each configuration's
 tokens must be the same on both sides, or the script stops.
 
 Configurations: `plain`; `<mode>/<drafter>` over the `norepeat` prompt with n-gram size
@@ -46,15 +48,24 @@ DEFAULT_CONFIGS = (
 )
 
 
-def load_base_loop(path: Path) -> Any:
-    """The jitted generation loop of the engine file at `path`, bound to this checkout's
-    state classes."""
-    spec = importlib.util.spec_from_file_location("specjax._engine_base", path)
+def _load(name: str, path: Path) -> Any:
+    """The module of the file at `path`, registered as `name`."""
+    spec = importlib.util.spec_from_file_location(name, path)
     if spec is None or spec.loader is None:
         raise SystemExit(f"loop_ab.py: cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module  # (dataclasses look their module up while it loads)
     spec.loader.exec_module(module)
+    return module
+
+
+def load_base_loop(path: Path, modules: tuple[str, ...] = ()) -> Any:
+    """The jitted generation loop of the engine file at `path`, bound to this checkout's
+    state classes; each of `modules` (names of specjax modules the engine imports) is taken
+    from the engine file's folder instead of this checkout."""
+    module = _load("specjax._engine_base", path)
+    for name in modules:
+        setattr(module, name, _load(f"specjax._base_{name}", path.parent / f"{name}.py"))
     for name in ("Engine", "GenState", "RunParams"):
         setattr(module, name, getattr(eng, name))
     return module.generate_loop_jit
@@ -77,6 +88,12 @@ def config(name: str) -> tuple[specjax.SpecConfig | None, str]:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base", type=Path, required=True, help="the other engine.py")
+    ap.add_argument(
+        "--base-modules",
+        default="",
+        help="comma-separated specjax modules the base engine takes from its own folder "
+        "(e.g. lookup_index); outside the loop (prefill) both sides use this checkout's",
+    )
     ap.add_argument("--configs", default=DEFAULT_CONFIGS)
     ap.add_argument("--repeats", type=int, default=150)
     ap.add_argument("--tokens", type=int, default=256)
@@ -84,7 +101,8 @@ def main() -> None:
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
     refuse_overwrite(args.out, args.overwrite)
-    loops = {"base": load_base_loop(args.base), "new": eng.generate_loop_jit}
+    base_modules = tuple(m for m in args.base_modules.split(",") if m)
+    loops = {"base": load_base_loop(args.base, base_modules), "new": eng.generate_loop_jit}
     peer = Specjax(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), args.tokens)
     prompts = {p: peer.ids(PROMPT_FILES[p].read_text()) for p in ("norepeat", "repetitive")}
     configs = {name: config(name) for name in args.configs.split(",")}
@@ -128,6 +146,7 @@ def main() -> None:
         {
             "benchmark": "loop_ab",
             "base": str(args.base),
+            "base_modules": list(base_modules),
             "tokens": args.tokens,
             "repeats": args.repeats,
             "machine": machine(),

@@ -13,16 +13,21 @@ asks a row only where the n-gram ending at its last token is in it.
 
 Table: `[G, M]` bool, G = B (a row each) or 1 (`shared`: one table for all rows); M a power
 of two, about 4 slots per cell the table covers. The slot of the n-gram `t[p-n+1 : p+1]` is
-the top log2(M) bits of a polynomial hash (`ngram_end_hashes`, mod 2^32) after a 32-bit
-mix; n is the shortest `lookup_size` of the chain (a longer n-gram that occurred earlier
-ends with a shorter one that did) and g its smallest `lookup_gap`.
+the top log2(M) bits of a polynomial hash (`ngram_end_hashes`, mod 2^32) of its key after a
+32-bit mix. The key is the n-gram itself when n <= KEY_TOKENS, else KEY_TOKENS of its tokens
+spread evenly over it, its first and last among them (`key_offsets`): a round hashes at most
+KEY_TOKENS tokens per position whatever n is (a 1,024-gram's hash was most of the index's
+time), and equal n-grams still have equal keys. n is the shortest `lookup_size` of the chain
+(a longer n-gram that occurred earlier ends with a shorter one that did) and g its smallest
+`lookup_gap`.
 
 Invariants:
 * After prefill and after every round, for each row b and every position p with
   n - 1 <= p <= length_b - 1 - g (the n-grams a lookup may use), the slot of the n-gram
   ending at p is set in the row's table. So `query` is never False where the
-  chain could draft: a False is exact, a True may come from a colliding n-gram (then the
-  asked drafter finds nothing, as it did without the index).
+  chain could draft: a False is exact, a True may come from a colliding slot or, for
+  n > KEY_TOKENS, from an n-gram that agrees with an earlier one on the key's tokens only
+  (then the asked drafter finds nothing, as it did without the index).
 * `shared`: a drafter of the chain keeps memory shared by all rows, which outlives a request
   (ngram-mod's pool: a leaf of its state has no batch axis). Its lookups may then hit
   n-grams of another row or of an earlier request, so the one table collects every row's
@@ -52,13 +57,15 @@ SLOTS_PER_CELL = 4
 #: The smallest table (slots per row).
 MIN_SLOTS = 1024
 #: `insert` hashes up to this many positions window by window (a round's K + 1 new tokens:
-#: O(width * n), no pass over S); more (a prompt), from one prefix sum over the row.
+#: O(width * key tokens), no pass over S); more (a prompt), from shifted copies of the row.
 ROUND_WIDTH = 128
 
 
-#: Odd multiplier of `ngram_end_hashes` (invertible mod 2^32) and its inverse.
+#: Most tokens of an n-gram its hash reads (`key_offsets`).
+KEY_TOKENS = 32
+
+#: Odd multiplier of `ngram_end_hashes`.
 _HASH_A = 0x9E3779B1
-_HASH_A_INV = pow(_HASH_A, -1, 1 << 32)
 
 
 def _powers(x: int, count: int) -> np.ndarray:
@@ -67,22 +74,30 @@ def _powers(x: int, count: int) -> np.ndarray:
     return np.concatenate([np.ones(1, np.uint32), np.cumprod(steps, dtype=np.uint32)])
 
 
+def key_offsets(n: int) -> np.ndarray:
+    """Which tokens of an n-gram its hash reads, as offsets from its first token (ascending):
+    all n when n <= KEY_TOKENS, else k (n - 1) // (KEY_TOKENS - 1) for k < KEY_TOKENS (the
+    first and the last token and evenly spread between)."""
+    if n <= KEY_TOKENS:
+        return np.arange(n)
+    return np.arange(KEY_TOKENS) * (n - 1) // (KEY_TOKENS - 1)
+
+
 def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
-    """[B, S] uint32: a hash of the n-gram `t[p-n+1 : p+1]` ending at each position p (equal
+    """[B, S] uint32: the hash of the n-gram `t[p-n+1 : p+1]` ending at each position p (equal
     n-grams hash equally wherever they are; garbage where p < n - 1).
 
-    Polynomial `sum_k (t_{p-n+1+k} + 1) A^k mod 2^32`, from one prefix sum of `(t_j + 1) A^j`
-    and the inverse powers of A: O(S) for any n."""
+    Polynomial `sum_k (t_{p-n+1+o_k} + 1) A^k mod 2^32` over the key's offsets o_k
+    (`key_offsets`): one shifted copy of the row per key token, O(S * min(n, KEY_TOKENS))."""
     B, S = tokens_BS.shape
-    pow_a, pow_inv = _powers(_HASH_A, S), _powers(_HASH_A_INV, S)
-    terms = (tokens_BS.astype(jnp.uint32) + jnp.uint32(1)) * jnp.asarray(pow_a)[None, :]
-    prefix = jnp.concatenate(
-        [jnp.zeros((B, 1), jnp.uint32), jnp.cumsum(terms, axis=1, dtype=jnp.uint32)], axis=1
-    )  # prefix[:, i] = sum_{j < i}
-    end = jnp.arange(S)
-    start = jnp.clip(end - n + 1, 0, S - 1)
-    window = prefix[:, 1:] - jnp.take(prefix, start, axis=1)  # A^start * hash
-    return window * jnp.asarray(pow_inv)[start][None, :]
+    terms = tokens_BS.astype(jnp.uint32) + jnp.uint32(1)
+    hashes = jnp.zeros((B, S), jnp.uint32)
+    offsets = key_offsets(n)
+    for power, offset in zip(_powers(_HASH_A, len(offsets)), offsets):
+        back = min(n - 1 - int(offset), S)  # (the key token sits `back` positions before p)
+        shifted = jnp.pad(terms[:, : S - back], ((0, 0), (back, 0)))
+        hashes = hashes + shifted * jnp.uint32(power)
+    return hashes
 
 
 def lookup_n(drafters: Sequence[Any]) -> int | None:
@@ -131,11 +146,12 @@ def _group(table: Array, batch: int) -> Array:
     return jnp.arange(batch) if table.shape[0] == batch else jnp.zeros((batch,), jnp.int32)
 
 
-def _window_hashes(tokens_BEn: Array, n: int) -> Array:
-    """Hash of each n-token window `tokens_BEn[..., :]` (oldest first), as
+def _key_hashes(keys_BEk: Array) -> Array:
+    """Hash of each key `keys_BEk[..., :]` (an n-gram's key tokens, oldest first), as
     `ngram_end_hashes` computes it: sum_k (t_k + 1) A^k mod 2^32."""
-    pow_a = jnp.asarray(_powers(_HASH_A, n)).reshape((1,) * (tokens_BEn.ndim - 1) + (n,))
-    terms = (tokens_BEn.astype(jnp.uint32) + jnp.uint32(1)) * pow_a
+    k = keys_BEk.shape[-1]
+    pow_a = jnp.asarray(_powers(_HASH_A, k)).reshape((1,) * (keys_BEk.ndim - 1) + (k,))
+    terms = (keys_BEk.astype(jnp.uint32) + jnp.uint32(1)) * pow_a
     return jnp.sum(terms, axis=-1, dtype=jnp.uint32)
 
 
@@ -155,10 +171,10 @@ def insert(
 ) -> Array:
     """`table` with the n-grams ending at positions first .. first + count - 1 of each row
     (count <= width, static) set; positions < n - 1 hold no n-gram and are skipped."""
-    if width <= ROUND_WIDTH:  # (a round's few positions: their windows, O(width * n))
+    if width <= ROUND_WIDTH:  # (a round's few positions: their keys, O(width * key tokens))
         beyond = first_B + width  # (a query position past every window; its answer unused)
         return advance(table, history_BS, first_B, count_B, beyond, first_B, n, width)[0]
-    # (a prompt: one prefix-sum pass over the rows, O(S) for any n)
+    # (a prompt: every position's hash, O(S * key tokens))
     S = history_BS.shape[1]
     ends_BW = first_B[:, None] + jnp.arange(width)[None, :]
     hashes_BW = jnp.take_along_axis(
@@ -187,12 +203,11 @@ def advance(
     # kernel of its own on XLA CPU, every round)
     col_E = jnp.arange(width + 1)[None, :]
     ends_BE = jnp.where(col_E < width, first_B[:, None] + col_E, length_B[:, None])
-    idx = ends_BE[:, :, None] - n + 1 + jnp.arange(n)[None, None, :]  # [B, width + 1, n]
+    offsets = jnp.asarray(key_offsets(n))[None, None, :]
+    idx = ends_BE[:, :, None] - n + 1 + offsets  # [B, width + 1, key tokens]
     past = jnp.take_along_axis(history_BS, jnp.clip(idx, 0, S - 1).reshape(B, -1), axis=1)
-    tokens = jnp.where(
-        idx == length_B[:, None, None], last_B[:, None, None], past.reshape(idx.shape)
-    )
-    flat_BE = _flat_slots(table, _window_hashes(tokens, n))
+    keys = jnp.where(idx == length_B[:, None, None], last_B[:, None, None], past.reshape(idx.shape))
+    flat_BE = _flat_slots(table, _key_hashes(keys))
     table, flat = _mark(table, flat_BE, _insertable(ends_BE, count_B, n, S))  # (query: never)
     return table, (length_B >= n - 1) & flat[flat_BE[:, width]]
 

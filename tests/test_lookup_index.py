@@ -1,8 +1,8 @@
 """The lookup index (`specjax.lookup_index`): a chain of lookup drafters is asked only for rows
 whose stream's last n-gram occurred before.
 
-Independent sources: a plain-Python transcription of the index (the polynomial hash mod 2^32,
-the slot = its top bits, every n-gram of the stream) and a plain-Python scan for repeated
+Independent sources: a plain-Python transcription of the index (the polynomial hash mod 2^32
+of an n-gram's key, the slot = its top bits, every n-gram of the stream) and a plain-Python scan for repeated
 n-grams; plain decoding's tokens.
 """
 
@@ -30,8 +30,16 @@ from specjax.testing import run_params, tiny_model
 A = 0x9E3779B1
 
 
+def python_key(gram: list[int]) -> list[int]:
+    """The tokens of an n-gram its hash reads: all of them up to 32, else 32 spread evenly
+    (offset k (n - 1) // 31: the first, the last and between)."""
+    n = len(gram)
+    return gram if n <= 32 else [gram[k * (n - 1) // 31] for k in range(32)]
+
+
 def python_slot(gram: list[int], slots: int) -> int:
-    h = sum((t + 1) * pow(A, k, 1 << 32) for k, t in enumerate(gram)) % (1 << 32)
+    key = python_key(gram)
+    h = sum((t + 1) * pow(A, k, 1 << 32) for k, t in enumerate(key)) % (1 << 32)
     h ^= h >> 16  # MurmurHash3's fmix32
     h = (h * 0x85EBCA6B) % (1 << 32)
     h ^= h >> 13
@@ -100,6 +108,42 @@ def test_build_insert_and_query_are_the_python_index(n, gap):
     assert set(np.flatnonzero(np.asarray(shared[0]))) == set().union(
         *(python_table(r, len(r), n, slots, gap) for r in ROWS)
     )
+
+
+def test_a_long_ngram_is_hashed_by_its_key_and_a_false_stays_exact():
+    """n > 32: the hash reads 32 of the n-gram's tokens. Rows: a block that recurs (the
+    query's n-gram occurred: True), the same with one token changed off the key (True, by
+    design: the key is all the index compares) and on the key (False, as no earlier n-gram
+    is equal), and no repeat at all."""
+    n, S, slots = 40, 160, 1024
+    rng = np.random.default_rng(0)
+    block = rng.integers(100, 900, size=n + 5).tolist()
+    key_offsets = {k * (n - 1) // 31 for k in range(32)}
+    off_key = next(o for o in range(n) if o not in key_offsets)
+    assert lookup_index.key_offsets(n).tolist() == sorted(key_offsets)
+
+    def changed(at: int) -> list[int]:  # the block's first occurrence, one token changed
+        first = list(block)
+        first[5 + at] += 1000  # (offset `at` of the n-gram the query ends with)
+        return first
+
+    # the query's n-gram: the last n tokens of block + the next token, block[-1]
+    streams = [block + block[:-1], changed(off_key) + block[:-1], changed(0) + block[:-1]]
+    streams.append(rng.integers(1000, 1900, size=2 * n + 9).tolist())
+    B = len(streams)
+    history = np.zeros((B, S), np.int32)
+    for b, r in enumerate(streams):
+        history[b, : len(r)] = r
+    full = jnp.asarray([len(r) for r in streams], jnp.int32)
+    table = lookup_index.build(jnp.asarray(history), full, n, (B, slots))
+    for b, r in enumerate(streams):
+        assert set(np.flatnonzero(np.asarray(table[b]))) == python_table(r, len(r), n, slots), b
+    last = jnp.asarray([block[-1]] * 3 + [5], jnp.int32)
+    got = np.asarray(lookup_index.query(table, jnp.asarray(history), full, last, n))
+    assert got.tolist() == [True, True, False, False]
+    stream = streams[1] + [block[-1]]
+    assert not repeats(stream, n)  # (row 1's True: the key matched, the n-gram did not)
+    assert repeats(streams[0] + [block[-1]], n)
 
 
 def test_a_chain_has_an_index_only_when_every_drafter_is_a_lookup():
