@@ -8,9 +8,10 @@ another one (a worktree of an earlier commit), interleaved run by run. Prints on
 On the shared 2-core host, separate processes drift by 5-20% between runs (benchmarks/
 idle_rounds.py's ratios move that much between two runs of the same code), which hides the
 few percent an engine change is worth. Here both loops are compiled in one process and each
-configuration runs base, then new, `--repeats` times: `new_over_base_paired` is the median of
-base time / new time over adjacent pairs (> 1: the new loop is faster). `plain` runs the same
-program on both sides, so its ratio shows the method's own noise.
+configuration runs a pair of base and new `--repeats` times, base first in every other pair
+(with base always first, `plain`, the same program on both sides, read 0.980 and 0.986 in
+two runs: the second run of a pair was slower): `new_over_base_paired` is the median of base time / new time
+over the pairs (> 1: the new loop is faster). `plain`'s ratio shows the method's own noise.
 
 The base file is loaded as a module beside `specjax.engine` and called with this checkout's
 `Engine`, `GenState` and `RunParams` classes: it must be an engine.py whose generation loop
@@ -124,9 +125,9 @@ def main() -> None:
         stats = new.stats.to_dict() if new.stats is not None else {}
         facts[name] = {"rounds": int(new.timings["n_rounds"]), "governor": stats.get("governor")}
     times: dict[tuple[str, str], list[float]] = {(s, n): [] for s in loops for n in configs}
-    for _ in range(args.repeats):
+    for rep in range(args.repeats):
         for name in configs:
-            for side in loops:
+            for side in ("base", "new") if rep % 2 == 0 else ("new", "base"):
                 r = run(side, name)
                 per_token = r.timings["decode_seconds"] / max(r.timings["generated_tokens"] - 1, 1)
                 times[side, name].append(per_token * 1e6)
