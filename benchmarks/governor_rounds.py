@@ -1,4 +1,4 @@
-"""What the draft governor asks of n-gram drafters: rounds per run and rounds it asked.
+"""What the draft governor asks of drafters: rounds per run and rounds it asked.
 
     python benchmarks/governor_rounds.py [--tokens 256] [--cost-call C] [--out FILE]
 
@@ -8,7 +8,8 @@ Deterministic counts (no timing), for comparing governor settings at two commits
 * `cases`: each of ngram-simple / ngram-map-k / ngram-mod / ngram-cache over the `main`,
   `repetitive` and `norepeat` prompts (as benchmarks/peers.py builds them): rounds taken
   (fewer = more tokens per target forward) and rounds in which the drafter was asked;
-  `total_rounds` sums them.
+  `total_rounds` sums them. `draft_model`: draft-simple with the shipped draft over the same
+  prompts, apart (its asks cost a draft model's steps and catch-up, not a lookup).
 * `finds_nothing`: ngram-map-k with an n-gram size no text can match, asked rounds after
   64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
   `specjax.adaptive`; 0 since the lookup index, `specjax.lookup_index`, rules every round
@@ -60,6 +61,18 @@ def main() -> None:
                 model, [ids[prompt]], max_new_tokens=args.tokens, n_ctx=2048, spec=spec
             )
             cases[f"{drafter}/{prompt}"] = {"rounds": r.timings["n_rounds"], "asked": asked(r)}
+    draft_model = {}
+    spec = specjax.SpecConfig(types=("draft-simple",), draft_n_max=4, **priced)
+    for prompt in PROMPTS:
+        r = specjax.generate(
+            model,
+            [ids[prompt]],
+            max_new_tokens=args.tokens,
+            n_ctx=2048,
+            spec=spec,
+            draft=peer.draft,
+        )
+        draft_model[f"draft-simple/{prompt}"] = {"rounds": r.timings["n_rounds"], "asked": asked(r)}
     never = specjax.SpecConfig(
         types=("ngram-map-k",), draft_n_max=4, ngram_map_k_size_n=NO_MATCH_N, **priced
     )
@@ -76,6 +89,7 @@ def main() -> None:
             "cases": cases,
             "total_rounds": sum(c["rounds"] for c in cases.values()),
             "finds_nothing_asked": finds_nothing,
+            "draft_model": draft_model,
         },
         args.out,
     )
