@@ -11,10 +11,20 @@ simple cost model, from what it measured on earlier rounds:
     p         = 1 - prod_r (1 - h_r)             P(some row drafts) over the active rows
     cost(k)   = p * fwd(B * w(k)) + (1 - p) * fwd(B)        expected verify forward
                 + k * draft_step * fwd_d(B) + call * [k > 0]
+                + catch_up * sum_r fwd(m_r) * [k > 0]       (rows with m_r > 0)
     w(k)      = the narrowest compiled verify width >= k + 1 (`Engine.verify_widths`)
     fwd(n)    = 1 + (n - 1) * verify_token        (a forward of n tokens, in 1-token steps)
+    m_r       = rounds since row r was last asked (`idle`): tokens a draft model that skips
+                the rounds it is not asked in (draft-simple) evaluates before it drafts
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
+
+`catch_up` is draft-simple's draft step (0 for other chains): on CPU, where a forward costs
+about its tokens (`verify_token` 0.4), a draft model asked after 40 rounds off first runs
+forwards worth ~4 target steps, more than a round's drafts win back (draft-simple over the main
+prompt ran at 0.86-0.91x plain, its 14 asks in 225 rounds dearer than the rule priced them).
+So after about ten rounds off it stays off there; on an accelerator (`verify_token` ~0.01) the
+catch-up costs little and probing goes on as before.
 
 The verify runs at the width of the longest draft the relay returned, so a round in which no
 row found a draft costs a 1-token forward whatever k allowed: the verify is charged in
@@ -94,6 +104,9 @@ class CostModel:
     verify_token: Array  # [] float32: extra cost of each extra token in a target forward
     draft_step: Array  # [] float32: one draft-model step (0 for model-free chains)
     call: Array  # [] float32: fixed per-round cost of running the drafters
+    #: [] float32: the draft step of a draft model that catches up on the rounds it was not
+    #: asked in before it drafts (draft-simple's; None = no such model)
+    catch_up: Array | None = None
 
     @staticmethod
     def off() -> CostModel:
@@ -203,7 +216,7 @@ def choose_budget(
     wanted = jnp.any(budget_B > 0)
     if possible_B is not None:
         budget_B = jnp.where(possible_B | ~cost.enabled, budget_B, 0)
-    ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
+    ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths, gov.idle)
     best = _best_k(ratio_k, cost, k_max)
     governed = jnp.minimum(budget_B, best)
     throttled = wanted & (best > 0) & jnp.any(governed < budget_B)
@@ -235,7 +248,8 @@ def rounds_off_ahead(
 
     def drafts_after(n: Array) -> Array:
         hit, accept = estimates(gov, n)
-        ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths)
+        behind = gov.idle + n
+        ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths, behind)
         return _drafts(ratio_k, cost)
 
     drafts = jax.vmap(drafts_after)(ahead)  # [horizon]
@@ -280,8 +294,10 @@ def _tokens_per_cost(
     active_B: Array,
     k_max: int,
     widths: tuple[int, ...] | None,
+    behind_B: Array | None = None,
 ) -> Array:
-    """sum_r E_r(min(k, budget_r)) / cost(k) for k = 0..k_max ([k_max + 1])."""
+    """sum_r E_r(min(k, budget_r)) / cost(k) for k = 0..k_max ([k_max + 1]); `behind_B`:
+    each row's m_r (rounds since it was last asked), for `cost.catch_up`."""
     k = jnp.arange(k_max + 1, dtype=jnp.int32)
     # a row cannot draft beyond its own budget: E_r(min(k, budget_r)), evaluated there
     capped = jnp.minimum(k[None, :], budget_B[:, None])
@@ -298,7 +314,11 @@ def _tokens_per_cost(
 
     verify = p_some * fwd(n_rows * width_k.astype(jnp.float32)) + (1.0 - p_some) * fwd(n_rows)
     draft = kf * cost.draft_step * fwd(n_rows)
-    total = verify + draft + jnp.where(k > 0, cost.call, 0.0)
+    fixed = cost.call
+    if cost.catch_up is not None and behind_B is not None:
+        behind = jnp.where(active_B & (budget_B > 0), behind_B, 0).astype(jnp.float32)
+        fixed = fixed + cost.catch_up * jnp.sum(jnp.where(behind > 0, fwd(behind), 0.0))
+    total = verify + draft + jnp.where(k > 0, fixed, 0.0)
     return tokens_k / total
 
 
