@@ -9,6 +9,7 @@ of the governor's rule, and the engine's own greedy output at another capacity.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import re
 
@@ -344,7 +345,9 @@ def _loop_on_decode_weights(kernel):
 # -------------------------------------------------------------------- draft governor
 
 
-def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call, widths):
+def _python_choice(
+    hit, accept, budget, active, k_max, verify, draft_step, call, widths, catch_up=0.0, behind=None
+):
     """Transcription of specjax.adaptive's rule (module docstring)."""
     rows = [r for r in range(len(hit)) if active[r]]
     p_some = 1.0 - math.prod(1.0 - hit[r] for r in rows)
@@ -361,6 +364,8 @@ def _python_choice(hit, accept, budget, active, k_max, verify, draft_step, call,
         width = min(w for w in widths if w >= k + 1)
         cost = p_some * fwd(n * width) + (1 - p_some) * fwd(n) + k * draft_step * fwd(n)
         cost += call if k > 0 else 0.0
+        if k > 0 and behind is not None:  # a draft model's catch-up on the rows it asks
+            cost += catch_up * sum(fwd(behind[r]) for r in rows if budget[r] > 0 and behind[r] > 0)
         if tokens / cost > best_value + 1e-6:
             best, best_value = k, tokens / cost
     return [min(b, best) for b in budget]
@@ -424,6 +429,41 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
     off = adaptive.CostModel.off()
     full, _ = adaptive.choose_budget(gov, off, jnp.asarray(budget), jnp.asarray(active), K)
     assert np.asarray(full).tolist() == budget.tolist()
+
+
+@pytest.mark.parametrize("behind", [[0, 0, 0], [3, 0, 9], [12, 40, 0], [2, 1, 5]])
+def test_governor_weighs_a_draft_models_catch_up(behind):
+    """draft-simple's model skips the rounds it is not asked in: asking it after m rounds off
+    adds catch_up * fwd(m) per asked row to the round's cost. The choice is the transcribed
+    rule's at the module's estimates (idle rows drift towards the prior: `estimates`), and
+    a catch-up long enough turns drafting off that pays without it."""
+    B, K, verify, draft_step, call = 3, 4, 0.4, 0.2, 0.08
+    budget = np.array([4, 4, 4], np.int32)
+    active = np.array([True, True, False])
+    gov = adaptive.Governor.create(B)
+    gov = dataclasses.replace(
+        gov,
+        acc_num=jnp.full((B,), 1.9, jnp.float32),  # accept 0.95 at idle 0
+        idle=jnp.asarray(behind, jnp.int32),
+    )
+    cost = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(verify, jnp.float32),
+        draft_step=jnp.asarray(draft_step, jnp.float32),
+        call=jnp.asarray(call, jnp.float32),
+        catch_up=jnp.asarray(draft_step, jnp.float32),
+    )
+    widths = (1, K + 1)
+    got, _ = adaptive.choose_budget(gov, cost, jnp.asarray(budget), jnp.asarray(active), K, widths)
+    hit, accept = (np.asarray(x, np.float64).tolist() for x in adaptive.estimates(gov))
+    want = _python_choice(
+        hit, accept, budget, active, K, verify, draft_step, call, widths, draft_step, behind
+    )
+    assert np.asarray(got).tolist() == want
+    plain = _python_choice(hit, accept, budget, active, K, verify, draft_step, call, widths)
+    assert max(plain) > 0  # drafting pays without a catch-up ...
+    if sum(behind[:2]) > 20:
+        assert max(want) == 0  # ... and not after a long one
 
 
 def _python_probes(rounds, hit_from, k_max, verify, call):
@@ -552,6 +592,28 @@ def test_governor_turns_off_a_draft_that_cannot_pay_and_output_is_unchanged():
     assert "drafting shortened in" in governed.stats.lines()[-1]
     assert always.stats.governor["off"] == 0
     assert always.stats.to_dict()["num_draft_tokens"] > governed.stats.to_dict()["num_draft_tokens"]
+
+
+@pytest.mark.parametrize("self_draft", [False, True])
+def test_governor_does_not_resume_a_draft_model_whose_catch_up_costs_more(self_draft):
+    """draft-simple priced at a tenth of the target, CPU verify prices. An unrelated draft
+    (drafts rejected) is asked once: after rounds off, its catch-up would cost more than a
+    round's drafts win (7 asks in 300 rounds when the catch-up was not priced). A draft that
+    is always right (the target itself) keeps drafting, never falling behind. Tokens are
+    plain decoding's."""
+    target = tiny_model(5)
+    draft = target if self_draft else tiny_model(7)
+    prompts = [[3, 4, 5, 6]]
+    plain = generate(target, prompts, max_new_tokens=300)
+    spec = SpecConfig(types=("draft-simple",), draft_n_max=3, cost_draft_step=0.1)
+    out = generate(target, prompts, max_new_tokens=300, spec=spec, draft=draft)
+    assert out.tokens == plain.tokens
+    g, counts = out.stats.governor, out.stats.to_dict()
+    if self_draft:
+        assert g["off"] == 0 and counts["num_accepted_tokens"] > 200
+    else:
+        assert counts["num_draft_tokens"] > 0 and counts["num_accepted_tokens"] == 0
+        assert g["rounds"] - g["off"] == 1
 
 
 def test_governor_keeps_drafting_that_pays():
