@@ -655,13 +655,14 @@ def cost_model(
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
     # draft-simple's model skips the rounds it is not asked in and catches up before drafting
+    # (None for other chains: no catch-up term in their programs)
     lazy = spec is not None and draft is not None and "draft-simple" in spec.types
     return CostModel(
         enabled=jnp.asarray(enabled),
         verify_token=jnp.asarray(verify, jnp.float32),
         draft_step=jnp.asarray(draft_step, jnp.float32),
         call=jnp.asarray(call, jnp.float32),
-        catch_up=jnp.asarray(draft_step if lazy else 0.0, jnp.float32),
+        catch_up=jnp.asarray(draft_step, jnp.float32) if lazy else None,
     )
 
 
