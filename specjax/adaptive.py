@@ -294,7 +294,7 @@ def _tokens_per_cost(
     active_B: Array,
     k_max: int,
     widths: tuple[int, ...] | None,
-    behind_B: Array | None = None,
+    behind_B: Array,
 ) -> Array:
     """sum_r E_r(min(k, budget_r)) / cost(k) for k = 0..k_max ([k_max + 1]); `behind_B`:
     each row's m_r (rounds since it was last asked), for `cost.catch_up`."""
@@ -315,7 +315,7 @@ def _tokens_per_cost(
     verify = p_some * fwd(n_rows * width_k.astype(jnp.float32)) + (1.0 - p_some) * fwd(n_rows)
     draft = kf * cost.draft_step * fwd(n_rows)
     fixed = cost.call
-    if cost.catch_up is not None and behind_B is not None:
+    if cost.catch_up is not None:
         behind = jnp.where(active_B & (budget_B > 0), behind_B, 0).astype(jnp.float32)
         fixed = fixed + cost.catch_up * jnp.sum(jnp.where(behind > 0, fwd(behind), 0.0))
     total = verify + draft + jnp.where(k > 0, fixed, 0.0)

@@ -632,7 +632,7 @@ def cost_model(
     of the longest draft the chain's n_max lets through, at most CALIBRATION_K + 1."""
     on_cpu = jax.default_backend() == "cpu"
     verify = CPU_VERIFY_TOKEN if on_cpu else 0.01
-    draft_step, call, enabled = 0.0, 0.0, False
+    draft_step, call, enabled, simple = 0.0, 0.0, False, False
     if spec is not None:
         enabled = spec.adaptive and not synthetic
         call = spec.cost_call
@@ -654,15 +654,14 @@ def cost_model(
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-    # draft-simple's model skips the rounds it is not asked in and catches up before drafting
-    # (None for other chains: no catch-up term in their programs)
-    lazy = spec is not None and draft is not None and "draft-simple" in spec.types
     return CostModel(
         enabled=jnp.asarray(enabled),
         verify_token=jnp.asarray(verify, jnp.float32),
         draft_step=jnp.asarray(draft_step, jnp.float32),
         call=jnp.asarray(call, jnp.float32),
-        catch_up=jnp.asarray(draft_step, jnp.float32) if lazy else None,
+        # draft-simple's model skips the rounds it is not asked in and catches up before it
+        # drafts (None for other chains: no catch-up term in their programs)
+        catch_up=jnp.asarray(draft_step, jnp.float32) if simple else None,
     )
 
 
