@@ -28,6 +28,8 @@ un-profiled launch of a small kernel is cheap (cutting a plain round from 291 to
 changed its time by under 3% on a quiet host), so read it beside the minimum times.
 `kernels_by_scope` splits that count by the engine's named scope of each kernel (relay, plan,
 bookkeeping, verify<width>, ...: where an asked round's extra kernels come from).
+`profiled_us_per_round`: the same profiled run's kernel time per round by scope and its
+costliest kernels (inflated by the profiler; compare configurations within one run).
 """
 
 from __future__ import annotations
@@ -86,22 +88,37 @@ def _scope(op_name: str) -> str:
     return "unnamed"
 
 
-def kernels_per_round(run: Any) -> tuple[float, dict[str, float]]:
+def kernels_per_round(run: Any) -> tuple[float, dict[str, float], dict[str, Any]]:
     """XLA kernels per round of one profiled `run()` (which returns a `generate` result),
-    counted from the generation loop's start, and the same count by the engine's scope of
-    each kernel (from the loop executable's HLO metadata; "unnamed": no engine scope, such
-    as the copies and reductions XLA adds)."""
+    counted from the generation loop's start, the same count by the engine's scope of each
+    kernel (from the loop executable's HLO metadata; "unnamed": no engine scope, such as the
+    copies and reductions XLA adds), and the profiled time per round: by scope, and the
+    costliest kernels (name without its number, scope). Control-flow thunks (`while`,
+    `cond`), whose spans hold their bodies' kernels, are counted but not timed. Profiled
+    times are inflated and swing with the machine's load: compare them within one run."""
     result, events = profiled(run)
     spans = [e for e in events if e.get("ph") == "X"]
     start = max(e["ts"] for e in spans if e["name"].startswith("PjitFunction(jit(generate_loop"))
-    names = [
-        e["name"] for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS)
-    ]
+    kernels = [e for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS)]
     loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
     op_names = dict(re.findall(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", loops[-1].as_text()))
     rounds = max(int(result.timings.get("n_rounds", 0)), 1)
-    by_scope = collections.Counter(_scope(op_names.get(n, "")) for n in names)
-    return len(names) / rounds, {k: v / rounds for k, v in sorted(by_scope.items())}
+    scope_of = [_scope(op_names.get(e["name"], "")) for e in kernels]
+    by_scope = collections.Counter(scope_of)
+    us_by_scope: collections.Counter[str] = collections.Counter()
+    us_by_kernel: collections.Counter[tuple[str, str]] = collections.Counter()
+    for e, scope in zip(kernels, scope_of):
+        if not e["name"].startswith(("while", "cond")):
+            us_by_scope[scope] += e.get("dur", 0.0)
+            us_by_kernel[re.sub(r"\.\d+$", "", e["name"]), scope] += e.get("dur", 0.0)
+    profiled_us = {
+        "by_scope": {k: v / rounds for k, v in sorted(us_by_scope.items())},
+        "costliest": [
+            {"kernel": name, "scope": scope, "us_per_round": v / rounds}
+            for (name, scope), v in us_by_kernel.most_common(8)
+        ],
+    }
+    return len(kernels) / rounds, {k: v / rounds for k, v in sorted(by_scope.items())}, profiled_us
 
 
 def main() -> None:
@@ -147,8 +164,9 @@ def main() -> None:
             }
     if not args.no_kernels:
         for name, spec in configs.items():
-            facts[name]["kernels_per_round"], facts[name]["kernels_by_scope"] = kernels_per_round(
-                lambda spec=spec: specjax.generate(model, [ids], spec=spec, **kw)
+            fact = facts[name]
+            fact["kernels_per_round"], fact["kernels_by_scope"], fact["profiled_us_per_round"] = (
+                kernels_per_round(lambda spec=spec: specjax.generate(model, [ids], spec=spec, **kw))
             )
     plain_min = min(per_round["plain"])
     plain_median = statistics.median(per_round["plain"])

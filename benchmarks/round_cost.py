@@ -76,7 +76,7 @@ def main() -> None:
         for _ in range(args.repeats):
             r = run()
             ms.append(r.timings["decode_seconds"] / max(r.timings["n_rounds"], 1) * 1e3)
-        kernels, by_scope = kernels_per_round(run)
+        kernels, by_scope, _ = kernels_per_round(run)
         result["configs"][spec_type] = {
             "ms_per_round_min": min(ms),
             "ms_per_round_median": statistics.median(ms),
