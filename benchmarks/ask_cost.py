@@ -1,0 +1,152 @@
+"""What asking a model-free drafter for a draft costs, in 1-token steps of the target.
+
+    python benchmarks/ask_cost.py [--gaps 1,8,64] [--loops 9] [--out FILE] [--overwrite]
+
+The draft governor (`specjax.adaptive`) charges each round in which it asks the chain the
+price `call`, in target 1-token forwards. This measures that price per drafter on this
+machine: the shipped target, the `main` prompt followed by 1,024 tokens of its own greedy continuation (as
+benchmarks/peers.py builds it), each drafter built with its defaults and begun on the prompt.
+A jitted loop asks the drafter ASKS times for a draft of the chain's width, the stream
+advancing `gap` tokens between asks (gap 1: asked every round; a larger gap: asked again
+after rounds off, with that many tokens to catch up on; one dispatch per loop, so host
+overhead is not counted). The step is a round of plain greedy decoding of the same prompt
+(decode seconds / rounds of a 256-token `generate`), the unit the governor's prices are in.
+All are timed interleaved, the fastest of `--loops` each. `ask_steps` = seconds per ask /
+seconds per step.
+
+The per-drafter prices the drafters declare (`ask_steps`, used when `SpecConfig.cost_call` is
+None) are these numbers at gap 8 on a quiet host (a plain round of ~170 us:
+benchmarks/results/ask-cost.json), rounded up; on a loaded host the round slows more than
+the asks and the ratios fall (ngram-mod's read 0.40 with a 300 us round). Prints one JSON
+object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import jax
+import jax.numpy as jnp
+from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwrite
+from peers import PROMPT_FILES, Specjax
+
+import specjax
+from specjax.drafters.base import DraftInput, TokenHistory
+from specjax.drafters.registry import build_drafters
+
+DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+#: Asks per timed loop.
+ASKS = 16
+CAPACITY = 2048
+#: Greedy tokens after the prompt: the stream the asks advance over.
+STREAM_TOKENS = 1024
+
+
+def ask_timer(spec: specjax.SpecConfig, stream: list[int], start: int, gap: int) -> Any:
+    """A thunk timing one ask of the drafter `spec` names: seconds per ask of a jitted loop
+    of ASKS asks at stream lengths start, start + gap, ... (the drafter begun on
+    `stream[:start]`)."""
+    (drafter,), (params,) = build_drafters(spec, None, None)
+    k = spec.resolved_k_max()
+    tokens = jnp.zeros((1, CAPACITY), jnp.int32).at[0, : len(stream)].set(jnp.asarray(stream))
+    state = drafter.begin(
+        drafter.init(1, CAPACITY), TokenHistory(tokens=tokens, length=jnp.asarray([start]))
+    )
+
+    def ask(state: Any, length: Any) -> Any:
+        inp = DraftInput(
+            history=TokenHistory(tokens=tokens, length=length[None]),
+            last_token=tokens[0, length][None],
+            n_max=jnp.full((1,), k, jnp.int32),
+            drafting=jnp.ones((1,), bool),
+            n_min=jnp.zeros((), jnp.int32),
+            p_min=jnp.zeros((), jnp.float32),
+            temperature=jnp.zeros((1,), jnp.float32),
+            seed=jnp.zeros((1,), jnp.uint32),
+        )
+        return drafter.draft(params, state, inp, k)
+
+    @jax.jit
+    def loop(state: Any) -> Any:
+        def body(i: Any, carry: Any) -> Any:
+            state, n = carry
+            state, out = ask(state, jnp.int32(start) + i * gap)
+            return state, n + jnp.sum(out.valid)
+
+        return jax.lax.fori_loop(0, ASKS, body, (state, jnp.zeros((), jnp.int32)))
+
+    jax.block_until_ready(loop(state))
+
+    def seconds() -> float:
+        t = time.perf_counter()
+        jax.block_until_ready(loop(state))
+        return (time.perf_counter() - t) / ASKS
+
+    return seconds
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--gaps", default="1,8,64")
+    ap.add_argument("--loops", type=int, default=9)
+    ap.add_argument("--out", default=None)
+    ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    args = ap.parse_args()
+    refuse_overwrite(args.out, args.overwrite)
+    gaps = [int(g) for g in args.gaps.split(",")]
+
+    peer = Specjax(str(DEFAULT_TARGET), str(DEFAULT_DRAFT), 256)
+    model = peer.model
+    prompt = peer.ids(PROMPT_FILES["main"].read_text())
+    plain = specjax.generate(model, [prompt], max_new_tokens=STREAM_TOKENS, n_ctx=CAPACITY)
+    stream = prompt + plain.tokens[0]
+    start = len(prompt)
+    if start + (ASKS - 1) * max(gaps) >= len(stream):
+        raise SystemExit(f"ask_cost.py: a gap of {max(gaps)} runs past the stream")
+
+    def plain_round() -> float:  # what the governor's unit costs: a plain round
+        r = specjax.generate(model, [prompt], max_new_tokens=256, n_ctx=CAPACITY)
+        return r.timings["decode_seconds"] / max(int(r.timings["n_rounds"]), 1)
+
+    timers: dict[str, Any] = {"step": plain_round}
+    for name in DRAFTERS:
+        spec = specjax.SpecConfig(types=(name,))
+        for gap in gaps:
+            timers[f"{name}/{gap}"] = ask_timer(spec, stream, start, gap)
+    best = {key: float("inf") for key in timers}
+    for _ in range(args.loops):  # interleaved: a drift of the machine's speed hits them all
+        for key, timer in timers.items():
+            best[key] = min(best[key], timer())
+    step = best["step"]
+    drafters: dict[str, Any] = {}
+    for name in DRAFTERS:
+        drafters[name] = {
+            f"gap_{gap}": {
+                "ask_us": best[f"{name}/{gap}"] * 1e6,
+                "ask_steps": best[f"{name}/{gap}"] / step,
+            }
+            for gap in gaps
+        }
+    emit(
+        {
+            "benchmark": "ask_cost",
+            "model": str(DEFAULT_TARGET.relative_to(DEFAULT_TARGET.parents[2])),
+            "prompt": "main",
+            "prompt_tokens": start,
+            "asks_per_loop": ASKS,
+            "loops": args.loops,
+            "machine": machine(),
+            "step_us": step * 1e6,
+            "drafters": drafters,
+        },
+        args.out,
+    )
+
+
+if __name__ == "__main__":
+    main()
