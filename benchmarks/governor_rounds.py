@@ -16,7 +16,8 @@ Deterministic counts (no timing), for comparing governor settings at two commits
   out).
 
 `--cost-call` sets `SpecConfig.cost_call` (the governor's price of asking the chain, in
-target forwards) for every run: the trade-off between the two lists above.
+target forwards) for every run: the trade-off between the two lists above. Without it each
+chain has its own price (`api.chain_call_price`, in `chain_call_price`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwri
 from peers import NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
+from specjax import api
+from specjax.drafters.registry import build_drafters
 
 DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-mod", "ngram-cache")
 PROMPTS = ("main", "repetitive", "norepeat")
@@ -84,7 +87,14 @@ def main() -> None:
         {
             "benchmark": "governor_rounds",
             "tokens": args.tokens,
-            "cost_call": specjax.SpecConfig(**priced).cost_call,
+            # None: each chain's own price (`api.chain_call_price`), listed per drafter
+            "cost_call": args.cost_call,
+            "chain_call_price": {
+                d: api.chain_call_price(
+                    build_drafters(specjax.SpecConfig(types=(d,)), None, None)[0]
+                )
+                for d in DRAFTERS
+            },
             "machine": machine(),
             "cases": cases,
             "total_rounds": sum(c["rounds"] for c in cases.values()),

@@ -612,6 +612,21 @@ def build_engine_inputs(
 CPU_VERIFY_TOKEN = 0.4
 #: Longest draft whose verify `cost_model` times when it measures the prices.
 CALIBRATION_K = 8
+#: The engine's own part of a round in which the chain is asked (plan, relay, statistics), in
+#: 1-token target steps: what `SpecConfig.cost_call` charged every chain before the drafters
+#: had prices of their own.
+ASK_OVERHEAD = 0.08
+
+
+def chain_call_price(drafters: Sequence[Any], on_cpu: bool = True) -> float:
+    """The governor's price `call` of asking the chain `drafters` for drafts (when
+    `SpecConfig.cost_call` is None): `ASK_OVERHEAD` plus, on CPU, every drafter's
+    `ask_steps` (the relay may ask each of them). Those were measured on CPU against the
+    shipped target's plain round (benchmarks/ask_cost.py: an ngram-mod ask cost 0.64 of a
+    round, an ngram-cache ask 0.34, an ngram-simple ask 0.06); on accelerators asks have
+    not been timed, so the engine's part stands alone there, as before."""
+    asks = sum(float(getattr(d, "ask_steps", 0.0)) for d in drafters) if on_cpu else 0.0
+    return ASK_OVERHEAD + asks
 
 
 def cost_model(
@@ -623,10 +638,12 @@ def cost_model(
     batch: int = 1,
     k_max: int = 0,
     capacity: int = 0,
+    drafters: Sequence[Any] = (),
 ) -> CostModel:
     """The draft governor's cost model for a run (see specjax.adaptive); traced values.
 
-    With `spec.cost_calibrate` (None: on accelerators) and the run's shapes (`batch` rows,
+    `drafters`: the chain as built (`registry.build_drafters`), priced by `chain_call_price`
+    unless `spec.cost_call` is given. With `spec.cost_calibrate` (None: on accelerators) and the run's shapes (`batch` rows,
     static draft width `k_max`, cache `capacity`), the verify and draft-simple prices are
     measured on this device (`specjax.prices`) instead of the defaults, at the verify width
     of the longest draft the chain's n_max lets through, at most CALIBRATION_K + 1."""
@@ -635,7 +652,7 @@ def cost_model(
     draft_step, call, enabled, simple = 0.0, 0.0, False, False
     if spec is not None:
         enabled = spec.adaptive and not synthetic
-        call = spec.cost_call
+        call = chain_call_price(drafters, on_cpu) if spec.cost_call is None else spec.cost_call
         simple = draft is not None and "draft-simple" in spec.types
         if draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
             t, d = model.config, draft.config
@@ -857,6 +874,7 @@ def generate(
             batch=B,
             k_max=k_max,
             capacity=S,
+            drafters=drafters,
         ),
     )
     tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)

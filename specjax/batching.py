@@ -518,7 +518,13 @@ class _Runner:
             "max_new": np.ones(B, np.int32),
         }
         self.cost = api.cost_model(
-            spec, model, draft, batch=n_parallel, k_max=k_max, capacity=capacity
+            spec,
+            model,
+            draft,
+            batch=n_parallel,
+            k_max=k_max,
+            capacity=capacity,
+            drafters=self.drafters,
         )
         self.stats_host: Any = None
         self.compile_seconds = 0.0

@@ -111,8 +111,11 @@ class SpecConfig:
     #: Cost of one draft-model step in 1-token target steps (None = the draft's share of the
     #: target's layers, at least its share of parameters).
     cost_draft_step: float | None = None
-    #: Fixed per-round cost of running the drafters, in 1-token target steps.
-    cost_call: float = 0.08
+    #: Fixed cost of a round in which the drafters are asked, in 1-token target steps. None =
+    #: the chain's price (`api.chain_call_price`): on CPU the engine's own part of an asked
+    #: round plus each drafter's measured `ask_steps` (benchmarks/ask_cost.py); elsewhere
+    #: the engine's part alone.
+    cost_call: float | None = None
     #: Measure `cost_verify_token` and `cost_draft_step` (draft-simple) on this device at the
     #: run's batch size before decoding (`specjax.prices`; prices given above win). None =
     #: on accelerators only: on CPU the defaults are medians of many runs, and one

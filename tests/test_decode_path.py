@@ -507,7 +507,7 @@ def test_governor_backs_off_probing_a_drafter_that_finds_nothing():
     halves with every miss in a row), a single hit restores the fast pull, and the rounds
     asked are those of the rule's plain-Python transcription."""
     K, rounds, hit_from = 4, 256, 150
-    verify, call = api.CPU_VERIFY_TOKEN, SpecConfig().cost_call  # the CPU defaults
+    verify, call = api.CPU_VERIFY_TOKEN, api.ASK_OVERHEAD  # CPU prices (the engine part)
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),
@@ -543,7 +543,7 @@ def test_off_rounds_planned_ahead_are_the_rounds_the_rule_turns_off():
     horizon), over a drafter that finds nothing (the backoff stretches the gaps) and then
     finds drafts; a row that is not active (done) changes nothing."""
     K, rounds, hit_from, horizon = 4, 256, 150, 16
-    verify, call = api.CPU_VERIFY_TOKEN, SpecConfig().cost_call
+    verify, call = api.CPU_VERIFY_TOKEN, api.ASK_OVERHEAD
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
         verify_token=jnp.asarray(verify, jnp.float32),

@@ -11,6 +11,10 @@ import pytest
 import specjax
 from specjax import api, prices
 from specjax.config import SpecConfig
+from specjax.drafters.ngram_cache import NgramCache
+from specjax.drafters.ngram_mod import NgramMod
+from specjax.drafters.ngram_simple import NgramSimple
+from specjax.drafters.registry import build_drafters
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
@@ -115,3 +119,53 @@ def test_measured_prices_on_this_machine_are_prices(shipped, monkeypatch):
     got = prices.measure(target, draft, 1, 5, 256)
     assert 0.0 <= got["verify_token"] <= prices.MAX_VERIFY_TOKEN
     assert math.isfinite(got["draft_step"]) and got["draft_step"] > 0
+
+
+def test_the_governor_prices_asking_each_drafter_of_the_chain(shipped, monkeypatch):
+    """Without `cost_call` the price of an asked round is the engine's part plus each
+    drafter's measured ask (benchmarks/ask_cost.py: an ngram-mod ask cost more than half a
+    plain round, an ngram-simple ask a twentieth); a given `cost_call` wins; on an
+    accelerator, where asks were not timed, the engine's part alone. Pricing every chain at
+    the engine's part (the old default) fails the first asserts."""
+    target, _ = shipped
+    kw = dict(batch=1, k_max=64, capacity=512)
+    chain = SpecConfig(types=("ngram-cache", "ngram-mod"))
+    drafters, _ = build_drafters(chain, target, None)
+    assert [d.name for d in drafters] == ["ngram-mod", "ngram-cache"]
+    price = api.ASK_OVERHEAD + NgramMod.ask_steps + NgramCache.ask_steps
+    assert NgramMod.ask_steps > 0.5 and 0.0 < NgramSimple.ask_steps < 0.1
+    assert api.chain_call_price(drafters) == pytest.approx(price)
+    cost = api.cost_model(chain, target, None, drafters=drafters, **kw)
+    assert float(cost.call) == pytest.approx(price)
+    (simple,), _ = build_drafters(SpecConfig(types=("ngram-simple",)), target, None)
+    cost = api.cost_model(SpecConfig(types=("ngram-simple",)), target, None, drafters=[simple])
+    assert float(cost.call) == pytest.approx(api.ASK_OVERHEAD + NgramSimple.ask_steps)
+    given = SpecConfig(types=("ngram-cache", "ngram-mod"), cost_call=0.2)
+    assert float(
+        api.cost_model(given, target, None, drafters=drafters, **kw).call
+    ) == pytest.approx(0.2)
+    assert api.chain_call_price(drafters, on_cpu=False) == api.ASK_OVERHEAD
+    monkeypatch.setattr(api.jax, "default_backend", lambda: "gpu")
+    monkeypatch.setattr(prices, "measure", lambda *a, **k: None)  # (no timing here)
+    cost = api.cost_model(chain, target, None, drafters=drafters, **kw)
+    assert float(cost.call) == pytest.approx(api.ASK_OVERHEAD)
+
+
+def test_generate_prices_the_chain_it_built(shipped, monkeypatch):
+    """`generate` hands the drafters it built to the cost model (the price of asking them)."""
+    target, _ = shipped
+    seen = []
+    real = api.chain_call_price
+
+    def spy(drafters, on_cpu=True):
+        seen.append(tuple(d.name for d in drafters))
+        return real(drafters, on_cpu)
+
+    monkeypatch.setattr(api, "chain_call_price", spy)
+    spec = SpecConfig(types=("ngram-simple",), draft_n_max=4)
+    specjax.generate(target, [[1, 2, 3, 4]], max_new_tokens=4, n_ctx=64, spec=spec)
+    assert seen == [("ngram-simple",)]
+    specjax.generate(
+        target, [[1, 2, 3, 4]], max_new_tokens=4, n_ctx=64, spec=spec.replace(cost_call=0.1)
+    )
+    assert len(seen) == 1  # a given price is used as it is

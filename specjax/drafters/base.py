@@ -178,6 +178,10 @@ class ModelFreeDrafter:
     """Mixin with the no-op methods model-free drafters share."""
 
     hidden_layers: ClassVar[tuple[int, ...]] = ()
+    #: What one ask for a draft costs on CPU, in plain rounds of the shipped target
+    #: (benchmarks/ask_cost.py at gap 8, rounded up): the draft governor's price of asking
+    #: this drafter (`api.chain_call_price`, used when `SpecConfig.cost_call` is None).
+    ask_steps: ClassVar[float] = 0.0
     #: `process`, `accept` and `rollback` leave the state as it is in a round in which no row
     #: got a draft (`accept` only touches a row's own verified draft), so `engine.spec_step`
     #: may finish such a round without them (`engine.empty_rounds_are_plain`). A subclass

@@ -184,6 +184,8 @@ class NgramMod(ModelFreeDrafter):
     #: `accept` applies only to rows whose verified draft was its own), so a round the
     #: governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
+    #: (the 64-bit hash of the n-gram and a chain of up to n_max dependent lookups)
+    ask_steps: ClassVar[float] = 0.65
     n_match: int = 24
     n_min: int = 48
     n_max: int = 64
