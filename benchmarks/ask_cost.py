@@ -15,15 +15,17 @@ All are timed interleaved, the fastest of `--loops` each. `ask_steps` = seconds 
 seconds per step.
 
 The per-drafter prices the drafters declare (`ask_steps`, used when `SpecConfig.cost_call` is
-None) are these numbers at gap 8 on a quiet host (a plain round of ~170 us:
-benchmarks/results/ask-cost.json), rounded up; on a loaded host the round slows more than
-the asks and the ratios fall (ngram-mod's read 0.40 with a 300 us round). Prints one JSON
-object.
+None) are these numbers at gap 8 on a quiet host (a plain round of ~155 us:
+benchmarks/results/ask-cost.json), rounded up to 0.01; on a loaded host the round slows more
+than the asks and the ratios fall (ngram-cache's read 0.20 with a 257 us round). The loop
+donates the drafter state, as the engine does: without that every loop began with a copy of
+ngram-mod's 32 MB pool, which read as 0.64 of a round an ask. Prints one JSON object.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 import time
 from pathlib import Path
@@ -71,7 +73,9 @@ def ask_timer(spec: specjax.SpecConfig, stream: list[int], start: int, gap: int)
         )
         return drafter.draft(params, state, inp, k)
 
-    @jax.jit
+    # the state donated, as the engine donates it: otherwise each loop starts with a copy of
+    # it (ngram-mod's 32 MB pool: more than its asks cost)
+    @functools.partial(jax.jit, donate_argnums=0)
     def loop(state: Any) -> Any:
         def body(i: Any, carry: Any) -> Any:
             state, n = carry
@@ -80,11 +84,15 @@ def ask_timer(spec: specjax.SpecConfig, stream: list[int], start: int, gap: int)
 
         return jax.lax.fori_loop(0, ASKS, body, (state, jnp.zeros((), jnp.int32)))
 
-    jax.block_until_ready(loop(state))
+    def fresh() -> Any:
+        return jax.block_until_ready(jax.tree.map(jnp.copy, state))
+
+    jax.block_until_ready(loop(fresh()))
 
     def seconds() -> float:
+        start = fresh()
         t = time.perf_counter()
-        jax.block_until_ready(loop(state))
+        jax.block_until_ready(loop(start))
         return (time.perf_counter() - t) / ASKS
 
     return seconds

@@ -262,7 +262,7 @@ class NgramCache(ModelFreeDrafter):
     #: (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     #: (ingestion of the new positions, then up to n_draft steps probing 4 part tables)
-    ask_steps: ClassVar[float] = 0.35
+    ask_steps: ClassVar[float] = 0.38
     n_draft: int = N_DRAFT
     table_size: int = 0
     max_load: float = 0.75

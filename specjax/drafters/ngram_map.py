@@ -143,7 +143,7 @@ class NgramMap(ModelFreeDrafter):
     #: gated by the row drafting; `accept` applies only to a row's own verified draft), so a
     #: round the governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
-    ask_steps: ClassVar[float] = 0.12
+    ask_steps: ClassVar[float] = 0.1
     key_only: bool = True
     size_n: int = 12
     size_m: int = 48

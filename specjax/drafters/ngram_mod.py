@@ -185,7 +185,7 @@ class NgramMod(ModelFreeDrafter):
     #: governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     #: (the 64-bit hash of the n-gram and a chain of up to n_max dependent lookups)
-    ask_steps: ClassVar[float] = 0.65
+    ask_steps: ClassVar[float] = 0.13
     n_match: int = 24
     n_min: int = 48
     n_max: int = 64

@@ -97,7 +97,7 @@ class NgramSimple(ModelFreeDrafter):
     name: ClassVar[str] = "ngram-simple"
     #: No state: a round the governor turns off may skip the call (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
-    ask_steps: ClassVar[float] = 0.06
+    ask_steps: ClassVar[float] = 0.07
     size_n: int = 12
     size_m: int = 48
 
