@@ -16,6 +16,10 @@ simple cost model, from what it measured on earlier rounds:
     fwd(n)    = 1 + (n - 1) * verify_token        (a forward of n tokens, in 1-token steps)
     m_r       = rounds since row r was last asked (`idle`): tokens a draft model that skips
                 the rounds it is not asked in (draft-simple) evaluates before it drafts
+    call      = the price of asking the chain (`api.chain_call_price` unless
+                `SpecConfig.cost_call` is given: the engine's part, 0.08, plus each model-free
+                drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.38 for
+                ngram-cache; benchmarks/ask_cost.py)
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
 
@@ -39,7 +43,7 @@ pull backs off: each asked round in a row that drafted nothing (`miss_streak`) h
 down to 1/2^MAX_BACKOFF, and one draft restores it. So a drafter that keeps finding nothing
 (ngram lookups over text that does not repeat), started from the prior alone, is asked in
 26 of its first 64 rounds, then about one round in 11 (ngram-map-k over
-benchmarks/prompts/norepeat.py with the CPU defaults: `verify_token` 0.4, `call` 0.08,
+benchmarks/prompts/norepeat.py with the CPU prices of then: `verify_token` 0.4, `call` 0.08,
 K = 4), while one that finds drafts again is back at full speed after a single hit. The
 backoff trades what probing a drafter that finds nothing costs against how late a run of
 repeated text is noticed: with 1/2^6 (about one round in 22) ngram-map-k over code that
