@@ -131,6 +131,9 @@ class Governor:
     n_throttled: Array  # [] int32 rounds drafted shorter than the budget allowed
     n_off: Array  # [] int32 rounds not drafted although the budget allowed it
     miss_streak: Array  # [B] int32 asked rounds in a row that drafted nothing (backoff)
+    #: [B] int32 the row's reach: the longest draft it may be asked for is `caps[reach]`
+    #: (`Engine.draft_caps`; see `observe`)
+    reach: Array
 
     @staticmethod
     def create(batch: int) -> Governor:
@@ -146,6 +149,7 @@ class Governor:
             n_throttled=zero,
             n_off=zero,
             miss_streak=jnp.zeros((batch,), jnp.int32),
+            reach=jnp.zeros((batch,), jnp.int32),
         )
 
 
@@ -180,6 +184,12 @@ def estimates(gov: Governor, ahead: Array | int = 0) -> tuple[Array, Array]:
     return hit_num / hit_den, acc_num / acc_den
 
 
+def reach_budget(gov: Governor, budget_B: Array, caps: tuple[int, ...]) -> Array:
+    """`budget_B` cut to each row's reach: `caps[reach]` (`caps` static, ascending)."""
+    cap_B = jnp.asarray(caps, jnp.int32)[jnp.clip(gov.reach, 0, len(caps) - 1)]
+    return jnp.minimum(budget_B, cap_B)
+
+
 def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
     """E_r(k) for k = 0..k_max: [B, k_max + 1]."""
     k_Bk = jnp.broadcast_to(jnp.arange(k_max + 1), (hit_B.shape[0], k_max + 1))
@@ -207,8 +217,13 @@ def choose_budget(
     k_max: int,
     widths: tuple[int, ...] | None = None,
     possible_B: Array | None = None,
+    caps: tuple[int, ...] | None = None,
 ) -> tuple[Array, Governor]:
     """The governed budget [B] (<= budget_B) and the governor with its counters updated.
+
+    `caps` (static; None = no limit): the draft lengths a row's reach steps through
+    (`Engine.draft_caps`, see `observe`); with the cost model on, a row's budget is cut to
+    `caps[reach]` before the rule weighs it.
 
     `widths`: the compiled verify widths (static; None = every width 1..k_max + 1).
     `possible_B` [B] bool: rows the chain may find a draft for (`specjax.lookup_index`;
@@ -220,6 +235,8 @@ def choose_budget(
     wanted = jnp.any(budget_B > 0)
     if possible_B is not None:
         budget_B = jnp.where(possible_B | ~cost.enabled, budget_B, 0)
+    if caps is not None:
+        budget_B = jnp.where(cost.enabled, reach_budget(gov, budget_B, caps), budget_B)
     ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths, gov.idle)
     best = _best_k(ratio_k, cost, k_max)
     governed = jnp.minimum(budget_B, best)
@@ -241,6 +258,7 @@ def rounds_off_ahead(
     k_max: int,
     widths: tuple[int, ...] | None = None,
     horizon: int = OFF_HORIZON,
+    caps: tuple[int, ...] | None = None,
 ) -> Array:
     """How many of the next `horizon` rounds (after the one `gov` was planned for) the choice
     stays 0 ([] int32), with no row asked in between and the same active rows.
@@ -249,6 +267,8 @@ def rounds_off_ahead(
     never makes drafting pay where a larger one did not, so a round counted here is off
     whatever its own budget. Budgets that reach 0 do not end the count."""
     ahead = jnp.arange(1, horizon + 1, dtype=jnp.int32)
+    if caps is not None:
+        budget_B = jnp.where(cost.enabled, reach_budget(gov, budget_B, caps), budget_B)
 
     def drafts_after(n: Array) -> Array:
         hit, accept = estimates(gov, n)
@@ -326,12 +346,24 @@ def _tokens_per_cost(
     return tokens_k / total
 
 
-def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Array) -> Governor:
+def observe(
+    gov: Governor,
+    asked_B: Array,
+    draft_len_B: Array,
+    n_accepted_B: Array,
+    caps: tuple[int, ...] | None = None,
+) -> Governor:
     """Update the estimates after verification.
 
     `asked_B`: rows the relay asked for a draft; `draft_len_B`: drafted tokens (0 = none);
     `n_accepted_B`: accepted drafted tokens. Rows not asked drift back towards the prior: one
     more idle round, their anchors as they were.
+
+    The reach of a row that drafted (`caps`: `Engine.draft_caps`; None = unchanged): a draft
+    accepted whole at the row's cap opens the next cap; a draft with a rejection sets the
+    reach to the narrowest cap above its accepted tokens (the width that held them and the
+    token after them). So wider verifies are earned one width at a time by drafts that filled
+    the narrower one, and a rejection early in a wide draft brings the row back.
     """
     had = draft_len_B > 0
     trials = n_accepted_B + (had & (n_accepted_B < draft_len_B)).astype(jnp.int32)
@@ -346,6 +378,16 @@ def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Arr
     acc_num = jnp.where(had, DECAY * acc_num + n_accepted_B.astype(jnp.float32), relaxed_num)
     acc_den = jnp.where(had, DECAY * acc_den + trials.astype(jnp.float32), relaxed_den)
     streak = jnp.where(had, 0, gov.miss_streak + 1)
+    reach = gov.reach
+    if caps is not None:
+        cap_n = jnp.asarray(caps, jnp.int32)
+        top = len(caps) - 1
+        whole = n_accepted_B >= draft_len_B
+        at_cap = draft_len_B >= cap_n[jnp.clip(reach, 0, top)]
+        # the narrowest cap >= n_accepted + 1 (a cap holding the accepted tokens and the next)
+        back = jnp.minimum(jnp.sum(cap_n[None, :] < (n_accepted_B + 1)[:, None], axis=1), top)
+        up = jnp.where(at_cap, jnp.minimum(reach + 1, top), reach)
+        reach = jnp.where(had, jnp.where(whole, up, back), reach).astype(jnp.int32)
 
     def anchored(new: Array, old: Array) -> Array:
         return jnp.where(asked_B, new, old)
@@ -358,4 +400,5 @@ def observe(gov: Governor, asked_B: Array, draft_len_B: Array, n_accepted_B: Arr
         acc_den=anchored(jnp.maximum(acc_den, 1e-6), gov.acc_den),
         idle=jnp.where(asked_B, 0, gov.idle + 1),
         miss_streak=anchored(streak, gov.miss_streak),
+        reach=anchored(reach, gov.reach),
     )

@@ -237,6 +237,7 @@ def prefill_chunk(
         acc_den=_set_row(gov.acc_den, slot, fresh.acc_den),
         idle=_set_row(gov.idle, slot, fresh.idle),
         miss_streak=_set_row(gov.miss_streak, slot, fresh.miss_streak),
+        reach=_set_row(gov.reach, slot, fresh.reach),
     )
     new_state = replace(
         state,

@@ -117,6 +117,16 @@ class Engine:
         """Whether the lookup index is one table for all rows (`lookup_index.shares_memory`)."""
         return lookup_index.shares_memory(self.drafters, self.capacity)
 
+    def draft_caps(self) -> tuple[int, ...]:
+        """The longest drafts a row's reach steps through (`adaptive.observe`): each verify
+        width but 1, less the draft's first token (caps 4, 16, 64 at K = 64), without the caps
+        shorter than every drafter of the chain drafts when it drafts at all
+        (`min_draft_len`: ngram-mod's n_min; 1 for the others), which would only cut such
+        drafts short."""
+        caps = tuple(w - 1 for w in self.verify_widths() if w > 1) or (0,)
+        shortest = min((int(getattr(d, "min_draft_len", 1)) for d in self.drafters), default=1)
+        return tuple(c for c in caps if c >= shortest) or caps[-1:]
+
     def verify_widths(self) -> tuple[int, ...]:
         """Verify-batch widths, each compiled once (1 = no draft in any row)."""
         widths = {1, self.k_max + 1}
@@ -591,6 +601,7 @@ def draft_budget(
             engine.k_max,
             engine.verify_widths(),
             possible_B=state.lookup_next,
+            caps=engine.draft_caps(),
         )
         budget = jnp.where(governed < reachable, governed, budget)
     return budget, governor
@@ -866,7 +877,9 @@ def _finish_round(
             if not off:
                 stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
                 stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
-                governor = adaptive.observe(governor, active & (budget > 0), draft_len, n_acc)
+                governor = adaptive.observe(
+                    governor, active & (budget > 0), draft_len, n_acc, engine.draft_caps()
+                )
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
         impl_last = state.impl_last
@@ -970,7 +983,13 @@ def generate_loop(
         ahead = run_once(  # (a pending round's estimates move after it: planned after it)
             ~pending,
             lambda _: adaptive.rounds_off_ahead(
-                s.governor, run.cost, reachable, active, engine.k_max, engine.verify_widths()
+                s.governor,
+                run.cost,
+                reachable,
+                active,
+                engine.k_max,
+                engine.verify_widths(),
+                caps=engine.draft_caps(),
             ),
             jnp.zeros((), jnp.int32),
         )

@@ -623,3 +623,67 @@ def test_governor_keeps_drafting_that_pays():
     out = generate(target, [[3, 4, 5, 6]], max_new_tokens=24, spec=spec, draft=target)
     g = out.stats.governor
     assert g["off"] == 0 and out.stats.to_dict()["num_accepted_tokens"] > 10
+
+
+def _python_reach(reach: int, caps: tuple[int, ...], drafted: int, accepted: int) -> int:
+    """The reach rule of `adaptive.observe`, transcribed: a draft accepted whole at the cap
+    opens the next cap; a rejection goes to the narrowest cap above the accepted tokens."""
+    if drafted == 0:
+        return reach
+    top = len(caps) - 1
+    if accepted >= drafted:
+        return min(reach + 1, top) if drafted >= caps[reach] else reach
+    return min(sum(c < accepted + 1 for c in caps), top)
+
+
+def test_governor_reach_earns_wider_verifies_one_width_at_a_time():
+    """A row's longest draft is earned: the reach moves as the transcribed rule says over a
+    random sequence of rounds (two rows, one not asked), and the budget the governor gives is
+    cut to the reach's cap; `Engine.draft_caps` keeps only the caps a chain's drafters can
+    use (ngram-mod drafts n_min tokens or none)."""
+    caps = (4, 16, 64)
+    rng = np.random.default_rng(3)
+    gov, want = adaptive.Governor.create(2), [0, 0]
+    observe = jax.jit(adaptive.observe, static_argnames=("caps",))
+    moved = set()
+    for _ in range(200):
+        drafted = int(rng.choice([0, 3, 4, 16, 40, 64]))
+        accepted = int(rng.integers(0, drafted + 1)) if rng.random() < 0.5 else drafted
+        asked = jnp.asarray([True, False])
+        gov = observe(
+            gov, asked, jnp.asarray([drafted, drafted]), jnp.asarray([accepted, accepted]), caps
+        )
+        want[0] = _python_reach(want[0], caps, drafted, accepted)
+        assert [int(r) for r in gov.reach] == want
+        moved.add(want[0])
+    assert moved == {0, 1, 2}
+    cost = adaptive.CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(0.01, jnp.float32),
+        draft_step=jnp.asarray(0.0, jnp.float32),
+        call=jnp.asarray(0.0, jnp.float32),
+    )
+    fresh = adaptive.Governor.create(1)
+    budget = jnp.asarray([64])
+    widths = (1, 5, 17, 65)
+    free, _ = adaptive.choose_budget(fresh, cost, budget, jnp.asarray([True]), 64, widths)
+    capped, _ = adaptive.choose_budget(
+        fresh, cost, budget, jnp.asarray([True]), 64, widths, caps=caps
+    )
+    assert int(free[0]) > 4 and int(capped[0]) == 4
+    grown = dataclasses.replace(fresh, reach=jnp.asarray([1]))
+    capped, _ = adaptive.choose_budget(
+        grown, cost, budget, jnp.asarray([True]), 64, widths, caps=caps
+    )
+    assert int(capped[0]) == 16
+    from specjax.drafters.ngram_mod import NgramMod
+    from specjax.drafters.ngram_simple import NgramSimple
+    from specjax.engine import Engine
+
+    target = tiny_model(5).config
+    engine = Engine(target=target, drafters=(NgramSimple(),), k_max=48, capacity=64, out_capacity=8)
+    assert engine.draft_caps() == (4, 16, 48)
+    engine = dataclasses.replace(engine, drafters=(NgramMod(),), k_max=64)
+    assert engine.draft_caps() == (64,)
+    engine = dataclasses.replace(engine, drafters=(NgramMod(n_min=0),))
+    assert engine.draft_caps() == (4, 16, 64)

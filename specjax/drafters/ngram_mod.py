@@ -296,6 +296,12 @@ class NgramMod(ModelFreeDrafter):
     def lookup_size(self) -> int:
         return self.n_match
 
+    @property
+    def min_draft_len(self) -> int:
+        """The shortest draft it makes when it drafts: a chain shorter than n_min is none,
+        unless it stopped at n_max."""
+        return max(min(self.n_min, self.n_max), 1)
+
     def lookup_gap(self) -> int:
         # the pool holds n-grams starting at <= L - n - 1 (each with its next token): end <= L - 2
         return 1
