@@ -59,6 +59,13 @@ off whatever the estimates, so over text that does not repeat the chain costs no
 the estimates measure the chain where it could draft. Over the norepeat prompt (ngram-map-k,
 an n-gram nothing matches) that is 0 asks in 256 rounds, where probing from the prior asked
 43 (benchmarks/governor_rounds.py).
+A row earns wider verifies (`reach`, with the engine's `caps`): its budget is cut to the
+narrowest cap (first verify width less one, 4 at K >= 16) until a draft filled it, then
+the next; a rejection sets it to the narrowest cap above the accepted tokens (`observe`).
+The geometric model above prices a 16-token draft from the acceptance of 4-token ones, and
+n-gram drafts that run on often stop at once: over the main prompt ngram-simple and
+ngram-map-k were asked for 16-token drafts, a width-17 verify costing ~7 rounds on CPU,
+rejected at their first token (benchmarks/governor_model.py prices the difference).
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 
@@ -235,12 +242,13 @@ def choose_budget(
     wanted = jnp.any(budget_B > 0)
     if possible_B is not None:
         budget_B = jnp.where(possible_B | ~cost.enabled, budget_B, 0)
+    allowed_B = budget_B  # (a draft cut to the reach counts as throttled)
     if caps is not None:
         budget_B = jnp.where(cost.enabled, reach_budget(gov, budget_B, caps), budget_B)
     ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths, gov.idle)
     best = _best_k(ratio_k, cost, k_max)
     governed = jnp.minimum(budget_B, best)
-    throttled = wanted & (best > 0) & jnp.any(governed < budget_B)
+    throttled = wanted & (best > 0) & jnp.any(governed < allowed_B)
     gov = replace(
         gov,
         n_rounds=gov.n_rounds + wanted.astype(jnp.int32),

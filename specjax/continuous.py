@@ -321,7 +321,8 @@ def lean_step(
     plan = eng.draft_budget(engine, state, run)
     if not engine.drafters or engine.k_max <= 1:
         return eng.spec_step(engine, target_params, drafter_params, state, run, plan)
-    narrow = dataclasses.replace(engine, k_max=1)
+    # (the narrower variants keep the engine's reach caps: the same governor updates)
+    narrow = dataclasses.replace(engine, k_max=1, reach_caps=engine.draft_caps())
 
     def wide(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(engine, target_params, drafter_params, s, run, plan)
@@ -340,7 +341,7 @@ def lean_step(
     drafting = need > 0
     if engine.k_max <= MID_K:
         return wide(state) if idle else once(~drafting, lean, once(drafting, wide, state))
-    medium = dataclasses.replace(engine, k_max=MID_K)
+    medium = dataclasses.replace(engine, k_max=MID_K, reach_caps=engine.draft_caps())
 
     def mid(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(medium, target_params, drafter_params, s, run, plan)

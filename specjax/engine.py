@@ -90,6 +90,8 @@ class Engine:
     #: this many tokens and every chunk is handed to the drafters' `process` (EAGLE-3's
     #: cross-ubatch bridge); 0 = the whole prompt in one forward.
     n_ubatch: int = 0
+    #: The caps of `draft_caps` when given (None: from this engine's widths and drafters).
+    reach_caps: tuple[int, ...] | None = None
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
@@ -122,7 +124,10 @@ class Engine:
         width but 1, less the draft's first token (caps 4, 16, 64 at K = 64), without the caps
         shorter than every drafter of the chain drafts when it drafts at all
         (`min_draft_len`: ngram-mod's n_min; 1 for the others), which would only cut such
-        drafts short."""
+        drafts short. `reach_caps` set: those (a narrower variant of an engine keeps the
+        engine's, `continuous.lean_step`)."""
+        if self.reach_caps is not None:
+            return self.reach_caps
         caps = tuple(w - 1 for w in self.verify_widths() if w > 1) or (0,)
         shortest = min((int(getattr(d, "min_draft_len", 1)) for d in self.drafters), default=1)
         return tuple(c for c in caps if c >= shortest) or caps[-1:]

@@ -410,6 +410,7 @@ def test_governor_choice_matches_the_stated_rule(hit, accept, verify, draft_step
         n_throttled=jnp.zeros((), jnp.int32),
         n_off=jnp.zeros((), jnp.int32),
         miss_streak=jnp.zeros((B,), jnp.int32),
+        reach=jnp.zeros((B,), jnp.int32),
     )
     cost = adaptive.CostModel(
         enabled=jnp.asarray(True),
