@@ -643,7 +643,9 @@ def cost_model(
     """The draft governor's cost model for a run (see specjax.adaptive); traced values.
 
     `drafters`: the chain as built (`registry.build_drafters`), priced by `chain_call_price`
-    unless `spec.cost_call` is given. With `spec.cost_calibrate` (None: on accelerators) and the run's shapes (`batch` rows,
+    unless `spec.cost_call` is given.
+
+    With `spec.cost_calibrate` (None: on accelerators) and the run's shapes (`batch` rows,
     static draft width `k_max`, cache `capacity`), the verify and draft-simple prices are
     measured on this device (`specjax.prices`) instead of the defaults, at the verify width
     of the longest draft the chain's n_max lets through, at most CALIBRATION_K + 1."""
