@@ -1,15 +1,16 @@
-"""What asking a model-free drafter for a draft costs, in 1-token steps of the target.
+"""What asking a model-free drafter for a draft costs, in plain rounds of the target.
 
     python benchmarks/ask_cost.py [--gaps 1,8,64] [--loops 9] [--out FILE] [--overwrite]
 
 The draft governor (`specjax.adaptive`) charges each round in which it asks the chain the
 price `call`, in target 1-token forwards. This measures that price per drafter on this
-machine: the shipped target, the `main` prompt followed by 1,024 tokens of its own greedy continuation (as
-benchmarks/peers.py builds it), each drafter built with its defaults and begun on the prompt.
-A jitted loop asks the drafter ASKS times for a draft of the chain's width, the stream
-advancing `gap` tokens between asks (gap 1: asked every round; a larger gap: asked again
-after rounds off, with that many tokens to catch up on; one dispatch per loop, so host
-overhead is not counted). The step is a round of plain greedy decoding of the same prompt
+machine: the shipped target, the `main` prompt followed by 1,024 tokens of its own greedy
+continuation (as benchmarks/peers.py builds it), each drafter built with its defaults and
+begun on the prompt. A jitted loop asks the drafter (benchmarks/drafters.py's `ask`, which
+that script times with the rest of a round at width 8, in microseconds) ASKS times for a
+draft of the chain's own width, the stream advancing `gap` tokens between asks (gap 1:
+asked every round; a larger gap: asked again after rounds off, with that many tokens to
+catch up on; one dispatch per loop, so host overhead is not counted). The step is a round of plain greedy decoding of the same prompt
 (decode seconds / rounds of a 256-token `generate`), the unit the governor's prices are in.
 All are timed interleaved, the fastest of `--loops` each. `ask_steps` = seconds per ask /
 seconds per step.
@@ -17,7 +18,7 @@ seconds per step.
 The per-drafter prices the drafters declare (`ask_steps`, used when `SpecConfig.cost_call` is
 None) are these numbers at gap 8 on a quiet host (a plain round of ~155 us:
 benchmarks/results/ask-cost.json), rounded up to 0.01; on a loaded host the round slows more
-than the asks and the ratios fall (ngram-cache's read 0.20 with a 257 us round). The loop
+than the asks and the ratios fall. The loop
 donates the drafter state, as the engine does: without that every loop began with a copy of
 ngram-mod's 32 MB pool, which read as 0.64 of a round an ask. Prints one JSON object.
 """
@@ -35,10 +36,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import jax
 import jax.numpy as jnp
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwrite
+from drafters import ask
 from peers import PROMPT_FILES, Specjax
 
 import specjax
-from specjax.drafters.base import DraftInput, TokenHistory
+from specjax.drafters.base import TokenHistory
 from specjax.drafters.registry import build_drafters
 
 DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -60,26 +62,16 @@ def ask_timer(spec: specjax.SpecConfig, stream: list[int], start: int, gap: int)
         drafter.init(1, CAPACITY), TokenHistory(tokens=tokens, length=jnp.asarray([start]))
     )
 
-    def ask(state: Any, length: Any) -> Any:
-        inp = DraftInput(
-            history=TokenHistory(tokens=tokens, length=length[None]),
-            last_token=tokens[0, length][None],
-            n_max=jnp.full((1,), k, jnp.int32),
-            drafting=jnp.ones((1,), bool),
-            n_min=jnp.zeros((), jnp.int32),
-            p_min=jnp.zeros((), jnp.float32),
-            temperature=jnp.zeros((1,), jnp.float32),
-            seed=jnp.zeros((1,), jnp.uint32),
-        )
-        return drafter.draft(params, state, inp, k)
-
     # the state donated, as the engine donates it: otherwise each loop starts with a copy of
     # it (ngram-mod's 32 MB pool: more than its asks cost)
     @functools.partial(jax.jit, donate_argnums=0)
     def loop(state: Any) -> Any:
         def body(i: Any, carry: Any) -> Any:
             state, n = carry
-            state, out = ask(state, jnp.int32(start) + i * gap)
+            length = jnp.int32(start) + i * gap
+            state, out = ask(
+                drafter, params, state, tokens, length[None], tokens[0, length][None], k
+            )
             return state, n + jnp.sum(out.valid)
 
         return jax.lax.fori_loop(0, ASKS, body, (state, jnp.zeros((), jnp.int32)))

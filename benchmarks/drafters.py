@@ -68,21 +68,27 @@ def stream(scenario: str, batch: int, n: int) -> np.ndarray:
     return np.stack([base[64 * r : 64 * r + n] for r in range(batch)])
 
 
-def one_round(drafter: Any, params: Any, state: Any, tokens_BS: Array, length_B: Array, last_B):
-    """draft -> process -> accept -> rollback, as `spec_step` does (n_accepted = 0)."""
+def ask(drafter: Any, params: Any, state: Any, tokens_BS: Array, length_B: Array, last_B, k=K):
+    """`draft()` as `_relay` calls it, every row drafting, at width `k`: (state, draft)."""
     B = length_B.shape[0]
     inp = DraftInput(
         history=TokenHistory(tokens=tokens_BS, length=length_B),
         last_token=last_B,
-        n_max=jnp.full((B,), K, jnp.int32),
+        n_max=jnp.full((B,), k, jnp.int32),
         drafting=jnp.ones((B,), bool),
         n_min=jnp.int32(0),
         p_min=jnp.float32(0.0),
         temperature=jnp.zeros((B,), jnp.float32),
         seed=jnp.zeros((B,), jnp.int32),
-        draft_n_max=jnp.int32(K),
+        draft_n_max=jnp.int32(k),
     )
-    state, out = drafter.draft(params, state, inp, K)
+    return drafter.draft(params, state, inp, k)
+
+
+def one_round(drafter: Any, params: Any, state: Any, tokens_BS: Array, length_B: Array, last_B):
+    """draft -> process -> accept -> rollback, as `spec_step` does (n_accepted = 0)."""
+    B = length_B.shape[0]
+    state, out = ask(drafter, params, state, tokens_BS, length_B, last_B)
     v_tokens = jnp.concatenate([last_B[:, None], out.tokens], axis=1)
     v_valid = jnp.concatenate([jnp.ones((B, 1), bool), out.valid], axis=1)
     v_pos = jnp.where(v_valid, length_B[:, None] + jnp.arange(K + 1)[None, :], -1)
