@@ -11,7 +11,9 @@ called from jitted code through the XLA FFI (`jax.ffi.ffi_call`). The attention 
 tokens over the KV cache (`attend_cache`, `kernels/attention.cc`) is the other per-step cost
 XLA spreads over many small kernels; it runs there too, reading each used K/V row once. So
 does the drafters' top-10 of the draft logits at every draft step (`top_k`,
-`kernels/top_k.cc`): one pass per row instead of XLA's full sort or ~80 small kernels.
+`kernels/top_k.cc`): one pass per row instead of XLA's full sort or ~80 small kernels. And
+ngram-cache's counting of new stream positions into its hash tables (`ngram_cache_ingest`,
+`kernels/ngram_cache.cc`): a few probes a position instead of loops of gathers and scatters.
 
 Invariants:
 - `linear_rows(x, w)` = `x @ w.T` in float32, with each (row, output) sum computed in an order
@@ -52,8 +54,14 @@ ENV_VAR = "SPECJAX_CPU_KERNELS"
 TARGET = "specjax_linear"
 ATTEND_TARGET = "specjax_attend_cache"
 TOP_K_TARGET = "specjax_top_k"
+NGRAM_CACHE_TARGET = "specjax_ngram_cache_ingest"
 _KERNELS = Path(__file__).resolve().parent / "kernels"
-_SOURCES = (_KERNELS / "linear.cc", _KERNELS / "attention.cc", _KERNELS / "top_k.cc")
+_SOURCES = (
+    _KERNELS / "linear.cc",
+    _KERNELS / "attention.cc",
+    _KERNELS / "top_k.cc",
+    _KERNELS / "ngram_cache.cc",
+)
 _FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC")
 _OFF_VALUES = frozenset({"0", "off", "false", "no", "none"})
 
@@ -152,6 +160,8 @@ def _load() -> ctypes.CDLL | None:
         jax.ffi.register_ffi_target(ATTEND_TARGET, capsule, "cpu")
         capsule = jax.ffi.pycapsule(library.SpecjaxTopK)
         jax.ffi.register_ffi_target(TOP_K_TARGET, capsule, "cpu")
+        capsule = jax.ffi.pycapsule(library.SpecjaxNgramCacheIngest)
+        jax.ffi.register_ffi_target(NGRAM_CACHE_TARGET, capsule, "cpu")
         _state["library"] = library
     except Exception as err:  # no kernel only means XLA's slower dot
         _state["error"] = str(err)
@@ -249,6 +259,41 @@ def top_k(x: Array, k: int) -> tuple[Array, Array]:
     call = jax.ffi.ffi_call(TOP_K_TARGET, out_types, vmap_method="broadcast_all")
     values, indices = call(x.astype(jnp.float32), k=np.int64(k))
     return values, indices
+
+
+def ngram_cache_ingest(
+    tables: tuple[Array, ...],
+    tokens_BS: Array,
+    length_B: Array,
+    last_B: Array,
+    target_B: Array,
+    *,
+    cap: int,
+    max_probe: int,
+    lookup: bool,
+    open_sequence: bool,
+) -> tuple[Array, ...]:
+    """ngram-cache's context tables (`NgramCacheState`'s 14 fields, in order) with stream
+    positions `[cache_size, target)` counted in, updated in place (each output aliases its
+    input: pass donated buffers); see `kernels/ngram_cache.cc`."""
+    out_types = tuple(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables)
+    call = jax.ffi.ffi_call(
+        NGRAM_CACHE_TARGET, out_types, input_output_aliases={i: i for i in range(len(tables))}
+    )
+    i32 = jnp.int32
+    return tuple(
+        call(
+            *tables,
+            tokens_BS.astype(i32),
+            length_B.astype(i32),
+            last_B.astype(i32),
+            target_B.astype(i32),
+            cap=np.int64(cap),
+            max_probe=np.int64(max_probe),
+            lookup=np.int64(lookup),
+            open_sequence=np.int64(open_sequence),
+        )
+    )
 
 
 def linear_rows(x: Array, w: Array) -> Array:

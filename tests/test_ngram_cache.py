@@ -8,6 +8,7 @@ of present caches serves all hypothesis examples.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 from typing import Any
 
@@ -25,6 +26,7 @@ from oracles.ngram_cache_reference import (
     token_hash,
 )
 
+from specjax import cpu_kernels
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache, NgramCacheTables, context_cache
 from specjax.lookup import build_lookup_table, make_tables
@@ -51,9 +53,29 @@ def make_input(
     )
 
 
-@functools.cache
+#: Ingestion runs on the native kernel where it is available; both paths are tested.
+PATHS = [pytest.param(False, id="xla"), pytest.param(True, id="native")]
+
+
+def ingest_path(native: bool) -> Any:
+    """A context in which `NgramCache.ingest` takes the native kernel or XLA's loops."""
+    if native and not cpu_kernels.available():
+        pytest.skip(f"CPU kernel unavailable: {cpu_kernels.unavailable_reason()}")
+    return contextlib.nullcontext() if native else cpu_kernels.disabled()
+
+
 def jitted(drafter: NgramCache, k_max: int) -> tuple[Any, Any]:
-    return jax.jit(drafter.begin), jax.jit(functools.partial(drafter.draft, k_max=k_max))
+    return _jitted(drafter, k_max, cpu_kernels.available())
+
+
+@functools.cache
+def _jitted(drafter: NgramCache, k_max: int, native: bool) -> tuple[Any, Any]:
+    # new functions per path: the path is chosen when the drafter is traced
+    del native
+    return (
+        jax.jit(lambda state, history: drafter.begin(state, history)),
+        jax.jit(lambda params, state, inp: drafter.draft(params, state, inp, k_max=k_max)),
+    )
 
 
 def padded_tables(static: Any, dynamic: Any) -> NgramCacheTables | None:
@@ -146,10 +168,69 @@ def scenarios(draw: Any) -> dict[str, Any]:
     return dict(streams=streams, starts=starts, rounds=rounds, static=static, dynamic=dynamic)
 
 
+@pytest.mark.parametrize("native", PATHS)
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(scenarios())
-def test_drafts_match_reference(sc: dict[str, Any]) -> None:
-    replay(DRAFTER, sc["streams"], sc["starts"], sc["rounds"], sc["static"], sc["dynamic"])
+@given(sc=scenarios())
+def test_drafts_match_reference(native: bool, sc: dict[str, Any]) -> None:
+    with ingest_path(native):
+        replay(DRAFTER, sc["streams"], sc["starts"], sc["rounds"], sc["static"], sc["dynamic"])
+
+
+def _contents(state: Any, row: int) -> tuple[dict[Any, Any], dict[Any, Any]]:
+    """Row `row`'s tables by key, whatever their slots: pair -> (count, first stamp, bucket
+    stamp); part -> (sum, best member, bucket stamps)."""
+    st = jax.tree.map(lambda x: np.asarray(x)[row], state)
+    pairs = {
+        (tuple(st.keys[t, i]), int(st.tok[t, i])): (st.count[t, i], st.stamp[t, i], st.gs[t, i])
+        for t, i in zip(*np.nonzero(st.count > 0), strict=True)
+    }
+    parts = {
+        tuple(st.ng_keys[t, i]): (
+            st.ng_sum[t, i],
+            tuple(st.ng_best[t, i]),
+            tuple(st.ng_heads[t, i]),
+        )
+        for t, i in zip(*np.nonzero(st.ng_occ), strict=True)
+    }
+    return pairs, parts
+
+
+@pytest.mark.parametrize("update", ["speculative", "lookup"])
+def test_native_ingestion_fills_the_tables_xla_fills(update: str) -> None:
+    """The native kernel and XLA's loops count the same pairs into the same parts (counts,
+    stamps, bucket stamps, sums, best members), at one position or many a call, whatever slots
+    they took; the kernel updates the donated state in place (no copy of a table)."""
+    ingest_path(True)  # skips without the kernel
+    drafter = NgramCache(table_size=64, context_update=update)
+    rng = np.random.default_rng(3)
+    streams = [list(rng.integers(0, 4, S + 1)), list(rng.integers(0, 9, S + 1))]
+    states = []
+    for native in (False, True):
+        with ingest_path(native):
+            begin, draft = jitted(drafter, K)
+            lengths = [7, 0]
+            state = begin(
+                drafter.init(B, S), make_input(streams, lengths, [True] * B, [0] * B).history
+            )
+            for advance in ([1, 5], [9, 1], [1, 1], [12, 20]):
+                lengths = [min(S - 1, n + a) for n, a in zip(lengths, advance, strict=True)]
+                drafting = [True, advance[1] > 1]
+                state, _ = draft(None, state, make_input(streams, lengths, drafting, [0] * B))
+            states.append(state)
+    xla, native = states
+    for row in range(B):
+        assert _contents(native, row) == _contents(xla, row)
+        assert int(native.cache_size[row]) == int(xla.cache_size[row])
+    assert int(np.asarray(native.n_dropped).sum()) == 0
+    np.testing.assert_array_equal(native.n_used, xla.n_used)
+    np.testing.assert_array_equal(native.seq_start, xla.seq_start)
+    with ingest_path(True):  # an ask: the tables updated where they lie
+        inp = make_input(streams, [30, 30], [True] * B, [0] * B)
+        ask = jax.jit(lambda st, i: drafter.draft(None, st, i, K), donate_argnums=0)
+        text = ask.lower(drafter.init(B, S), inp).compile().as_text()
+    (call,) = [line for line in text.splitlines() if cpu_kernels.NGRAM_CACHE_TARGET in line]
+    assert "output_to_operand_aliasing" in call
+    assert not [line for line in text.splitlines() if " copy(" in line and ",4,64" in line]
 
 
 def test_repetitive_history_long_drafts() -> None:
@@ -225,7 +306,37 @@ def test_non_drafting_rows_are_untouched() -> None:
     assert drafts_of(out)[1] == [] and len(drafts_of(out)[0]) == 8
     for a, b in zip(jax.tree.leaves(before), jax.tree.leaves(after), strict=True):
         np.testing.assert_array_equal(a[1], b[1])
-    assert int(after.cache_size[0]) == 21 and int(after.cache_size[1]) == 0
+    assert int(after.cache_size[0]) == 21 and int(after.cache_size[1]) == 20  # begin: prompt
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_begin_counts_the_prompt_and_the_first_draft_continues_its_sequence(native: bool) -> None:
+    """`begin` counts the prompt (every n-gram inside it, `cache_size` = its length); a first
+    draft, asked at once or only after rounds off, counts the rest as the same sequence: the
+    n-grams across the prompt's end are there and drafts and caches equal upstream's, which
+    counts `[0, length + 1)` at its first draft."""
+    with ingest_path(native):
+        _begin_then_first_draft()
+
+
+def _begin_then_first_draft() -> None:
+    begin, _ = jitted(DRAFTER, K)
+    # (3, 4) continues both ways; which one wins the size-2 vote depends on the n-grams that
+    # cross the prompt's end (prompt ... 3 | 4 3 5 ...)
+    stream = ([1, 3, 4, 2, 3, 5, 2, 3] * 6)[: S + 1]
+    prompts = [12, 16]
+    state = begin(
+        DRAFTER.init(B, S), make_input([stream] * B, prompts, [True] * B, [0] * B).history
+    )
+    for b, n in enumerate(prompts):
+        assert int(state.cache_size[b]) == n
+        assert context_cache(state, b) == build_cache(stream[:n], 1, 4)
+    # row 0 drafts at once, row 1 first after 3 rounds off (its stream grew by 5 tokens)
+    rounds = [([1, 2], [True, False], [0, 0]), ([1, 3], [True, False], [0, 0])]
+    rounds += [([1, 1], [True, True], [0, 0])] * 3
+    state, refs = replay(DRAFTER, [stream] * B, prompts, rounds)
+    for b in range(B):
+        assert context_cache(state, b) == refs[b].context[0]
 
 
 def test_reset_on_begin_vs_upstream_bug() -> None:

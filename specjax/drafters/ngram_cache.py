@@ -27,6 +27,9 @@ Invariants (`draft`, per drafting row, exactly upstream's `common_speculative_im
   "speculative"`, upstream's quirk: an n-gram starting before `cache_size` is never counted);
   `context_update="lookup"` counts every n-gram ending in the new positions (the lookup
   examples' per-token update). Then `cache_size = length + 1`. Only drafting rows change.
+  The first draft's sequence, `[0, length+1)` upstream, is counted in two parts: the prompt
+  in `begin` (prefill), the rest at the first draft (`seq_start` keeps the sequence open, so
+  the n-grams across the prompt's end count): the same cache, the prompt's work out of decode.
 * Up to `min(n_draft, k_max)` tokens are drafted one at a time from the last tokens of stream +
   draft so far: the context cache with lax thresholds for sizes 4..1, then the dynamic cache with
   strict thresholds, then the static cache alone (2-gram); candidates of the context/dynamic
@@ -70,6 +73,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax import cpu_kernels
 from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
 from specjax.pytree import pytree_dataclass, replace, static_field
 from specjax.types import Array
@@ -237,7 +241,16 @@ class NgramCacheState:
     n_used: Array  # [B, 4] int32 occupied pair slots per sub-table
     n_dropped: Array  # [B] int32 new pairs dropped because a sub-table was full
     cache_size: Array  # [B] int32 stream tokens ingested (upstream `cache_size`)
+    #: [B] int32 first stream position of the sequence the next ingestion continues: its
+    #: n-grams may start there (`context_update="speculative"`; see `begin`)
+    seq_start: Array
 
+
+#: The state's fields in the order of `cpu_kernels.ngram_cache_ingest`'s tables.
+_KERNEL_FIELDS = (
+    "keys", "tok", "count", "stamp", "gs", "ng_keys", "ng_occ", "ng_sum", "ng_best", "ng_heads",
+    "n_used", "n_dropped", "cache_size", "seq_start",
+)  # fmt: skip
 
 _THRESH_LAX = (np.asarray(MIN_SAMPLE_LAX, np.int32), np.asarray(MIN_PERCENT_LAX, np.int32))
 _THRESH_STRICT = (
@@ -267,7 +280,7 @@ class NgramCache(ModelFreeDrafter):
     table_size: int = 0
     max_load: float = 0.75
     max_probe: int = 64
-    block: int = 8
+    block: int = 32
     reset_on_begin: bool = True
     context_update: str = "speculative"
 
@@ -316,20 +329,34 @@ class NgramCache(ModelFreeDrafter):
             n_used=z(NGRAM_MAX),
             n_dropped=z(),
             cache_size=z(),
+            seq_start=z(),
         )
 
     def begin(self, state: NgramCacheState, history: TokenHistory) -> NgramCacheState:
-        del history
+        """A new request: the row's context cache emptied, then the prompt counted into it.
+
+        Upstream counts the prompt at the first draft, with the sampled token, as one
+        sequence: stream `[0, length + 1)`. Here the prompt's part `[0, length)` is counted
+        now (in prefill, with the prompt at hand) and the sequence left open (`seq_start` 0),
+        so the first draft counts the rest of that same sequence: the n-grams crossing the
+        prompt's end included, the cache equal to upstream's. A decode round that asks then
+        only catches up on the tokens generated since."""
         if not self.reset_on_begin:
             return state  # upstream: no-op (bug #27852)
+        zero = jnp.zeros_like(state.cache_size)
         # empty = count 0 / ng_occ False; the other fields are rewritten on insertion
-        return replace(
+        state = replace(
             state,
             count=jnp.zeros_like(state.count),
             ng_occ=jnp.zeros_like(state.ng_occ),
             n_used=jnp.zeros_like(state.n_used),
-            n_dropped=jnp.zeros_like(state.n_dropped),
-            cache_size=jnp.zeros_like(state.cache_size),
+            n_dropped=zero,
+            cache_size=zero,
+            seq_start=zero,
+        )
+        length = history.length.astype(jnp.int32)
+        return self.ingest(
+            state, history.tokens, length, zero, length > 0, end=length, open_sequence=True
         )
 
     # ------------------------------------------------------------------ draft
@@ -358,25 +385,51 @@ class NgramCache(ModelFreeDrafter):
 
     # ------------------------------------------------------------------ ingestion
     def ingest(
-        self, state: NgramCacheState, tokens_BS: Array, length: Array, last: Array, grow: Array
+        self,
+        state: NgramCacheState,
+        tokens_BS: Array,
+        length: Array,
+        last: Array,
+        grow: Array,
+        end: Array | None = None,
+        open_sequence: bool = False,
     ) -> NgramCacheState:
-        """Count stream positions `[cache_size, length+1)` of the rows in `grow` into their
-        context caches (see `context_update`) and set their `cache_size = length + 1`.
+        """Count stream positions `[cache_size, end)` (`end` None: `length + 1`, the whole
+        stream `history[0:length] + [last]`) of the rows in `grow` into their context caches
+        (see `context_update`) and set their `cache_size = end`.
+
+        `context_update="speculative"`: an n-gram may start at the row's `seq_start`, which
+        then moves to `end` (the next ingestion is a new sequence, upstream's quirk) unless
+        `open_sequence` (`begin`: the first draft continues the prompt's sequence).
 
         One loop iteration takes `block` positions of every row (rows batched by hand)."""
         B, S = tokens_BS.shape
         n_slots = state.count.shape[2]
         cap = int(self.max_load * n_slots)
         lookup_mode = self.context_update == "lookup"
+        if cpu_kernels.available():  # the native kernel: the same contents, in place
+            target = jnp.where(grow, length + 1 if end is None else end, state.cache_size)
+            out = cpu_kernels.ngram_cache_ingest(
+                tuple(getattr(state, name) for name in _KERNEL_FIELDS),
+                tokens_BS,
+                length,
+                last,
+                target,
+                cap=cap,
+                max_probe=self.max_probe,
+                lookup=lookup_mode,
+                open_sequence=open_sequence,
+            )
+            return NgramCacheState(**dict(zip(_KERNEL_FIELDS, out, strict=True)))
         blk = self.block
         sizes = jnp.arange(1, NGRAM_MAX + 1, dtype=jnp.int32)
         col = jnp.arange(NGRAM_MAX, dtype=jnp.int32)
         c0 = state.cache_size
-        target = jnp.where(grow, length + 1, c0)
+        target = jnp.where(grow, length + 1 if end is None else end, c0)
         lo = (
             jnp.maximum(c0[:, None], sizes[None, :])
             if lookup_mode
-            else c0[:, None] + sizes[None, :]
+            else jnp.maximum(c0[:, None], state.seq_start[:, None] + sizes[None, :])
         )
         w = jnp.arange(blk, dtype=jnp.int32)
 
@@ -405,7 +458,8 @@ class NgramCache(ModelFreeDrafter):
             return p + blk, st
 
         _, state = lax.while_loop(lambda c: jnp.any(c[0] < target), body, (c0, state))
-        return replace(state, cache_size=target)
+        seq_start = state.seq_start if open_sequence else jnp.where(grow, target, state.seq_start)
+        return replace(state, cache_size=target, seq_start=seq_start)
 
 
 # ---------------------------------------------------------------------------------------------
