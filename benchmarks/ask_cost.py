@@ -17,8 +17,10 @@ seconds per step.
 
 The per-drafter prices the drafters declare (`ask_steps`, used when `SpecConfig.cost_call` is
 None) are these numbers at gap 8 on a quiet host (a plain round of ~155 us:
-benchmarks/results/ask-cost.json), rounded up to 0.01; on a loaded host the round slows more
-than the asks and the ratios fall. The loop
+benchmarks/results/ask-cost.json; ngram-cache's from ask-cost-native.json, after its prompt
+moved to `begin` and its counting to a native kernel), rounded up to 0.01; on a loaded host
+the round slows more than the asks and the ratios fall. ask-cost-xla.json: the same with
+`SPECJAX_CPU_KERNELS=0` (every kernel off, the target's round ~6x slower). The loop
 donates the drafter state, as the engine does: without that every loop began with a copy of
 ngram-mod's 32 MB pool, which read as 0.64 of a round an ask. Prints one JSON object.
 """

@@ -18,8 +18,7 @@ what it costs on this CPU, in plain rounds of the shipped target:
                                         the drafter's, benchmarks/ask_cost.py)
 
 `modeled_speed` = tokens after the first / total cost: a plain run scores 1. It leaves out
-what is not per round (a run's fixed ~1 ms and, for ngram-cache, the prompt's ingestion at
-its first ask) and the noise. `aggregate` pools the prompts; `below_0.97` counts prompts the
+what is not per round (a run's fixed ~1 ms) and the noise. `aggregate` pools the prompts; `below_0.97` counts prompts the
 issue's goal 4 would fail. `--cost-call`: the governor's price of an ask for each run, a
 number or `chain` (None: `api.chain_call_price`, the measured prices).
 

@@ -18,8 +18,8 @@ simple cost model, from what it measured on earlier rounds:
                 the rounds it is not asked in (draft-simple) evaluates before it drafts
     call      = the price of asking the chain (`api.chain_call_price` unless
                 `SpecConfig.cost_call` is given: the engine's part, 0.08, plus each model-free
-                drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.38 for
-                ngram-cache; benchmarks/ask_cost.py)
+                drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.13 for
+                ngram-mod; benchmarks/ask_cost.py)
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
 

@@ -622,9 +622,9 @@ def chain_call_price(drafters: Sequence[Any], on_cpu: bool = True) -> float:
     """The governor's price `call` of asking the chain `drafters` for drafts (when
     `SpecConfig.cost_call` is None): `ASK_OVERHEAD` plus, on CPU, every drafter's
     `ask_steps` (the relay may ask each of them). Those were measured on CPU against the
-    shipped target's plain round (benchmarks/ask_cost.py: an ngram-cache ask cost 0.38 of a
-    round, an ngram-mod ask 0.12, an ngram-simple ask 0.07); on accelerators asks have
-    not been timed, so the engine's part stands alone there, as before."""
+    shipped target's plain round (benchmarks/ask_cost.py: an ngram-mod ask cost 0.12 of a
+    round, an ngram-cache ask 0.07 on its native kernel, an ngram-simple ask 0.07); on
+    accelerators asks have not been timed, so the engine's part stands alone there."""
     asks = sum(float(getattr(d, "ask_steps", 0.0)) for d in drafters) if on_cpu else 0.0
     return ASK_OVERHEAD + asks
 

@@ -274,8 +274,10 @@ class NgramCache(ModelFreeDrafter):
     #: methods are no-ops), so a round the governor turns off may skip the call
     #: (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
-    #: (ingestion of the new positions, then up to n_draft steps probing 4 part tables)
-    ask_steps: ClassVar[float] = 0.38
+    #: (ingestion of the new positions, on the native kernel where it is built, then up to
+    #: n_draft steps probing 4 part tables: benchmarks/results/ask-cost-native.json, 0.073;
+    #: 0.377 before the kernel and the prompt's ingestion in `begin`, ask-cost.json)
+    ask_steps: ClassVar[float] = 0.08
     n_draft: int = N_DRAFT
     table_size: int = 0
     max_load: float = 0.75
