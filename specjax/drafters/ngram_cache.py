@@ -10,7 +10,9 @@ Three caches map an n-gram (up to 4 tokens, -1 padded) to counts of the tokens t
   - the *part table*: n-gram -> its part's summary: sum of counts, the best member (token, count,
     gs, stamp) and the first stamp of each of the 13 phase-0 buckets.
   Ingestion adds only the new stream positions (blocks of `block` positions, O(block) gathers
-  and scatters per sub-table and probe); a draft step probes the part table once per size.
+  and scatters per sub-table and probe; on CPU one position at a time on a native kernel,
+  `cpu_kernels.ngram_cache_ingest`, in place: the same contents, slots possibly taken in
+  another order); a draft step probes the part table once per size.
   Nothing in a round scales with `table_size`, except the context part of drafting WITH a static
   cache (weights depend on the query, so the part's members are scanned: O(table_size)).
 * **dynamic** and **static** (shared by all rows, read-only while generating): `LookupTable`s
