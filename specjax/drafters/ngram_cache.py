@@ -411,8 +411,9 @@ class NgramCache(ModelFreeDrafter):
         n_slots = state.count.shape[2]
         cap = int(self.max_load * n_slots)
         lookup_mode = self.context_update == "lookup"
+        c0 = state.cache_size
+        target = jnp.where(grow, length + 1 if end is None else end, c0)
         if cpu_kernels.available():  # the native kernel: the same contents, in place
-            target = jnp.where(grow, length + 1 if end is None else end, state.cache_size)
             out = cpu_kernels.ngram_cache_ingest(
                 tuple(getattr(state, name) for name in _KERNEL_FIELDS),
                 tokens_BS,
@@ -428,8 +429,6 @@ class NgramCache(ModelFreeDrafter):
         blk = self.block
         sizes = jnp.arange(1, NGRAM_MAX + 1, dtype=jnp.int32)
         col = jnp.arange(NGRAM_MAX, dtype=jnp.int32)
-        c0 = state.cache_size
-        target = jnp.where(grow, length + 1 if end is None else end, c0)
         lo = (
             jnp.maximum(c0[:, None], sizes[None, :])
             if lookup_mode
