@@ -277,17 +277,13 @@ def ngram_cache_ingest(
     positions `[cache_size, target)` counted in, updated in place (each output aliases its
     input: pass donated buffers); see `kernels/ngram_cache.cc`."""
     out_types = tuple(jax.ShapeDtypeStruct(t.shape, t.dtype) for t in tables)
-    call = jax.ffi.ffi_call(
-        NGRAM_CACHE_TARGET, out_types, input_output_aliases={i: i for i in range(len(tables))}
-    )
-    i32 = jnp.int32
+    stream = (tokens_BS, length_B, last_B, target_B)
+    aliases = {len(stream) + i: i for i in range(len(tables))}
+    call = jax.ffi.ffi_call(NGRAM_CACHE_TARGET, out_types, input_output_aliases=aliases)
     return tuple(
         call(
+            *(x.astype(jnp.int32) for x in stream),
             *tables,
-            tokens_BS.astype(i32),
-            length_B.astype(i32),
-            last_B.astype(i32),
-            target_B.astype(i32),
             cap=np.int64(cap),
             max_probe=np.int64(max_probe),
             lookup=np.int64(lookup),

@@ -1,18 +1,18 @@
 // specjax_ngram_cache_ingest: count new stream positions into ngram-cache's per-row context
 // tables (specjax/drafters/ngram_cache.py, `NgramCache.ingest`), in place.
 //
-//   0..13   the state (`NgramCacheState`, B rows, 4 sub-tables of N slots each):
+//   0       tokens s32[B,S]     the history
+//   1, 2    length, last s32[B] the stream: tokens[0:length] + [last]
+//   3       target s32[B]       count positions [cache_size, target) (target <= cache_size:
+//                               the row is left as it is)
+//   4..17   the state (`NgramCacheState`, B rows, 4 sub-tables of N slots each):
 //           keys s32[B,4,N,4]  tok, count, stamp, gs s32[B,4,N]  ng_keys s32[B,4,N,4]
 //           ng_occ pred[B,4,N]  ng_sum s32[B,4,N]  ng_best s32[B,4,N,4]
 //           ng_heads s32[B,4,N,13]  n_used s32[B,4]  n_dropped, cache_size, seq_start s32[B]
-//   14      tokens s32[B,S]     the history
-//   15, 16  length, last s32[B] the stream: tokens[0:length] + [last]
-//   17      target s32[B]       count positions [cache_size, target) (target <= cache_size:
-//                               the row is left as it is)
 //   attrs   cap (new pairs per sub-table), max_probe, lookup (0: "speculative", n-grams
 //           start at seq_start or later; 1: "lookup", at 0 or later), open_sequence (1:
 //           seq_start stays, 0: it moves to target)
-// returns the state (aliased to arguments 0..13).
+// returns the state (aliased to arguments 4..17).
 //
 // Why: the XLA version ingests blocks of positions with while loops of gathers and scatters
 // over all rows and sizes: ~15 us of small kernels for one new position on the 2-core host,
@@ -138,49 +138,40 @@ void count_pair(const Tables& t, int64_t row, int64_t table, int64_t base, int64
   }
 }
 
-template <typename T>
-T* in_place(ffi::AnyBuffer arg, ffi::Result<ffi::AnyBuffer> out) {
-  // aliased: the same memory; if XLA gave a separate buffer, start from the argument's data
-  void* dst = out->untyped_data();
-  if (dst != arg.untyped_data()) std::memcpy(dst, arg.untyped_data(), arg.size_bytes());
-  return static_cast<T*>(dst);
-}
+// The tables' element types in `NgramCacheState`'s order (ng_occ is bool, the rest int32).
+constexpr int kTables = 14;
+constexpr int kOcc = 6;
 
-ffi::Error IngestImpl(ffi::AnyBuffer keys, ffi::AnyBuffer tok, ffi::AnyBuffer count,
-                      ffi::AnyBuffer stamp, ffi::AnyBuffer gs, ffi::AnyBuffer ng_keys,
-                      ffi::AnyBuffer ng_occ, ffi::AnyBuffer ng_sum, ffi::AnyBuffer ng_best,
-                      ffi::AnyBuffer ng_heads, ffi::AnyBuffer n_used, ffi::AnyBuffer n_dropped,
-                      ffi::AnyBuffer cache_size, ffi::AnyBuffer seq_start,
-                      ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> length,
+ffi::Error IngestImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> length,
                       ffi::Buffer<ffi::S32> last, ffi::Buffer<ffi::S32> target,
-                      ffi::Result<ffi::AnyBuffer> o_keys, ffi::Result<ffi::AnyBuffer> o_tok,
-                      ffi::Result<ffi::AnyBuffer> o_count, ffi::Result<ffi::AnyBuffer> o_stamp,
-                      ffi::Result<ffi::AnyBuffer> o_gs, ffi::Result<ffi::AnyBuffer> o_ng_keys,
-                      ffi::Result<ffi::AnyBuffer> o_ng_occ, ffi::Result<ffi::AnyBuffer> o_ng_sum,
-                      ffi::Result<ffi::AnyBuffer> o_ng_best,
-                      ffi::Result<ffi::AnyBuffer> o_ng_heads,
-                      ffi::Result<ffi::AnyBuffer> o_n_used,
-                      ffi::Result<ffi::AnyBuffer> o_n_dropped,
-                      ffi::Result<ffi::AnyBuffer> o_cache_size,
-                      ffi::Result<ffi::AnyBuffer> o_seq_start, int64_t cap, int64_t max_probe,
-                      int64_t lookup, int64_t open_sequence) {
-  const auto dims = count.dimensions();
+                      ffi::RemainingArgs tables, ffi::RemainingRets outs, int64_t cap,
+                      int64_t max_probe, int64_t lookup, int64_t open_sequence) {
+  if (tables.size() != kTables || outs.size() != kTables)
+    return ffi::Error::InvalidArgument("specjax_ngram_cache_ingest: needs the 14 tables");
+  void* data[kTables];
+  for (int i = 0; i < kTables; ++i) {
+    auto arg = tables.get<ffi::AnyBuffer>(i);
+    auto out = outs.get<ffi::AnyBuffer>(i);
+    if (!arg.has_value() || !out.has_value())
+      return ffi::Error::InvalidArgument("specjax_ngram_cache_ingest: a table is not a buffer");
+    const auto want = i == kOcc ? ffi::DataType::PRED : ffi::DataType::S32;
+    if (arg->element_type() != want)
+      return ffi::Error::InvalidArgument("specjax_ngram_cache_ingest: a table's type is wrong");
+    // aliased: the same memory; if XLA gave a separate buffer, start from the argument's data
+    data[i] = (*out)->untyped_data();
+    if (data[i] != arg->untyped_data())
+      std::memcpy(data[i], arg->untyped_data(), arg->size_bytes());
+  }
+  const auto dims = tables.get<ffi::AnyBuffer>(2)->dimensions();  // count [B, 4, N]
   if (dims.size() != 3 || dims[1] != kMax)
     return ffi::Error::InvalidArgument("specjax_ngram_cache_ingest: count must be [B, 4, N]");
-  if (ng_occ.element_type() != ffi::DataType::PRED)
-    return ffi::Error::InvalidArgument("specjax_ngram_cache_ingest: ng_occ must be bool");
   const int64_t B = dims[0], N = dims[2];
   if (N < 1 || (N & (N - 1)) != 0)
     return ffi::Error::InvalidArgument("specjax_ngram_cache_ingest: N must be a power of two");
   const int64_t S = tokens.dimensions().back();
-  Tables t{in_place<int32_t>(keys, o_keys),         in_place<int32_t>(tok, o_tok),
-           in_place<int32_t>(count, o_count),       in_place<int32_t>(stamp, o_stamp),
-           in_place<int32_t>(gs, o_gs),             in_place<int32_t>(ng_keys, o_ng_keys),
-           in_place<int32_t>(ng_sum, o_ng_sum),     in_place<int32_t>(ng_best, o_ng_best),
-           in_place<int32_t>(ng_heads, o_ng_heads), in_place<bool>(ng_occ, o_ng_occ),
-           in_place<int32_t>(n_used, o_n_used),     in_place<int32_t>(n_dropped, o_n_dropped),
-           in_place<int32_t>(cache_size, o_cache_size),
-           in_place<int32_t>(seq_start, o_seq_start)};
+  auto i32 = [&](int i) { return static_cast<int32_t*>(data[i]); };
+  Tables t{i32(0), i32(1), i32(2), i32(3), i32(4), i32(5), i32(7), i32(8), i32(9),
+           static_cast<bool*>(data[kOcc]), i32(10), i32(11), i32(12), i32(13)};
   const int32_t* toks = tokens.typed_data();
   for (int64_t b = 0; b < B; ++b) {
     const int32_t c0 = t.cache_size[b], end = target.typed_data()[b];
@@ -212,38 +203,12 @@ ffi::Error IngestImpl(ffi::AnyBuffer keys, ffi::AnyBuffer tok, ffi::AnyBuffer co
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxNgramCacheIngest, IngestImpl,
                               ffi::Ffi::Bind()
-                                  .Arg<ffi::AnyBuffer>()  // keys
-                                  .Arg<ffi::AnyBuffer>()  // tok
-                                  .Arg<ffi::AnyBuffer>()  // count
-                                  .Arg<ffi::AnyBuffer>()  // stamp
-                                  .Arg<ffi::AnyBuffer>()  // gs
-                                  .Arg<ffi::AnyBuffer>()  // ng_keys
-                                  .Arg<ffi::AnyBuffer>()  // ng_occ
-                                  .Arg<ffi::AnyBuffer>()  // ng_sum
-                                  .Arg<ffi::AnyBuffer>()  // ng_best
-                                  .Arg<ffi::AnyBuffer>()  // ng_heads
-                                  .Arg<ffi::AnyBuffer>()  // n_used
-                                  .Arg<ffi::AnyBuffer>()  // n_dropped
-                                  .Arg<ffi::AnyBuffer>()  // cache_size
-                                  .Arg<ffi::AnyBuffer>()  // seq_start
                                   .Arg<ffi::Buffer<ffi::S32>>()  // tokens
                                   .Arg<ffi::Buffer<ffi::S32>>()  // length
                                   .Arg<ffi::Buffer<ffi::S32>>()  // last
                                   .Arg<ffi::Buffer<ffi::S32>>()  // target
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
-                                  .Ret<ffi::AnyBuffer>()
+                                  .RemainingArgs()               // the 14 tables
+                                  .RemainingRets()               // the same, updated
                                   .Attr<int64_t>("cap")
                                   .Attr<int64_t>("max_probe")
                                   .Attr<int64_t>("lookup")
