@@ -19,7 +19,11 @@ The per-drafter prices the drafters declare (`ask_steps`, used when `SpecConfig.
 None) are these numbers at gap 8 on a quiet host (a plain round of ~155 us:
 benchmarks/results/ask-cost.json; ngram-cache's from ask-cost-native.json, after its prompt
 moved to `begin` and its counting to a native kernel), rounded up to 0.01; on a loaded host
-the round slows more than the asks and the ratios fall. ask-cost-xla.json: the same with
+the round slows more than the asks and the ratios fall. `ngram-cache/counting`: an ngram-cache
+that drafts nothing (`n_draft` 0), its counting of the new positions alone (the rest of its
+ask is drafting; `ask-cost-counting.json`, and `ask-cost-before.json`: this script run on the
+library of 618569f, before the kernel, when the first ask of each loop also counted the prompt,
+the two runs back to back on a loaded host, a ~265 us round). ask-cost-xla.json: the same with
 `SPECJAX_CPU_KERNELS=0` (every kernel off, the target's round ~6x slower). The loop
 donates the drafter state, as the engine does: without that every loop began with a copy of
 ngram-mod's 32 MB pool, which read as 0.64 of a round an ask. Prints one JSON object.
@@ -46,6 +50,9 @@ from specjax.drafters.base import TokenHistory
 from specjax.drafters.registry import build_drafters
 
 DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
+#: Rows timed beside the drafters: a configuration and the drafter type it builds. An
+#: ngram-cache that drafts nothing (`n_draft` 0) times its counting of new positions alone.
+PARTS = {"ngram-cache/counting": ("ngram-cache", {"ngram_cache_n_draft": 0})}
 #: Asks per timed loop.
 ASKS = 16
 CAPACITY = 2048
@@ -116,8 +123,9 @@ def main() -> None:
         return r.timings["decode_seconds"] / max(int(r.timings["n_rounds"]), 1)
 
     timers: dict[str, Any] = {"step": plain_round}
-    for name in DRAFTERS:
-        spec = specjax.SpecConfig(types=(name,))
+    configs = {name: (name, {}) for name in DRAFTERS} | PARTS
+    for name, (kind, options) in configs.items():
+        spec = specjax.SpecConfig(types=(kind,), **options)
         for gap in gaps:
             timers[f"{name}/{gap}"] = ask_timer(spec, stream, start, gap)
     best = {key: float("inf") for key in timers}
@@ -126,7 +134,7 @@ def main() -> None:
             best[key] = min(best[key], timer())
     step = best["step"]
     drafters: dict[str, Any] = {}
-    for name in DRAFTERS:
+    for name in configs:
         drafters[name] = {
             f"gap_{gap}": {
                 "ask_us": best[f"{name}/{gap}"] * 1e6,
