@@ -191,10 +191,15 @@ def estimates(gov: Governor, ahead: Array | int = 0) -> tuple[Array, Array]:
     return hit_num / hit_den, acc_num / acc_den
 
 
-def reach_budget(gov: Governor, budget_B: Array, caps: tuple[int, ...]) -> Array:
-    """`budget_B` cut to each row's reach: `caps[reach]` (`caps` static, ascending)."""
+def reach_budget(
+    gov: Governor, cost: CostModel, budget_B: Array, caps: tuple[int, ...] | None
+) -> Array:
+    """`budget_B` cut to each row's reach, `caps[reach]` (`caps` static, ascending), when the
+    cost model is on; as it is with the cost model off or no caps."""
+    if caps is None:
+        return budget_B
     cap_B = jnp.asarray(caps, jnp.int32)[jnp.clip(gov.reach, 0, len(caps) - 1)]
-    return jnp.minimum(budget_B, cap_B)
+    return jnp.where(cost.enabled, jnp.minimum(budget_B, cap_B), budget_B)
 
 
 def expected_tokens(hit_B: Array, accept_B: Array, k_max: int) -> Array:
@@ -243,8 +248,7 @@ def choose_budget(
     if possible_B is not None:
         budget_B = jnp.where(possible_B | ~cost.enabled, budget_B, 0)
     allowed_B = budget_B  # (a draft cut to the reach counts as throttled)
-    if caps is not None:
-        budget_B = jnp.where(cost.enabled, reach_budget(gov, budget_B, caps), budget_B)
+    budget_B = reach_budget(gov, cost, budget_B, caps)
     ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths, gov.idle)
     best = _best_k(ratio_k, cost, k_max)
     governed = jnp.minimum(budget_B, best)
@@ -275,8 +279,7 @@ def rounds_off_ahead(
     never makes drafting pay where a larger one did not, so a round counted here is off
     whatever its own budget. Budgets that reach 0 do not end the count."""
     ahead = jnp.arange(1, horizon + 1, dtype=jnp.int32)
-    if caps is not None:
-        budget_B = jnp.where(cost.enabled, reach_budget(gov, budget_B, caps), budget_B)
+    budget_B = reach_budget(gov, cost, budget_B, caps)
 
     def drafts_after(n: Array) -> Array:
         hit, accept = estimates(gov, n)
