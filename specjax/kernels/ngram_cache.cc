@@ -15,9 +15,11 @@
 // returns the state (aliased to arguments 4..17).
 //
 // Why: the XLA version ingests blocks of positions with while loops of gathers and scatters
-// over all rows and sizes: ~15 us of small kernels for one new position on the 2-core host,
-// ~70 us for 64 (benchmarks/ask_cost.py), most of an ngram-cache ask. Here a position costs
-// a few hash probes.
+// over all rows and sizes, most of an ngram-cache ask: 72 of 87 us at 8 new positions, 158
+// of 243 us at 64, on a loaded 2-core host (benchmarks/ask_cost.py's ngram-cache/counting in
+// benchmarks/results/ask-cost-before.json, where each loop's first ask also counts the
+// prompt; 4.7 and 9.1 us here, ask-cost-counting.json).
+// Here a position costs a few hash probes.
 //
 // The same tables as the XLA version: the same hash (`hash_words`), linear probing from the
 // same home slot, the same fields. Positions are counted one at a time in stream order
@@ -65,9 +67,10 @@ bool better(int32_t ca, int32_t ga, int32_t sa, const int32_t* b) {
 }
 
 // Count `tok` after n-gram `key` (4 words, -1 padded) first seen at stream position `at`,
-// in sub-table `base / N` of row `row`.
-void count_pair(const Tables& t, int64_t row, int64_t table, int64_t base, int64_t N,
-                const int32_t* key, int32_t tok, int32_t at, int32_t cap, int64_t max_probe) {
+// in sub-table `table` (= row * 4 + size - 1) of row `row`.
+void count_pair(const Tables& t, int64_t row, int64_t table, int64_t N, const int32_t* key,
+                int32_t tok, int32_t at, int32_t cap, int64_t max_probe) {
+  const int64_t base = table * N;  // the sub-table's first slot
   int32_t k5[kMax + 1] = {key[0], key[1], key[2], key[3], tok};
   const int64_t mask = N - 1;
   const int64_t home = static_cast<int64_t>(hash_words(k5, kMax + 1)) & mask;
@@ -189,8 +192,7 @@ ffi::Error IngestImpl(ffi::Buffer<ffi::S32> tokens, ffi::Buffer<ffi::S32> length
         int32_t key[kMax] = {-1, -1, -1, -1};
         for (int k = 0; k < s; ++k) key[k] = stream_at(i - s + k);
         const int64_t table = b * kMax + (s - 1);
-        count_pair(t, b, table, table * N, N, key, follower, i, static_cast<int32_t>(cap),
-                   max_probe);
+        count_pair(t, b, table, N, key, follower, i, static_cast<int32_t>(cap), max_probe);
       }
     }
     t.cache_size[b] = end;
