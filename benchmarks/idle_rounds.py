@@ -20,6 +20,11 @@ loops inside one process, which cancels more of that drift.
   proposes nothing costs at most 3%).
 * `never/<drafter>`: a cost model under which drafting never pays, so every round is an off
   round: what carrying a chain the governor has turned off costs.
+* `never/draft-eagle3`, `never/draft-dflash` (with `--heads`, the shipped heads): the same
+  for the feature drafters, which must see every verify batch: in an off round they only
+  `record` it (`specjax.drafters.base`, `idle_record`) and apply their log when next asked
+  or when it is full. `governed/<head>`: the default governor (it asks now and then: these
+  heads always draft when asked, so the ratio also holds its probes' cost).
 
 `kernels_per_round`: XLA kernels (thunks) the generation loop runs per round, counted in one
 profiled run (`jax.profiler`): the noise-free companion of the times (on a shared machine,
@@ -45,7 +50,7 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, profiled, refuse_overwrite
-from peers import NO_MATCH_N, PROMPT_FILES, Specjax
+from peers import DEFAULT_DFLASH, DEFAULT_EAGLE3, NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
 from specjax import api
@@ -76,7 +81,7 @@ _NOT_KERNELS = (
 #: The engine's named scopes (`jax.named_scope` in specjax.engine), innermost first wins.
 SCOPES = (
     *("relay", "plan", "bookkeeping", "feedback", "commit", "accept", "verify", "off_rounds"),
-    "lookup",
+    *("lookup", "record"),
 )
 
 
@@ -126,6 +131,9 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=41)
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--no-kernels", action="store_true", help="skip the profiled kernel count")
+    ap.add_argument(
+        "--heads", action="store_true", help="also the shipped EAGLE-3 and DFlash heads"
+    )
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
@@ -140,9 +148,22 @@ def main() -> None:
             configs[f"{mode}/{name}"] = specjax.SpecConfig(
                 types=(name,), draft_n_max=4, **kwargs, **priced
             )
+    heads: dict[str, Any] = {}  # config name -> the head it drafts with
+    if args.heads:
+        for kind, path in (("draft-eagle3", DEFAULT_EAGLE3), ("draft-dflash", DEFAULT_DFLASH)):
+            head = specjax.load(str(path))
+            for mode in ("governed", "never"):
+                heads[f"{mode}/{kind}"] = head
+                configs[f"{mode}/{kind}"] = specjax.SpecConfig(
+                    types=(kind,), draft_n_max=4, **MODES[mode]
+                )
     kw = dict(max_new_tokens=args.tokens, n_ctx=2048, temperature=0.0)
-    for spec in configs.values():  # compile (or load) every program first
-        specjax.generate(model, [ids], spec=spec, **kw)
+
+    def generate(name: str) -> Any:
+        return specjax.generate(model, [ids], spec=configs[name], draft=heads.get(name), **kw)
+
+    for name in configs:  # compile (or load) every program first
+        generate(name)
 
     per_round: dict[str, list[float]] = {k: [] for k in configs}
     facts: dict[str, dict[str, Any]] = {}
@@ -151,8 +172,7 @@ def main() -> None:
         # each repeat starts one configuration later: a fixed order gives each one a fixed
         # place, and benchmarks/loop_ab.py saw the second run of a pair run slower
         for name in names[rep % len(names) :] + names[: rep % len(names)]:
-            spec = configs[name]
-            r = specjax.generate(model, [ids], spec=spec, **kw)
+            r = generate(name)
             rounds = max(int(r.timings.get("n_rounds", 0)), 1)
             per_round[name].append(r.timings["decode_seconds"] / rounds * 1e3)
             stats = r.stats.to_dict() if r.stats is not None else {}
@@ -163,10 +183,10 @@ def main() -> None:
                 "tokens": r.tokens[0],
             }
     if not args.no_kernels:
-        for name, spec in configs.items():
+        for name in configs:
             fact = facts[name]
             fact["kernels_per_round"], fact["kernels_by_scope"], fact["profiled_us_per_round"] = (
-                kernels_per_round(lambda spec=spec: specjax.generate(model, [ids], spec=spec, **kw))
+                kernels_per_round(lambda name=name: generate(name))
             )
     plain_min = min(per_round["plain"])
     plain_median = statistics.median(per_round["plain"])

@@ -11,8 +11,9 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
                and sets it to 0 for a row a chain of lookup drafters cannot draft for
                (`specjax.lookup_index`: the n-gram ending at id_last never occurred before)
     2 relay    drafters in llama.cpp's fixed priority; the first with a draft wins the row.
-               A chain whose drafters all declare `idle_noop` is not called at all in a round
-               in which no row may draft (the governor turned it off)
+               A chain whose drafters all declare `idle_noop` or `idle_record` is not asked
+               in a round in which no row may draft (the governor turned it off); of its
+               calls only the recorders' `record` runs in such a round (step 6)
     3 verify   target forward on [id_last, d_1..d_K] at positions length + 0..K; invalid
                slots are padding (-1). Width is bucketed (`Engine.verify_widths`, one loop
                run 0 or 1 times per width, holding that width's forward, acceptance and cache
@@ -50,6 +51,7 @@ import jax.numpy as jnp
 from specjax import adaptive, lookup_index, sampling, verify
 from specjax import stats as stats_mod
 from specjax.cache import KVCache, keep_prefix, row_high_water
+from specjax.control import run_once
 from specjax.drafters.base import (
     DraftInput,
     DraftOutput,
@@ -459,15 +461,6 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
     return tokens, valid, q, has_q, winner, tuple(new_states)
 
 
-def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
-    """`body(carry)` if `pred`, else `carry`: a while-loop run 0 or 1 times. Not `lax.cond` or
-    `lax.switch`: their branches would copy the KV cache, and every branch must return the
-    same shapes, so a narrow branch pads its logits and K/V to the widest one's."""
-    return jax.lax.while_loop(
-        lambda c: c[0], lambda c: (jnp.zeros((), bool), body(c[1])), (pred, carry)
-    )[1]
-
-
 def _verify_round(
     engine: Engine,
     target_params: Params,
@@ -695,7 +688,9 @@ def spec_round(
     skip_idle = idle_rounds_are_plain(engine)
     asking = jnp.any(budget > 0)
     if off and not skip_idle:
-        raise ValueError("an off round needs a chain whose drafters all declare idle_noop")
+        raise ValueError(
+            "an off round needs a chain whose drafters all declare idle_noop or idle_record"
+        )
     if engine.drafters:
 
         @jax.named_scope("relay")
@@ -873,10 +868,25 @@ def _finish_round(
                 new_states.append(s)
             return tuple(new_states)
 
+        @jax.named_scope("record")
+        def record(dstates: tuple[Any, ...]) -> tuple[Any, ...]:
+            """An idle round's feedback: the recorders keep the verify batch for later (its
+            rows have no draft), the others' states would not move."""
+            return tuple(
+                d.record(p, s, batch) if getattr(d, "idle_record", False) else s
+                for d, p, s in zip(engine.drafters, drafter_params, dstates)
+            )
+
+        recorders = any(getattr(d, "idle_record", False) for d in engine.drafters)
         if drafted or not skip_idle:
             dstates = feedback(dstates)
-        elif not off:  # (an off round verifies no draft: the states would not move)
-            dstates = run_once(jnp.any(budget > 0), feedback, dstates)
+        elif off:  # (an off round verifies no draft: only a recorder's state moves)
+            dstates = record(dstates) if recorders else dstates
+        else:
+            asking = jnp.any(budget > 0)
+            dstates = run_once(asking, feedback, dstates)
+            if recorders:
+                dstates = run_once(~asking, record, dstates)
         # (nor would the counters; the caller of an off round advances the governor)
         with jax.named_scope("bookkeeping"):
             if not off:
@@ -922,8 +932,11 @@ def empty_rounds_are_plain(engine: Engine) -> bool:
 def idle_rounds_are_plain(engine: Engine) -> bool:
     """Whether `spec_step` may skip the drafter calls in a round in which no row may draft:
     every drafter of the chain declares `idle_noop` (a round in which it drafts nothing
-    leaves its state as it is)."""
-    return bool(engine.drafters) and all(getattr(d, "idle_noop", False) for d in engine.drafters)
+    leaves its state as it is) or `idle_record` (it only keeps the verify batch for later:
+    `record`, the one call such a round makes; see `specjax.drafters.base`)."""
+    return bool(engine.drafters) and all(
+        getattr(d, "idle_noop", False) or getattr(d, "idle_record", False) for d in engine.drafters
+    )
 
 
 def generate_loop(

@@ -10,11 +10,18 @@ drafter states, statistics, governor) must be bit-identical.
 Chains: ngram-mod + draft-simple (the benchmark's), and draft-eagle3, whose `process` reads
 every verify batch's hidden states, so a lean round that skipped or mangled the drafter
 feedback would show in its state.
+
+Feature drafters (draft-eagle3, draft-dflash) declare `idle_record`: in a round no row may
+draft they log the verify batch and apply it at their next `process` or `draft`. Their
+reference is the same wide round with `process` called every round; the two states are
+compared after both drafters applied their logs (`settled`), and the drafts made after a
+stretch longer than the log must be the same.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +33,12 @@ from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.api import Model
 from specjax.config import SpecConfig
+from specjax.drafters import dflash as dflash_drafter
+from specjax.drafters import eagle3 as eagle3_drafter
+from specjax.drafters.dflash import DFlashState
 from specjax.drafters.eagle3 import Eagle3State
 from specjax.drafters.registry import build_drafters
+from specjax.models import dflash as df
 from specjax.models import eagle3 as e3
 from specjax.pytree import replace
 from specjax.testing import noisy_copy, tiny_model
@@ -54,6 +65,28 @@ def eagle3_head(target: Model) -> Model:
         own_lm_head=True,
     )
     return Model(config=cfg, params=e3.init_params(cfg, jax.random.key(3)), tokenizer=None)
+
+
+def dflash_head(target: Model) -> Model:
+    """A random block head whose LM head is the target's embedding (drafts both accepted and
+    rejected, as tests/test_dflash.py's)."""
+    tc = target.config
+    cfg = df.DFlashConfig(
+        vocab_size=tc.V,
+        dim=tc.D,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        target_hidden=tc.D,
+        target_layers=(0, 1, tc.L),
+        block_size=5,
+        mask_token_id=tc.V - 1,
+        own_lm_head=True,
+    )
+    params = df.init_params(cfg, jax.random.key(1))
+    params["lm_head"] = target.params["embed"]
+    return Model(config=cfg, params=params, tokenizer=None)
 
 
 def run_params(cost: adaptive.CostModel, temperature: float) -> eng.RunParams:
@@ -128,10 +161,12 @@ STEPS = {
 
 
 def eager(engine: eng.Engine) -> eng.Engine:
-    """The engine with its drafters marked not `idle_noop`: called in every round."""
+    """The engine with its drafters marked neither `idle_noop` nor `idle_record`: called in
+    every round (`process` of every verify batch)."""
     drafters = []
     for d in engine.drafters:
-        cls = type(f"Eager{type(d).__name__}", (type(d),), {"idle_noop": False})
+        flags = {"idle_noop": False, "idle_record": False}
+        cls = type(f"Eager{type(d).__name__}", (type(d),), flags)
         clone = object.__new__(cls)
         clone.__dict__.update(d.__dict__)
         drafters.append(clone)
@@ -155,8 +190,36 @@ def meaningful(state: eng.GenState) -> eng.GenState:
             S = d.verify_g.shape[1]
             keep = jnp.arange(S)[None, :, None] < d.verify_rows[:, None, None]
             d = replace(d, verify_g=jnp.where(keep, d.verify_g, 0.0))
+            held = d.log_pos >= 0
+            d = replace(
+                d,
+                log_tokens=jnp.where(held, d.log_tokens, 0),
+                log_g=jnp.where(held[..., None], d.log_g, 0.0),
+                log_n=jnp.where(jnp.any(held, axis=1), d.log_n, 0),
+            )
+        if isinstance(d, DFlashState):
+            held = d.log_pos >= 0
+            d = replace(
+                d,
+                log_feats=jnp.where(held[..., None], d.log_feats, 0.0),
+                log_n=jnp.where(jnp.any(held, axis=1), d.log_n, 0),
+            )
         ds.append(d)
     return replace(state, drafter_states=tuple(ds))
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _flush_all(drafters, dparams, states):
+    return tuple(
+        d.flush(p, s) if hasattr(d, "flush") else s for d, p, s in zip(drafters, dparams, states)
+    )
+
+
+def settled(engine: eng.Engine, dparams, state: eng.GenState) -> eng.GenState:
+    """The state with every recording drafter's log applied (`flush`): what processing each
+    round's batch leaves."""
+    flushed = _flush_all(engine.drafters, dparams, state.drafter_states)
+    return replace(state, drafter_states=flushed)
 
 
 def assert_same_state(got: eng.GenState, want: eng.GenState) -> None:
@@ -223,23 +286,28 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     assert n_off == int(want.governor.n_rounds) - int(gov.n_rounds) > 0
     assert int(jnp.sum(want.out_len)) > int(jnp.sum(state.out_len))
     # the generation loops' round, which skips the drafters of idle_noop chains
-    assert eng.idle_rounds_are_plain(engine) == ("draft-eagle3" not in chain)
+    # (draft-eagle3 records the rounds: compared once its log is applied)
+    assert eng.idle_rounds_are_plain(engine)
     assert not eng.idle_rounds_are_plain(reference)
+
+    def same(got: eng.GenState, want: eng.GenState) -> None:
+        assert_same_state(settled(engine, dparams, got), want)
+
     got = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
-    assert_same_state(got, want)
-    if eng.idle_rounds_are_plain(engine):  # the generation loop's off stretch: the same rounds
-        got = rounds(off_step, engine, target.params, dparams, _copy(state), run)
-        assert_same_state(got, want)
+    same(got, want)
+    # the generation loop's off stretch: the same rounds
+    got = rounds(off_step, engine, target.params, dparams, _copy(state), run)
+    same(got, want)
     if not lean:
         return
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), run)
-    assert_same_state(got, want)
+    same(got, want)
 
     # a chain that drafts every round goes the wide way: the same state as spec_step too
     want = rounds(eng.spec_step, reference, target.params, dparams, _copy(state), on)
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), on)
     assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
-    assert_same_state(got, want)
+    same(got, want)
 
     # a governor that throttles drafts to <= MID_K tokens (the middle path, width MID_K + 1)
     mid = run_params(throttles(), temperature)
@@ -247,7 +315,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     got = rounds(cont.lean_step, engine, target.params, dparams, _copy(state), mid)
     assert int(want.governor.n_throttled) > int(state.governor.n_throttled)
     assert int(jnp.sum(want.stats.n_draft_tokens)) > int(jnp.sum(state.stats.n_draft_tokens))
-    assert_same_state(got, want)
+    same(got, want)
 
 
 @pytest.mark.parametrize(
@@ -343,3 +411,55 @@ def test_lean_step_of_a_model_free_chain_leaves_the_state_spec_step_leaves(targe
         state = want
     assert drafted["mid"] > 0 and drafted["wide"] > 0
     assert found_nothing["mid"] > 0 and found_nothing["wide"] > 0
+
+
+@pytest.mark.parametrize("kind", ["draft-eagle3", "draft-dflash"])
+def test_feature_drafters_record_idle_rounds_and_then_draft_as_if_each_was_processed(target, kind):
+    """A stretch of off rounds longer than the log (so `record` applies a full log itself),
+    taken as the generation loop takes it (`spec_step(off=True)`), then rounds that draft:
+    the state and the drafts must be those of the same rounds with `process` every round."""
+    head = eagle3_head(target) if kind == "draft-eagle3" else dflash_head(target)
+    drafters, dparams = build_drafters(SpecConfig(types=(kind,), draft_n_max=4), target, head)
+    (drafter,) = drafters
+    log_rows = (eagle3_drafter if kind == "draft-eagle3" else dflash_drafter).LOG_ROWS
+    assert drafter.idle_record
+    engine = eng.Engine(
+        target=target.config, drafters=drafters, k_max=4, capacity=S, out_capacity=64
+    )
+    reference = eager(engine)
+    assert eng.idle_rounds_are_plain(engine) and not eng.idle_rounds_are_plain(reference)
+    max_new = [log_rows + 20, 3, log_rows + 20]  # row 1 finishes within the stretch
+    off = testing.run_params(max_new, seed=7, cost=never_pays())
+    on = testing.run_params(max_new, seed=7, cost=adaptive.CostModel.off())
+    tokens, lengths = prompt_arrays()
+    state = eng.prefill_jit(engine, target.params, dparams, tokens, lengths, on)
+    state = eng.step_jit(engine, target.params, dparams, state, on)  # a boundary to carry
+
+    idle = log_rows + 6
+    # EAGLE-3's first round after a drafting one logs nothing: its boundary row is already in
+    # the cache (written by `process` with the draft token after it), as upstream's bridge
+    first = 1 if kind == "draft-eagle3" else 0
+    want, got = _copy(state), _copy(state)
+    step_off = STEPS[off_step]
+    for i in range(idle):
+        want = eng.step_jit(reference, target.params, dparams, want, off)
+        got = step_off(engine, target.params, dparams, got, off)
+        logged = got.drafter_states[0]
+        if i + 1 - first == log_rows:  # the log is full: nothing of the stretch applied yet
+            assert int(jnp.max(logged.log_n)) == log_rows
+            assert int(jnp.max(logged.cache.pos)) < int(jnp.max(state.length))
+    # the full log was applied by the round that found it full (a row that finished logs
+    # nothing more); the reference's drafter logged nothing
+    assert int(jnp.max(logged.log_n)) == (idle - first - 1) % log_rows + 1 < log_rows
+    assert int(jnp.max(logged.cache.pos)) >= int(jnp.max(state.length)) + log_rows - 1
+    assert int(jnp.max(want.drafter_states[0].log_n)) == 0
+    assert_same_state(settled(engine, dparams, got), want)
+
+    drafted = int(jnp.sum(want.stats.n_draft_tokens))
+    for _ in range(3):  # drafting again: `draft` applies the log before it drafts
+        want = eng.step_jit(reference, target.params, dparams, want, on)
+        got = eng.step_jit(engine, target.params, dparams, got, on)
+    assert int(jnp.sum(want.stats.n_draft_tokens)) > drafted
+    assert int(want.stats.n_draft_accepted) < int(want.stats.n_draft_tokens)
+    assert int(jnp.max(got.drafter_states[0].log_n)) == 0
+    assert_same_state(got, want)

@@ -24,6 +24,18 @@ Static facts a drafter instance reports (attributes, class-level or per instance
 * `max_draft_len` (optional): the longest draft it produces; the engine's static draft
   width K is the maximum over the chain (`chain_width`). Without it the width comes from
   the spec's per-type rule (`SpecConfig.resolved_k_max`).
+* `idle_noop` (optional, False): a round in which no row may draft leaves the state as it
+  is, so the engine may skip every call in such a round (`engine.idle_rounds_are_plain`).
+* `idle_record` (optional, False): a drafter whose `process` must see every verify batch
+  (it reads the target's features of each row, e.g. EAGLE-3, DFlash) may instead offer
+      record(params, state, batch) -> state   in a round in which no row may draft
+  which keeps the batch's rows (at most one evaluated token per row: no draft was verified)
+  for later and returns quickly. The rows are applied, in order, by the next `process` or
+  `draft` before anything else (and by `record` itself when its log is full), so every call
+  gives what it would give had each batch been processed (up to float rounding of batched
+  products); `rollback` drops recorded rows at positions >= keep, as it drops cache cells.
+  The engine then treats such a round as an idle one (`idle_rounds_are_plain`), calling
+  only `record`.
 
 Conventions (all arrays are per row, B = batch):
 * `history.tokens [B, S]` holds the tokens in the target's memory, positions 0..length-1;

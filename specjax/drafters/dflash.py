@@ -20,6 +20,12 @@ state is the head's KV cache only (`accept` is a no-op, there is no deferred bou
 * `rollback(keep)`: `seq_rm(row, keep, -1)` on the head's cache (upstream's caller trims the
   draft context to n_past after verification; the verify batch re-injects real features).
 * `get_state` / `set_state`: upstream has none for this drafter (None / ignored).
+* `record(batch)` (`idle_record`: a round in which the governor lets no row draft, one
+  evaluated token per row): the row's features and position go to a log (`LOG_ROWS` per
+  row) instead of through `fc` and the K/V projections; the next `process` or `draft` (or a
+  `record` finding the log full) injects the logged rows in one batch first, and `rollback`
+  drops logged rows >= keep. Injection is per row (no attention), so the cache is the one
+  `process` of each batch leaves, cell for cell.
 
 Invariant: the draft for a row reads only cache cells at positions < n_past (the block sees
 no stale injected rows even when a caller skipped `rollback`).
@@ -35,6 +41,7 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
+from specjax.control import run_once
 from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
 from specjax.drafters.draft_simple import DRAFT_TOP_K
 from specjax.models import dflash as df
@@ -42,10 +49,18 @@ from specjax.models.llama import commit_kv, new_cache
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array
 
+#: Rows `record` keeps per row before it injects them (one batched injection per LOG_ROWS
+#: idle rounds).
+LOG_ROWS = 32
+
 
 @pytree_dataclass
 class DFlashState:
     cache: KVCache  # the head's KV ([B, G, S, E] per layer)
+    # rows `record` kept for later (`LOG_ROWS` per row, position -1 = empty)
+    log_feats: Array  # [B, LOG_ROWS, F] float32, the target's features (`gather_features`)
+    log_pos: Array  # [B, LOG_ROWS] int32
+    log_n: Array  # [B] int32, slots used (dropped rows included)
 
 
 def clamp_draft_sizes(
@@ -72,6 +87,8 @@ class DFlashDrafter:
     max_draft_len: int
     dspark: bool = False
     top_k: int = DRAFT_TOP_K
+    #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
+    idle_record: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
         limit = self.config.max_draft(self.dspark)
@@ -91,20 +108,66 @@ class DFlashDrafter:
         return self.max_draft_len + (0 if self.anchor else 1)
 
     def init(self, batch: int, capacity: int) -> DFlashState:
-        return DFlashState(cache=new_cache(self.config.layer_config, batch, capacity))
+        return DFlashState(
+            cache=new_cache(self.config.layer_config, batch, capacity),
+            log_feats=jnp.zeros((batch, LOG_ROWS, self.config.n_embd_enc), jnp.float32),
+            log_pos=jnp.full((batch, LOG_ROWS), -1, jnp.int32),
+            log_n=jnp.zeros((batch,), jnp.int32),
+        )
 
     def begin(self, state: DFlashState, history: TokenHistory) -> DFlashState:
         del history  # upstream only warns when process() missed a prefill chunk
         return state
 
     def process(self, params: Any, state: DFlashState, batch: TargetBatch) -> DFlashState:
-        cfg = self.config
-        head = params["head"]
-        feats = df.gather_features(cfg, batch.hidden)
+        state = self.flush(params, state)
+        feats = df.gather_features(self.config, batch.hidden)
+        cache = self._inject(params, state.cache, feats, batch.positions.astype(jnp.int32))
+        return dataclasses.replace(state, cache=cache)
+
+    def _inject(self, params: Any, cache: KVCache, feats: Array, pos: Array) -> KVCache:
+        """The KV injection of rows `feats` [B, T, F] at `pos` [B, T] (-1 = padding)."""
+        cfg, head = self.config, params["head"]
         g = df.encode(cfg, head, feats)
+        kv = df.inject_kv(cfg, head, g, pos, cache)
+        return commit_kv(cache, pos, kv.k, kv.v, after=g)
+
+    def flush(self, params: Any, state: DFlashState) -> DFlashState:
+        """The logged rows injected (a loop run 0 or 1 times: nothing when the log is
+        empty), the log emptied."""
+
+        def apply(state: DFlashState) -> DFlashState:
+            return dataclasses.replace(
+                state,
+                cache=self._inject(params, state.cache, state.log_feats, state.log_pos),
+                log_pos=jnp.full_like(state.log_pos, -1),
+                log_n=jnp.zeros_like(state.log_n),
+            )
+
+        return run_once(jnp.any(state.log_n > 0), apply, state)
+
+    def record(self, params: Any, state: DFlashState, batch: TargetBatch) -> DFlashState:
+        """`process` of a batch with at most one evaluated token per row (no draft),
+        deferred: the row's features logged (see the module docstring)."""
+        state = run_once(jnp.any(state.log_n >= LOG_ROWS), lambda s: self.flush(params, s), state)
         pos = batch.positions.astype(jnp.int32)
-        kv = df.inject_kv(cfg, head, g, pos, state.cache)
-        return DFlashState(cache=commit_kv(state.cache, pos, kv.k, kv.v, after=g))
+        valid = pos >= 0
+        has = jnp.any(valid, axis=1)
+        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)[:, None]
+        at_beg = {
+            i: jnp.take_along_axis(h, beg[..., None], axis=1) for i, h in batch.hidden.items()
+        }
+        feats = df.gather_features(self.config, at_beg)[:, 0].astype(jnp.float32)  # [B, F]
+        slot = jnp.where(has, state.log_n, LOG_ROWS)  # LOG_ROWS: dropped
+        rows = jnp.arange(pos.shape[0])
+        return dataclasses.replace(
+            state,
+            log_feats=state.log_feats.at[rows, slot].set(feats, mode="drop"),
+            log_pos=state.log_pos.at[rows, slot].set(
+                jnp.take_along_axis(pos, beg, axis=1)[:, 0], mode="drop"
+            ),
+            log_n=state.log_n + has.astype(jnp.int32),
+        )
 
     def accept(
         self, state: DFlashState, n_accepted: Array, is_other: Array, active: Array
@@ -113,7 +176,8 @@ class DFlashDrafter:
         return state
 
     def rollback(self, state: DFlashState, keep: Array) -> DFlashState:
-        return DFlashState(cache=keep_prefix(state.cache, keep))
+        log_pos = jnp.where(state.log_pos >= keep[:, None], -1, state.log_pos)
+        return dataclasses.replace(state, cache=keep_prefix(state.cache, keep), log_pos=log_pos)
 
     def block_inputs(self, inp: DraftInput, k_max: int) -> tuple[Array, Array, Array, Array]:
         """(tokens [B, W], positions, mask positions, n_draft [B]) of the drafting rows'
@@ -140,6 +204,7 @@ class DFlashDrafter:
         drafting = inp.drafting
 
         def run(state: DFlashState) -> tuple[DFlashState, DraftOutput]:
+            state = self.flush(params, state)
             tokens, positions, mask_pos, n_draft = self.block_inputs(inp, k_max)
             big = jnp.full((B,), state.cache.capacity + (1 << 20), jnp.int32)
             cache = keep_prefix(state.cache, jnp.where(drafting, inp.history.length, big))

@@ -28,6 +28,14 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
   n_min are cleared. Drafted rows live in a scratch, never in the cache (upstream removes
   them after drafting: `seq_rm(draft, pos_max + 1, -1)`).
 * `rollback(keep)`: `seq_rm(row, keep, -1)` on the head's cache only (the boundary stays).
+* `record(batch)` (`idle_record`: a round in which the governor lets no row draft, the verify
+  batch one token per row): the boundary and snapshot move as `process` moves them; the bridge row
+  `(token[beg], pending_g)` at `pending_pos`, the one cache row such a batch writes, goes to
+  a log (`log_*`, `LOG_ROWS` rows per row) instead of through the decoder layer. The next
+  `process` or `draft` (or a `record` finding the log full) runs the logged rows through the
+  decoder in one batch first, as a prompt chunk; `rollback` drops logged rows >= keep. A
+  run of rounds drafting is off for thus costs the head one fc product per round, and one
+  batched decoder pass per `LOG_ROWS` rounds, instead of a decoder pass each round.
 * `get_state` / `set_state`: upstream's blob, little-endian int32 `pending_pos` followed by
   D float32 of `pending_g`; `get_state` returns None when `pending_pos < 0`, `set_state`
   ignores a blob of the wrong size. (Upstream only stashes it for recurrent/hybrid targets,
@@ -48,6 +56,7 @@ import numpy as np
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
+from specjax.control import run_once
 from specjax.drafters.base import (
     DraftInput,
     DraftOutput,
@@ -64,6 +73,10 @@ from specjax.models.llama import ExtraKV, commit_kv, new_cache
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
+#: Decoder rows `record` keeps per row before it runs them through the head (a log that fills
+#: is applied by the `record` that finds it full: one batched pass per LOG_ROWS idle rounds).
+LOG_ROWS = 32
+
 
 @pytree_dataclass
 class Eagle3State:
@@ -73,6 +86,11 @@ class Eagle3State:
     verify_g: Array  # [B, S, D] float32, rows 0..verify_rows-1 valid
     verify_pos_first: Array  # [B] int32
     verify_rows: Array  # [B] int32
+    # decoder rows `record` kept for later (`LOG_ROWS` per row, position -1 = empty)
+    log_tokens: Array  # [B, LOG_ROWS] int32
+    log_g: Array  # [B, LOG_ROWS, D] float32
+    log_pos: Array  # [B, LOG_ROWS] int32
+    log_n: Array  # [B] int32, slots used (dropped rows included)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -86,6 +104,8 @@ class Eagle3Drafter:
     max_draft_len: int
     probabilistic: bool = False
     top_k: int = DRAFT_TOP_K
+    #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
+    idle_record: ClassVar[bool] = True
 
     def init(self, batch: int, capacity: int) -> Eagle3State:
         D = self.config.D
@@ -96,6 +116,10 @@ class Eagle3Drafter:
             verify_g=jnp.zeros((batch, capacity, D), jnp.float32),
             verify_pos_first=jnp.full((batch,), -1, jnp.int32),
             verify_rows=jnp.zeros((batch,), jnp.int32),
+            log_tokens=jnp.zeros((batch, LOG_ROWS), jnp.int32),
+            log_g=jnp.zeros((batch, LOG_ROWS, D), jnp.float32),
+            log_pos=jnp.full((batch, LOG_ROWS), -1, jnp.int32),
+            log_n=jnp.zeros((batch,), jnp.int32),
         )
 
     def begin(self, state: Eagle3State, history: TokenHistory) -> Eagle3State:
@@ -104,6 +128,7 @@ class Eagle3Drafter:
 
     # ----------------------------------------------------------------------------- process
     def process(self, params: Any, state: Eagle3State, batch: TargetBatch) -> Eagle3State:
+        state = self.flush(params, state)
         cfg = self.config
         head, shared = params["head"], params["shared"]
         tokens, pos = batch.tokens, batch.positions
@@ -146,13 +171,79 @@ class Eagle3Drafter:
         g_rows = jnp.take_along_axis(g, idx[..., None], axis=1)
         new_vg = jax.lax.dynamic_update_slice_in_dim(state.verify_g, g_rows, 0, axis=1)
         g_end = jnp.take_along_axis(g, end[:, None, None], axis=1)[:, 0]
-        return Eagle3State(
+        return replace(
+            state,
             cache=cache,
             pending_g=jnp.where(has[:, None], g_end, state.pending_g),
             pending_pos=jnp.where(has, pos_end, state.pending_pos).astype(jnp.int32),
             verify_g=jnp.where(has[:, None, None], new_vg, state.verify_g),
             verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
             verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
+        )
+
+    def flush(self, params: Any, state: Eagle3State) -> Eagle3State:
+        """The logged rows through the decoder layer into the cache (a loop run 0 or 1
+        times: nothing when the log is empty), the log emptied."""
+
+        def apply(state: Eagle3State) -> Eagle3State:
+            cfg = self.config
+            out = e3.decoder_compute(
+                cfg,
+                params["head"],
+                params["shared"],
+                state.log_tokens,
+                state.log_g.astype(cfg.dtype),
+                state.log_pos,
+                state.cache,
+                logits=False,
+            )
+            cache = commit_kv(state.cache, state.log_pos, out.k, out.v, after=out.prenorm)
+            return replace(
+                state,
+                cache=cache,
+                log_pos=jnp.full_like(state.log_pos, -1),
+                log_n=jnp.zeros_like(state.log_n),
+            )
+
+        return run_once(jnp.any(state.log_n > 0), apply, state)
+
+    def record(self, params: Any, state: Eagle3State, batch: TargetBatch) -> Eagle3State:
+        """`process` of a batch with at most one evaluated token per row (no draft), its one
+        cache row logged (see the module docstring)."""
+        cfg = self.config
+        state = run_once(jnp.any(state.log_n >= LOG_ROWS), lambda s: self.flush(params, s), state)
+        tokens, pos = batch.tokens, batch.positions
+        valid = pos >= 0
+        has = jnp.any(valid, axis=1)
+        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)[:, None]
+        token = jnp.take_along_axis(tokens, beg, axis=1)[:, 0]
+        pos_beg = jnp.take_along_axis(pos, beg, axis=1)[:, 0]
+        at_beg = {
+            i: jnp.take_along_axis(h, beg[..., None], axis=1) for i, h in batch.hidden.items()
+        }
+        g = e3.encode(cfg, params["head"], e3.gather_features(cfg, at_beg))  # [B, 1, D]
+        g = g.astype(jnp.float32)[:, 0]
+        held = jnp.maximum(jnp.max(state.cache.pos, axis=1), jnp.max(state.log_pos, axis=1))
+        bridge = (
+            has
+            & (state.pending_pos >= 0)
+            & (state.pending_pos + 1 == pos_beg)
+            & (state.pending_pos > held)
+        )
+        slot = jnp.where(bridge, state.log_n, LOG_ROWS)  # LOG_ROWS: dropped
+        rows = jnp.arange(pos.shape[0])
+        return replace(
+            state,
+            log_tokens=state.log_tokens.at[rows, slot].set(token, mode="drop"),
+            log_g=state.log_g.at[rows, slot].set(state.pending_g, mode="drop"),
+            log_pos=state.log_pos.at[rows, slot].set(state.pending_pos, mode="drop"),
+            log_n=state.log_n + bridge.astype(jnp.int32),
+            pending_g=jnp.where(has[:, None], g, state.pending_g),
+            pending_pos=jnp.where(has, pos_beg, state.pending_pos).astype(jnp.int32),
+            # the snapshot `process` takes (one row)
+            verify_g=state.verify_g.at[:, 0].set(jnp.where(has[:, None], g, state.verify_g[:, 0])),
+            verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
+            verify_rows=jnp.where(has, 1, state.verify_rows).astype(jnp.int32),
         )
 
     # ------------------------------------------------------------------------------ accept
@@ -171,7 +262,8 @@ class Eagle3Drafter:
         )
 
     def rollback(self, state: Eagle3State, keep: Array) -> Eagle3State:
-        return replace(state, cache=keep_prefix(state.cache, keep))
+        log_pos = jnp.where(state.log_pos >= keep[:, None], -1, state.log_pos)
+        return replace(state, cache=keep_prefix(state.cache, keep), log_pos=log_pos)
 
     # ------------------------------------------------------------------------------- draft
     def draft(
@@ -184,6 +276,7 @@ class Eagle3Drafter:
         drafting = inp.drafting & (state.pending_pos >= 0)
 
         def run(state: Eagle3State) -> tuple[Eagle3State, DraftOutput]:
+            state = self.flush(params, state)
             seed = inp.seed if inp.seed is not None else jnp.zeros((B,), jnp.int32)
             draft_seed = jnp.bitwise_xor(seed.astype(jnp.uint32), jnp.uint32(DRAFT_SEED_XOR))
             n_max = inp.draft_n_max if inp.draft_n_max is not None else jnp.asarray(k_max)
