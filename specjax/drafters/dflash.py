@@ -237,7 +237,8 @@ class DFlashDrafter:
         def skip(state: DFlashState) -> tuple[DFlashState, DraftOutput]:
             return state, empty_draft(B, k_max)
 
-        return jax.lax.cond(jnp.any(drafting), run, skip, state)
+        # a loop run 0 or 1 times, not lax.cond: its branches would copy the state in and out
+        return run_once(jnp.any(drafting), lambda c: run(c[0]), skip(state))
 
     def get_state(self, state: DFlashState, row: int) -> bytes | None:
         del state, row  # upstream keeps no boundary for this drafter

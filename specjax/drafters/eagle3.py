@@ -16,7 +16,9 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
   at `pos[k]` for k in beg..end-1; (c) snapshot: `verify_pos_first = pos[beg]`,
   `pending_pos = pos[end]`, `verify_g = g[beg..end]`, `pending_g = g[end]`. Rows of a batch
   with no evaluated token are untouched. (The rows of rejected drafts are written too, as
-  upstream; `rollback` and the seq_rm in `draft` drop them.)
+  upstream; `rollback` and the seq_rm in `draft` drop them.) "Write" is the row's K/V
+  (`eagle3.decoder_kv`): a row's K/V are a function of the row alone, and nothing reads the
+  layer's output for a written row, so its attention and FFN are not computed.
 * `accept(n)`: `i = min(n, rows - 1)`; `pending_pos = verify_pos_first + i`,
   `pending_g = verify_g[i]`.
 * `draft`: rows asked to draft with `pending_pos >= 0`: `seq_rm(row, pending_pos, -1)`, write
@@ -162,10 +164,10 @@ class Eagle3Drafter:
             ],
             axis=1,
         ).astype(jnp.int32)
-        out = e3.decoder_compute(
-            cfg, head, shared, dec_tok, dec_g.astype(cfg.dtype), dec_pos, state.cache, logits=False
+        k, v = e3.decoder_kv(
+            cfg, head, shared, dec_tok, dec_g.astype(cfg.dtype), dec_pos, state.cache.k[0].dtype
         )
-        cache = commit_kv(state.cache, dec_pos, out.k, out.v, after=out.prenorm)
+        cache = commit_kv(state.cache, dec_pos, (k,), (v,))
 
         idx = jnp.clip(beg[:, None] + jnp.arange(T)[None, :], 0, T - 1)
         g_rows = jnp.take_along_axis(g, idx[..., None], axis=1)
@@ -187,17 +189,16 @@ class Eagle3Drafter:
 
         def apply(state: Eagle3State) -> Eagle3State:
             cfg = self.config
-            out = e3.decoder_compute(
+            k, v = e3.decoder_kv(
                 cfg,
                 params["head"],
                 params["shared"],
                 state.log_tokens,
                 state.log_g.astype(cfg.dtype),
                 state.log_pos,
-                state.cache,
-                logits=False,
+                state.cache.k[0].dtype,
             )
-            cache = commit_kv(state.cache, state.log_pos, out.k, out.v, after=out.prenorm)
+            cache = commit_kv(state.cache, state.log_pos, (k,), (v,))
             return replace(
                 state,
                 cache=cache,
@@ -395,7 +396,9 @@ class Eagle3Drafter:
                 )
             return state, out
 
-        return jax.lax.cond(jnp.any(drafting), run, skip, state)
+        # a loop run 0 or 1 times, not lax.cond: its branches would copy the state (the cache
+        # and the [B, S, D] snapshot `verify_g`) in and out on every ask
+        return run_once(jnp.any(drafting), lambda c: run(c[0]), skip(state))
 
     # ------------------------------------------------------------------------ checkpoints
     def get_state(self, state: Eagle3State, row: int) -> bytes | None:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -241,6 +241,22 @@ def decoder_qkv(
     cos, sin = rope_angles(positions_BT, inv_freq)
     residual = gn if config.norm_before_residual else g_BTD
     return DecoderQKV(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual)
+
+
+def decoder_kv(
+    config: Eagle3Config,
+    params: Params,
+    shared: Params,
+    tokens_BT: Array,
+    g_BTD: Array,
+    positions_BT: Array,
+    dtype: Any,
+) -> tuple[Array, Array]:
+    """The K/V [B, T, G, E] (in `dtype`) the decoder layer writes for rows `(token, g)`: a
+    function of the row alone, so a row only written to the cache (`process`) needs no
+    attention, output projection or FFN (the layer's output feeds nothing there)."""
+    qkv = decoder_qkv(config, params, shared, tokens_BT, g_BTD, positions_BT)
+    return qkv.k.astype(dtype), qkv.v.astype(dtype)
 
 
 def decoder_out(config: Eagle3Config, params: Params, attn_BTI: Array, residual: Array) -> Array:
