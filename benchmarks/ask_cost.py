@@ -26,7 +26,16 @@ library of 618569f, before the kernel, when the first ask of each loop also coun
 the two runs back to back on a loaded host, a ~265 us round). ask-cost-xla.json: the same with
 `SPECJAX_CPU_KERNELS=0` (every kernel off, the target's round ~6x slower). The loop
 donates the drafter state, as the engine does: without that every loop began with a copy of
-ngram-mod's 32 MB pool, which read as 0.64 of a round an ask. Prints one JSON object.
+ngram-mod's 32 MB pool, which read as 0.64 of a round an ask.
+
+`--heads`: the feature drafters with the shipped heads (draft-eagle3, draft-dflash; n_max 4
+as benchmarks/peers.py runs them). Between asks such a drafter `record`s the verify batch of
+each round it was not asked in (`specjax.drafters.base`, `idle_record`: the target's
+features of that round's token) and its ask applies those rows first, so the loop records
+`gap` rows (features from a target forward over the stream) and then asks; the same loop
+without the asks is timed beside it, and the ask is the difference (the records belong to
+the off rounds, whose cost `benchmarks/idle_rounds.py --heads` measures). Prints one JSON
+object.
 """
 
 from __future__ import annotations
@@ -43,10 +52,11 @@ import jax
 import jax.numpy as jnp
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwrite
 from drafters import ask
-from peers import PROMPT_FILES, Specjax
+from peers import DEFAULT_DFLASH, DEFAULT_EAGLE3, PROMPT_FILES, Specjax
 
 import specjax
-from specjax.drafters.base import TokenHistory
+from specjax import api
+from specjax.drafters.base import TargetBatch, TokenHistory, hidden_by_layer
 from specjax.drafters.registry import build_drafters
 
 DRAFTERS = ("ngram-simple", "ngram-map-k", "ngram-map-k4v", "ngram-mod", "ngram-cache")
@@ -99,12 +109,88 @@ def ask_timer(spec: specjax.SpecConfig, stream: list[int], start: int, gap: int)
     return seconds
 
 
+#: The feature drafters `--heads` times, with their shipped heads.
+HEADS = {"draft-eagle3": DEFAULT_EAGLE3, "draft-dflash": DEFAULT_DFLASH}
+
+
+def head_ask_timer(
+    model: specjax.Model, kind: str, stream: list[int], start: int, gap: int
+) -> tuple[Any, Any]:
+    """Two thunks for the feature drafter `kind`: seconds per ask of a jitted loop of ASKS
+    rounds of (record `gap` rows, then ask), and the same loop without the asks (the
+    drafter processed `stream[:start]` first, as after a prefill)."""
+    from specjax.models.llama import forward_compute, new_cache
+
+    spec = specjax.SpecConfig(types=(kind,), draft_n_max=4)
+    (drafter,), (params,) = build_drafters(spec, model, specjax.load(str(HEADS[kind])))
+    params = api.drafter_decode_params(kind, params)
+    k = drafter.max_draft_len
+    n = len(stream)
+    tokens = jnp.zeros((1, CAPACITY), jnp.int32).at[0, :n].set(jnp.asarray(stream))
+    layers = drafter.hidden_layers
+    out = jax.jit(forward_compute, static_argnums=(0, 5), static_argnames="cache_empty")(
+        model.config,
+        api.decode_params(model.params),
+        tokens[:, :n],
+        jnp.arange(n)[None, :],
+        new_cache(model.config, 1, CAPACITY, jnp.float16, jnp.float16),
+        layers,
+        cache_empty=True,
+    )
+    hidden = hidden_by_layer(layers, out.hidden)  # {layer: [1, n, D]}
+
+    def batch(lo: Any, width: int) -> TargetBatch:
+        """The stream's tokens lo..lo+width-1 with their features."""
+        pos = lo + jnp.arange(width)[None, :]
+        return TargetBatch(
+            tokens=jax.lax.dynamic_slice_in_dim(tokens, lo, width, 1),
+            positions=pos.astype(jnp.int32),
+            hidden={i: jax.lax.dynamic_slice_in_dim(h, lo, width, 1) for i, h in hidden.items()},
+        )
+
+    state = jax.jit(drafter.process)(params, drafter.init(1, CAPACITY), batch(0, start))
+
+    def make(asks: bool) -> Any:
+        @functools.partial(jax.jit, donate_argnums=0)
+        def loop(state: Any) -> Any:
+            def body(i: Any, carry: Any) -> Any:
+                state, n = carry
+                length = jnp.int32(start) + i * gap
+                for j in range(gap):  # the off rounds before the ask: one row each
+                    state = drafter.record(params, state, batch(length - gap + j, 1))
+                if asks:
+                    state, out = ask(
+                        drafter, params, state, tokens, length[None], tokens[0, length][None], k
+                    )
+                    n = n + jnp.sum(out.valid)
+                    state = drafter.rollback(state, length[None])
+                return state, n
+
+            return jax.lax.fori_loop(0, ASKS, body, (state, jnp.zeros((), jnp.int32)))
+
+        def fresh() -> Any:
+            return jax.block_until_ready(jax.tree.map(jnp.copy, state))
+
+        jax.block_until_ready(loop(fresh()))
+
+        def seconds() -> float:
+            begun = fresh()
+            t = time.perf_counter()
+            jax.block_until_ready(loop(begun))
+            return (time.perf_counter() - t) / ASKS
+
+        return seconds
+
+    return make(True), make(False)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--gaps", default="1,8,64")
     ap.add_argument("--loops", type=int, default=9)
     ap.add_argument("--out", default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
+    ap.add_argument("--heads", action="store_true", help="also the shipped feature heads")
     args = ap.parse_args()
     refuse_overwrite(args.out, args.overwrite)
     gaps = [int(g) for g in args.gaps.split(",")]
@@ -128,13 +214,21 @@ def main() -> None:
         spec = specjax.SpecConfig(types=(kind,), **options)
         for gap in gaps:
             timers[f"{name}/{gap}"] = ask_timer(spec, stream, start, gap)
+    heads = tuple(HEADS) if args.heads else ()
+    for kind in heads:
+        for gap in gaps:
+            with_asks, records = head_ask_timer(model, kind, stream, start + gap, gap)
+            timers[f"{kind}/{gap}"], timers[f"{kind}/{gap}/records"] = with_asks, records
     best = {key: float("inf") for key in timers}
     for _ in range(args.loops):  # interleaved: a drift of the machine's speed hits them all
         for key, timer in timers.items():
             best[key] = min(best[key], timer())
     step = best["step"]
     drafters: dict[str, Any] = {}
-    for name in configs:
+    for kind in heads:  # the ask: the loop less its records
+        for gap in gaps:
+            best[f"{kind}/{gap}"] -= best.pop(f"{kind}/{gap}/records")
+    for name in (*configs, *heads):
         drafters[name] = {
             f"gap_{gap}": {
                 "ask_us": best[f"{name}/{gap}"] * 1e6,

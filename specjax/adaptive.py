@@ -17,9 +17,10 @@ simple cost model, from what it measured on earlier rounds:
     m_r       = rounds since row r was last asked (`idle`): tokens a draft model that skips
                 the rounds it is not asked in (draft-simple) evaluates before it drafts
     call      = the price of asking the chain (`api.chain_call_price` unless
-                `SpecConfig.cost_call` is given: the engine's part, 0.08, plus each model-free
+                `SpecConfig.cost_call` is given: the engine's part, 0.08, plus each
                 drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.13 for
-                ngram-mod; benchmarks/ask_cost.py)
+                ngram-mod, 1.25 for draft-dflash's block and 2.15 for draft-eagle3 beyond
+                its draft steps; benchmarks/ask_cost.py)
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
 

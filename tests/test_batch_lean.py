@@ -222,17 +222,25 @@ def settled(engine: eng.Engine, dparams, state: eng.GenState) -> eng.GenState:
     return replace(state, drafter_states=flushed)
 
 
-def assert_same_state(got: eng.GenState, want: eng.GenState) -> None:
+#: EAGLE-3's snapshot of the last `process` (`verify_*`): `record` leaves it, and only
+#: `accept` reads it, after a `process` of its own round's batch (compared again after one).
+SNAPSHOT = (".verify_g", ".verify_pos_first", ".verify_rows")
+
+
+def assert_same_state(got: eng.GenState, want: eng.GenState, skip: tuple[str, ...] = ()) -> None:
     """Every leaf bit for bit, except the governor's float estimates: the round variants are
     different programs, and XLA may fuse (and contract into FMAs) their decayed averages
     differently (a last-bit difference seen with the suite's compiler flags). Its counters,
-    and everything else, must match exactly."""
+    and everything else, must match exactly. `skip`: leaves whose names end so are not
+    compared."""
     got, want = meaningful(got), meaningful(want)
     flat_w, tree_w = jax.tree_util.tree_flatten_with_path(want)
     flat_g, tree_g = jax.tree_util.tree_flatten_with_path(got)
     assert tree_w == tree_g
     for (path, w), (_, g) in zip(flat_w, flat_g):
         name = jax.tree_util.keystr(path)
+        if name.endswith(skip):
+            continue
         w, g = np.asarray(w), np.asarray(g)
         if name.startswith(".governor.") and w.dtype.kind == "f":
             np.testing.assert_allclose(g, w, rtol=1e-6, atol=0, err_msg=name)
@@ -291,7 +299,7 @@ def test_rounds_nobody_drafts_leave_the_state_spec_step_leaves(target, chain, te
     assert not eng.idle_rounds_are_plain(reference)
 
     def same(got: eng.GenState, want: eng.GenState) -> None:
-        assert_same_state(settled(engine, dparams, got), want)
+        assert_same_state(settled(engine, dparams, got), want, skip=SNAPSHOT)
 
     got = rounds(eng.spec_step, engine, target.params, dparams, _copy(state), run)
     same(got, want)
@@ -453,7 +461,7 @@ def test_feature_drafters_record_idle_rounds_and_then_draft_as_if_each_was_proce
     assert int(jnp.max(logged.log_n)) == (idle - first - 1) % log_rows + 1 < log_rows
     assert int(jnp.max(logged.cache.pos)) >= int(jnp.max(state.length)) + log_rows - 1
     assert int(jnp.max(want.drafter_states[0].log_n)) == 0
-    assert_same_state(settled(engine, dparams, got), want)
+    assert_same_state(settled(engine, dparams, got), want, skip=SNAPSHOT)
 
     drafted = int(jnp.sum(want.stats.n_draft_tokens))
     for _ in range(3):  # drafting again: `draft` applies the log before it drafts
@@ -462,4 +470,12 @@ def test_feature_drafters_record_idle_rounds_and_then_draft_as_if_each_was_proce
     assert int(jnp.sum(want.stats.n_draft_tokens)) > drafted
     assert int(want.stats.n_draft_accepted) < int(want.stats.n_draft_tokens)
     assert int(jnp.max(got.drafter_states[0].log_n)) == 0
-    assert_same_state(got, want)
+    assert_same_state(got, want, skip=SNAPSHOT)
+    if kind == "draft-eagle3":  # the snapshot of rows still decoding: their last `process`'s
+        live = ~np.asarray(want.done)
+        assert live.any()
+        g, w = meaningful(got).drafter_states[0], meaningful(want).drafter_states[0]
+        for name in SNAPSHOT:
+            assert np.array_equal(
+                np.asarray(getattr(g, name[1:]))[live], np.asarray(getattr(w, name[1:]))[live]
+            ), name

@@ -169,3 +169,38 @@ def test_generate_prices_the_chain_it_built(shipped, monkeypatch):
         target, [[1, 2, 3, 4]], max_new_tokens=4, n_ctx=64, spec=spec.replace(cost_call=0.1)
     )
     assert len(seen) == 1  # a given price is used as it is
+
+
+def test_a_feature_head_is_priced_by_its_measured_ask(shipped, monkeypatch):
+    """On CPU an EAGLE-3 ask (a head step per drafted token, ~100 small kernels each) costs
+    ~2.6 plain rounds of the shipped target and a DFlash block ~1.25 (benchmarks/ask_cost.py
+    --heads). Priced so, no EAGLE-3 draft pays at B = 1, not even one the governor's prior
+    expects accepted in full (0.95 a token), and the governor leaves it off from the first
+    round, while a DFlash block is still worth probing. Priced at the engine's part alone
+    (`ask_steps` 0, as before), the governor asked EAGLE-3 for drafts it could not pay for."""
+    import jax.numpy as jnp
+
+    from specjax import adaptive
+    from specjax.drafters.eagle3 import Eagle3Drafter
+
+    target, _ = shipped
+    heads = {
+        "draft-eagle3": specjax.load(MODELS / "code-eagle3" / "code-eagle3-f16.gguf"),
+        "draft-dflash": specjax.load(MODELS / "code-dflash" / "code-dflash-f16.gguf"),
+    }
+    kw = dict(batch=1, k_max=4, capacity=512)
+
+    def first_budget(kind: str) -> int:
+        spec = SpecConfig(types=(kind,), draft_n_max=4, cost_calibrate=False)
+        drafters, _ = build_drafters(spec, target, heads[kind])
+        cost = api.cost_model(spec, target, heads[kind], drafters=drafters, **kw)
+        assert float(cost.call) == pytest.approx(api.chain_call_price(drafters))
+        budget, _ = adaptive.choose_budget(
+            adaptive.Governor.create(1), cost, jnp.asarray([4]), jnp.asarray([True]), 4
+        )
+        return int(budget[0])
+
+    assert first_budget("draft-eagle3") == 0
+    assert first_budget("draft-dflash") > 0
+    monkeypatch.setattr(Eagle3Drafter, "ask_steps", 0.0)
+    assert first_budget("draft-eagle3") > 0

@@ -31,13 +31,15 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
   them after drafting: `seq_rm(draft, pos_max + 1, -1)`).
 * `rollback(keep)`: `seq_rm(row, keep, -1)` on the head's cache only (the boundary stays).
 * `record(batch)` (`idle_record`: a round in which the governor lets no row draft, the verify
-  batch one token per row): the boundary and snapshot move as `process` moves them; the bridge row
+  batch one token per row): the boundary moves as `process` moves it; the bridge row
   `(token[beg], pending_g)` at `pending_pos`, the one cache row such a batch writes, goes to
   a log (`log_*`, `LOG_ROWS` rows per row) instead of through the decoder layer. The next
-  `process` or `draft` (or a `record` finding the log full) runs the logged rows through the
-  decoder in one batch first, as a prompt chunk; `rollback` drops logged rows >= keep. A
-  run of rounds drafting is off for thus costs the head one fc product per round, and one
-  batched decoder pass per `LOG_ROWS` rounds, instead of a decoder pass each round.
+  `process` or `draft` (or a `record` finding the log full) writes the logged rows' K/V in
+  one batch first, as a prompt chunk; `rollback` drops logged rows >= keep. A run of rounds
+  drafting is off for thus costs the head one fc product per round and one batched K/V
+  product per `LOG_ROWS` rounds. `record` leaves the snapshot (`verify_*`) as it is: only
+  `accept` reads it, and only after a `process` of its own round's batch (writing the
+  [B, S, D] `verify_g` from `record` cost a copy of it a round on XLA CPU).
 * `get_state` / `set_state`: upstream's blob, little-endian int32 `pending_pos` followed by
   D float32 of `pending_g`; `get_state` returns None when `pending_pos < 0`, `set_state`
   ignores a blob of the wrong size. (Upstream only stashes it for recurrent/hybrid targets,
@@ -108,6 +110,14 @@ class Eagle3Drafter:
     top_k: int = DRAFT_TOP_K
     #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
     idle_record: ClassVar[bool] = True
+    #: What one ask costs on CPU beyond the cost model's per-token `draft_step` (0.125 of a
+    #: target step for code-eagle3), in plain rounds of the shipped target: the governor's
+    #: price (`api.chain_call_price`). benchmarks/ask_cost.py --heads at gap 8 and n_max 4:
+    #: 2.64 rounds an ask (benchmarks/results/ask-cost-heads.json), less 4 x 0.125. A head
+    #: step is ~100 small kernels (its decoder, the shared LM head, the top-k), each launch
+    #: a few us on XLA CPU: on this target the ask outweighs what even accepted drafts win,
+    #: so on CPU the governor leaves the drafter off.
+    ask_steps: ClassVar[float] = 2.15
 
     def init(self, batch: int, capacity: int) -> Eagle3State:
         D = self.config.D
@@ -241,10 +251,6 @@ class Eagle3Drafter:
             log_n=state.log_n + bridge.astype(jnp.int32),
             pending_g=jnp.where(has[:, None], g, state.pending_g),
             pending_pos=jnp.where(has, pos_beg, state.pending_pos).astype(jnp.int32),
-            # the snapshot `process` takes (one row)
-            verify_g=state.verify_g.at[:, 0].set(jnp.where(has[:, None], g, state.verify_g[:, 0])),
-            verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
-            verify_rows=jnp.where(has, 1, state.verify_rows).astype(jnp.int32),
         )
 
     # ------------------------------------------------------------------------------ accept
