@@ -15,7 +15,8 @@ points, all of fixed shapes, so a whole job compiles each once:
                     host then collects finished rows and prefills the next requests into them.
                     A round in which the governor lets no row draft is a plain round with
                     no drafter calls when every drafter of the chain declares `idle_noop`
-                    (`engine.spec_step` does that), else runs its drafters at width 2, not
+                    or `idle_record` (recorders only log the round: `engine.spec_step`
+                    does that), else runs its drafters at width 2, not
                     K + 1 (`lean_step`; the same state as `spec_step`); one whose budgets
                     are all <= MID_K at width MID_K + 1.
 
@@ -311,8 +312,9 @@ def lean_step(
     """`engine.spec_step`, with narrower drafter calls in rounds the governor restricts.
 
     The budget (and the governor's choice) is planned first. When every row's budget is 0
-    and the chain is not one `spec_step` skips by itself in such rounds (a drafter without
-    `idle_noop`, e.g. EAGLE-3, whose `process` runs its head over every verify batch), the
+    and the chain is not one `spec_step` skips by itself in such rounds (a drafter with
+    neither `idle_noop` nor `idle_record`, e.g. draft-mtp, whose `process` runs its block over
+    every verify batch), the
     round runs with `k_max = 1`: the same drafter calls (none drafts), the same feedback and
     statistics, over a verify batch of width 2 instead of K + 1. A round whose budgets are
     all <= MID_K (the governor throttled it) runs at K' = MID_K. Same state out, bit for bit

@@ -29,7 +29,9 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
                emit d_1..d_nacc + next token, stop at EOG / n_predict / context end (the last
                emitted token sits at position S - 1, as in llama.cpp)
     6 feedback drafter.process(verify batch), accept(n_acc, is_other), rollback,
-               statistics and the governor's estimates
+               statistics and the governor's estimates; in a round no row may draft, for
+               an idle chain only `record(verify batch)` of the drafters that declare
+               `idle_record` (they apply it at their next process or draft)
 
 Plain decoding is the same step with no drafters (K = 0): one compiled code path, so
 "speculative greedy == plain greedy" compares like with like. Everything above runs inside
@@ -682,7 +684,8 @@ def spec_round(
     with jax.named_scope("plan"):
         budget, governor = draft_budget(engine, state, run) if plan is None else plan
 
-    # A chain of `idle_noop` drafters is not called in a round in which no row may draft
+    # A chain of `idle_noop` / `idle_record` drafters is not asked in a round in which no
+    # row may draft (recorders only record its verify batch, `_finish_round`)
     # (the governor turned it off, or every row is at its end): the round then costs what a
     # plain round costs. Loops run 0 or 1 times keep the drafter states in place.
     skip_idle = idle_rounds_are_plain(engine)
