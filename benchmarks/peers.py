@@ -756,7 +756,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "specjax_over_llama": _ratio(r["specjax_mean_acc_len"], r["llama_mean_acc_len"]),
         }
         for r in spec_rows
-        if r["drafter"] == "draft-eagle3"
+        if r["drafter"] == "draft-eagle3" and r["kind"] == "spec"
     ]
     # draft-dflash / draft-dspark: the same head in both programs (issue 11's 10% criterion)
     report["block_drafters"] = [
@@ -767,7 +767,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             "specjax_over_llama": _ratio(r["specjax_mean_acc_len"], r["llama_mean_acc_len"]),
         }
         for r in spec_rows
-        if r["drafter"] in ("draft-dflash", "draft-dspark")
+        if r["drafter"] in ("draft-dflash", "draft-dspark") and r["kind"] == "spec"
     ]
     report["no_draft"] = [r for r in spec_rows if r["kind"] == "nodraft"]
     report["governed"] = [r for r in spec_rows if r["kind"] == "governed"]
