@@ -20,7 +20,8 @@ simple cost model, from what it measured on earlier rounds:
                 `SpecConfig.cost_call` is given: the engine's part, 0.08, plus each
                 drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.13 for
                 ngram-mod, 1.25 for draft-dflash's block and 2.15 for draft-eagle3 beyond
-                its draft steps; benchmarks/ask_cost.py)
+                its draft steps, against the shipped target's round, scaled down for a
+                larger target; benchmarks/ask_cost.py)
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
 

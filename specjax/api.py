@@ -616,17 +616,32 @@ CALIBRATION_K = 8
 #: 1-token target steps: what `SpecConfig.cost_call` charged every chain before the drafters
 #: had prices of their own.
 ASK_OVERHEAD = 0.08
+#: Parameters of the target the drafters' `ask_steps` were measured against (the shipped
+#: code-target, `models/code-target`).
+ASK_REFERENCE_PARAMS = 7_344_384
 
 
-def chain_call_price(drafters: Sequence[Any], on_cpu: bool = True) -> float:
+def chain_call_price(
+    drafters: Sequence[Any], on_cpu: bool = True, target_params: int | None = None
+) -> float:
     """The governor's price `call` of asking the chain `drafters` for drafts (when
     `SpecConfig.cost_call` is None): `ASK_OVERHEAD` plus, on CPU, every drafter's
     `ask_steps` (the relay may ask each of them). Those were measured on CPU against the
     shipped target's plain round (benchmarks/ask_cost.py: an ngram-mod ask cost 0.12 of a
     round, an ngram-cache ask 0.07 on its native kernel, an ngram-simple ask 0.07; with
     `--heads`, a draft-eagle3 ask 2.6 rounds and a draft-dflash block 1.25); on
-    accelerators asks have not been timed, so the engine's part stands alone there."""
-    asks = sum(float(getattr(d, "ask_steps", 0.0)) for d in drafters) if on_cpu else 0.0
+    accelerators asks have not been timed, so the engine's part stands alone there.
+
+    `target_params`: the target's parameter count. An ask's time is about fixed (lookups, a
+    head's small kernels), while a plain round of the shipped target already costs about its
+    products on CPU (~150 us for 7.3M parameters), so for a larger target the measured asks
+    are scaled down by ASK_REFERENCE_PARAMS / target_params (never up: a smaller target's
+    round is launch-bound, as the reference's is). None = the reference target."""
+    if not on_cpu:
+        return ASK_OVERHEAD
+    asks = sum(float(getattr(d, "ask_steps", 0.0)) for d in drafters)
+    if target_params is not None:
+        asks *= min(1.0, ASK_REFERENCE_PARAMS / max(int(target_params), 1))
     return ASK_OVERHEAD + asks
 
 
@@ -655,7 +670,11 @@ def cost_model(
     draft_step, call, enabled, simple = 0.0, 0.0, False, False
     if spec is not None:
         enabled = spec.adaptive and not synthetic
-        call = chain_call_price(drafters, on_cpu) if spec.cost_call is None else spec.cost_call
+        call = (
+            chain_call_price(drafters, on_cpu, target_params=model.config.num_params())
+            if spec.cost_call is None
+            else spec.cost_call
+        )
         simple = draft is not None and "draft-simple" in spec.types
         if draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
             t, d = model.config, draft.config

@@ -157,9 +157,9 @@ def test_generate_prices_the_chain_it_built(shipped, monkeypatch):
     seen = []
     real = api.chain_call_price
 
-    def spy(drafters, on_cpu=True):
+    def spy(drafters, on_cpu=True, **kw):
         seen.append(tuple(d.name for d in drafters))
-        return real(drafters, on_cpu)
+        return real(drafters, on_cpu, **kw)
 
     monkeypatch.setattr(api, "chain_call_price", spy)
     spec = SpecConfig(types=("ngram-simple",), draft_n_max=4)
@@ -204,3 +204,32 @@ def test_a_feature_head_is_priced_by_its_measured_ask(shipped, monkeypatch):
     assert first_budget("draft-dflash") > 0
     monkeypatch.setattr(Eagle3Drafter, "ask_steps", 0.0)
     assert first_budget("draft-eagle3") > 0
+
+
+def test_asks_are_priced_smaller_beside_a_larger_target(shipped):
+    """An ask costs about fixed time, a larger target's round more: measured against the
+    shipped target, the asks' price scales down with the target's parameters (so a 1B
+    target's EAGLE-3 head is asked for drafts), never up."""
+    from specjax.drafters.eagle3 import Eagle3Drafter
+    from specjax.models.config import ModelConfig
+
+    target, _ = shipped
+    head = specjax.load(MODELS / "code-eagle3" / "code-eagle3-f16.gguf")
+    spec = SpecConfig(types=("draft-eagle3",), draft_n_max=4, cost_calibrate=False)
+    drafters, _ = build_drafters(spec, target, head)
+    shipped_price = api.ASK_OVERHEAD + Eagle3Drafter.ask_steps
+    assert target.config.num_params() == api.ASK_REFERENCE_PARAMS
+    assert api.chain_call_price(drafters, target_params=api.ASK_REFERENCE_PARAMS) == (
+        pytest.approx(shipped_price)
+    )
+    assert api.chain_call_price(drafters, target_params=1000) == pytest.approx(shipped_price)
+    big = ModelConfig(
+        vocab_size=32_000, dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192
+    )
+    scale = api.ASK_REFERENCE_PARAMS / big.num_params()
+    assert scale < 0.01
+    got = api.chain_call_price(drafters, target_params=big.num_params())
+    assert got == pytest.approx(api.ASK_OVERHEAD + Eagle3Drafter.ask_steps * scale)
+    cost = api.cost_model(spec, specjax.Model(config=big, params={}, tokenizer=None), head,
+                          drafters=drafters, batch=1, k_max=4, capacity=512)  # fmt: skip
+    assert float(cost.call) == pytest.approx(got)
