@@ -95,15 +95,23 @@ def ask_timer(spec: specjax.SpecConfig, stream: list[int], start: int, gap: int)
 
         return jax.lax.fori_loop(0, ASKS, body, (state, jnp.zeros((), jnp.int32)))
 
+    return per_ask(loop, state)
+
+
+def per_ask(loop: Any, state: Any) -> Any:
+    """A thunk timing the jitted `loop` of ASKS asks (it donates its state: each run starts
+    from a fresh copy of `state`, made outside the timing), in seconds per ask; compiled
+    here."""
+
     def fresh() -> Any:
         return jax.block_until_ready(jax.tree.map(jnp.copy, state))
 
     jax.block_until_ready(loop(fresh()))
 
     def seconds() -> float:
-        start = fresh()
+        begun = fresh()
         t = time.perf_counter()
-        jax.block_until_ready(loop(start))
+        jax.block_until_ready(loop(begun))
         return (time.perf_counter() - t) / ASKS
 
     return seconds
@@ -168,18 +176,7 @@ def head_ask_timer(
 
             return jax.lax.fori_loop(0, ASKS, body, (state, jnp.zeros((), jnp.int32)))
 
-        def fresh() -> Any:
-            return jax.block_until_ready(jax.tree.map(jnp.copy, state))
-
-        jax.block_until_ready(loop(fresh()))
-
-        def seconds() -> float:
-            begun = fresh()
-            t = time.perf_counter()
-            jax.block_until_ready(loop(begun))
-            return (time.perf_counter() - t) / ASKS
-
-        return seconds
+        return per_ask(loop, state)
 
     return make(True), make(False)
 

@@ -160,3 +160,33 @@ def run_params(
         synth_rates=jnp.zeros((max(k_max, 1),), jnp.float32),
         cost=adaptive.CostModel.off() if cost is None else cost,
     )
+
+
+def tiny_block_head(
+    target: Model, dspark: bool = False, seed: int = 1, **overrides: object
+) -> Model:
+    """A random DFlash (or DSpark) head for `target` reading its layers 0, 1 and L, whose LM
+    head is the target's embedding (the anchor row proposes roughly id_last, the mask rows a
+    context average): drafts both accepted and rejected. `overrides`: `DFlashConfig` fields."""
+    from specjax.models import dflash as df
+
+    tc = target.config
+    fields: dict[str, object] = dict(
+        vocab_size=tc.V,
+        dim=tc.D,
+        n_layers=1,
+        n_heads=4,
+        n_kv_heads=2,
+        ffn_dim=48,
+        target_hidden=tc.D,
+        target_layers=(0, 1, tc.L),
+        block_size=4,
+        mask_token_id=tc.V - 1,
+        markov_rank=8 if dspark else 0,
+        own_lm_head=True,
+    )
+    fields.update(overrides)
+    cfg = df.DFlashConfig(**fields)  # type: ignore[arg-type]
+    params = df.init_params(cfg, jax.random.key(seed))
+    params["lm_head"] = target.params["embed"]
+    return Model(config=cfg, params=params, tokenizer=target.tokenizer)  # type: ignore[arg-type]

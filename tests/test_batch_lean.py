@@ -38,10 +38,9 @@ from specjax.drafters import eagle3 as eagle3_drafter
 from specjax.drafters.dflash import DFlashState
 from specjax.drafters.eagle3 import Eagle3State
 from specjax.drafters.registry import build_drafters
-from specjax.models import dflash as df
 from specjax.models import eagle3 as e3
 from specjax.pytree import replace
-from specjax.testing import noisy_copy, tiny_model
+from specjax.testing import noisy_copy, tiny_block_head, tiny_model
 
 B, S, OUT, ROUNDS = 3, 96, 48, 5
 PROMPTS = [[5, 6, 7, 8, 5, 6, 7, 8, 5, 6, 7], [20, 21, 22], [30, 31, 32, 33, 34, 35]]
@@ -65,28 +64,6 @@ def eagle3_head(target: Model) -> Model:
         own_lm_head=True,
     )
     return Model(config=cfg, params=e3.init_params(cfg, jax.random.key(3)), tokenizer=None)
-
-
-def dflash_head(target: Model) -> Model:
-    """A random block head whose LM head is the target's embedding (drafts both accepted and
-    rejected, as tests/test_dflash.py's)."""
-    tc = target.config
-    cfg = df.DFlashConfig(
-        vocab_size=tc.V,
-        dim=tc.D,
-        n_layers=1,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=48,
-        target_hidden=tc.D,
-        target_layers=(0, 1, tc.L),
-        block_size=5,
-        mask_token_id=tc.V - 1,
-        own_lm_head=True,
-    )
-    params = df.init_params(cfg, jax.random.key(1))
-    params["lm_head"] = target.params["embed"]
-    return Model(config=cfg, params=params, tokenizer=None)
 
 
 def run_params(cost: adaptive.CostModel, temperature: float) -> eng.RunParams:
@@ -426,7 +403,7 @@ def test_feature_drafters_record_idle_rounds_and_then_draft_as_if_each_was_proce
     """A stretch of off rounds longer than the log (so `record` applies a full log itself),
     taken as the generation loop takes it (`spec_step(off=True)`), then rounds that draft:
     the state and the drafts must be those of the same rounds with `process` every round."""
-    head = eagle3_head(target) if kind == "draft-eagle3" else dflash_head(target)
+    head = eagle3_head(target) if kind == "draft-eagle3" else tiny_block_head(target, block_size=5)
     drafters, dparams = build_drafters(SpecConfig(types=(kind,), draft_n_max=4), target, head)
     (drafter,) = drafters
     log_rows = (eagle3_drafter if kind == "draft-eagle3" else dflash_drafter).LOG_ROWS

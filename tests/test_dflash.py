@@ -16,37 +16,13 @@ from specjax.config import SpecConfig
 from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
 from specjax.drafters.dflash import make_drafter
 from specjax.models import dflash as df
+from specjax.testing import tiny_block_head as block_head
 from specjax.testing import tiny_model
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40]]
 MAX_NEW = [24, 24, 10, 24]
-
-
-def block_head(target: Model, dspark: bool, seed: int = 1, **overrides: object) -> Model:
-    """A random head whose LM head is the target's embedding (the anchor row proposes
-    roughly id_last, the mask rows a context average): drafts both accepted and rejected."""
-    tc = target.config
-    fields: dict[str, object] = dict(
-        vocab_size=tc.V,
-        dim=tc.D,
-        n_layers=1,
-        n_heads=4,
-        n_kv_heads=2,
-        ffn_dim=48,
-        target_hidden=tc.D,
-        target_layers=(0, 1, tc.L),
-        block_size=4,
-        mask_token_id=tc.V - 1,
-        markov_rank=8 if dspark else 0,
-        own_lm_head=True,
-    )
-    fields.update(overrides)
-    cfg = df.DFlashConfig(**fields)  # type: ignore[arg-type]
-    p = df.init_params(cfg, jax.random.key(seed))
-    p["lm_head"] = target.params["embed"]
-    return Model(config=cfg, params=p, tokenizer=target.tokenizer)
 
 
 @pytest.fixture(scope="module")
