@@ -685,9 +685,9 @@ def spec_round(
         budget, governor = draft_budget(engine, state, run) if plan is None else plan
 
     # A chain of `idle_noop` / `idle_record` drafters is not asked in a round in which no
-    # row may draft (recorders only record its verify batch, `_finish_round`)
-    # (the governor turned it off, or every row is at its end): the round then costs what a
-    # plain round costs. Loops run 0 or 1 times keep the drafter states in place.
+    # row may draft (the governor turned it off, or every row is at its end): the round then
+    # costs what a plain round costs, with the recorders' `record` of its verify batch
+    # (`_finish_round`). Loops run 0 or 1 times keep the drafter states in place.
     skip_idle = idle_rounds_are_plain(engine)
     asking = jnp.any(budget > 0)
     if off and not skip_idle:
