@@ -97,6 +97,19 @@ class Eagle3State:
     log_n: Array  # [B] int32, slots used (dropped rows included)
 
 
+def _bridges(state: Eagle3State, has: Array, pos_beg: Array) -> Array:
+    """[B] rows whose batch writes the cross-ubatch bridge `(token[beg], pending_g)` at
+    `pending_pos`: the boundary is set, the batch starts right after it, and it is above
+    every position the head holds (its cache and its log)."""
+    held = jnp.maximum(jnp.max(state.cache.pos, axis=1), jnp.max(state.log_pos, axis=1))
+    return (
+        has
+        & (state.pending_pos >= 0)
+        & (state.pending_pos + 1 == pos_beg)
+        & (state.pending_pos > held)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class Eagle3Drafter:
     name: ClassVar[str] = "draft-eagle3"
@@ -154,13 +167,7 @@ class Eagle3Drafter:
         feats = e3.gather_features(cfg, batch.hidden)
         g = e3.encode(cfg, head, feats).astype(jnp.float32)  # [B, T, D]
 
-        dft_pos_max = jnp.max(state.cache.pos, axis=1)
-        bridge = (
-            has
-            & (state.pending_pos >= 0)
-            & (state.pending_pos + 1 == pos_beg)
-            & (state.pending_pos > dft_pos_max)
-        )
+        bridge = _bridges(state, has, pos_beg)
         col = jnp.arange(T)[None, :]
         main = has[:, None] & (col >= beg[:, None]) & (col < end[:, None])
         next_tok = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
@@ -194,8 +201,8 @@ class Eagle3Drafter:
         )
 
     def flush(self, params: Any, state: Eagle3State) -> Eagle3State:
-        """The logged rows through the decoder layer into the cache (a loop run 0 or 1
-        times: nothing when the log is empty), the log emptied."""
+        """The logged rows' K/V written into the cache (a loop run 0 or 1 times: nothing
+        when the log is empty), the log emptied."""
 
         def apply(state: Eagle3State) -> Eagle3State:
             cfg = self.config
@@ -234,13 +241,7 @@ class Eagle3Drafter:
         }
         g = e3.encode(cfg, params["head"], e3.gather_features(cfg, at_beg))  # [B, 1, D]
         g = g.astype(jnp.float32)[:, 0]
-        held = jnp.maximum(jnp.max(state.cache.pos, axis=1), jnp.max(state.log_pos, axis=1))
-        bridge = (
-            has
-            & (state.pending_pos >= 0)
-            & (state.pending_pos + 1 == pos_beg)
-            & (state.pending_pos > held)
-        )
+        bridge = _bridges(state, has, pos_beg)
         slot = jnp.where(bridge, state.log_n, LOG_ROWS)  # LOG_ROWS: dropped
         rows = jnp.arange(pos.shape[0])
         return replace(
