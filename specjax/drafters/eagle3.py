@@ -17,7 +17,7 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
   `pending_pos = pos[end]`, `verify_g = g[beg..end]`, `pending_g = g[end]`. Rows of a batch
   with no evaluated token are untouched. (The rows of rejected drafts are written too, as
   upstream; `rollback` and the seq_rm in `draft` drop them.) "Write" is the row's K/V
-  (`eagle3.decoder_kv`): a row's K/V are a function of the row alone, and nothing reads the
+  (`_write_rows`): a row's K/V are a function of the row alone, and nothing reads the
   layer's output for a written row, so its attention and FFN are not computed.
 * `accept(n)`: `i = min(n, rows - 1)`; `pending_pos = verify_pos_first + i`,
   `pending_g = verify_g[i]`.
@@ -155,7 +155,7 @@ class Eagle3Drafter:
     def process(self, params: Any, state: Eagle3State, batch: TargetBatch) -> Eagle3State:
         state = self.flush(params, state)
         cfg = self.config
-        head, shared = params["head"], params["shared"]
+        head = params["head"]
         tokens, pos = batch.tokens, batch.positions
         B, T = tokens.shape
         valid = pos >= 0
@@ -181,10 +181,7 @@ class Eagle3Drafter:
             ],
             axis=1,
         ).astype(jnp.int32)
-        k, v = e3.decoder_kv(
-            cfg, head, shared, dec_tok, dec_g.astype(cfg.dtype), dec_pos, state.cache.k[0].dtype
-        )
-        cache = commit_kv(state.cache, dec_pos, (k,), (v,))
+        cache = self._write_rows(params, state.cache, dec_tok, dec_g, dec_pos)
 
         idx = jnp.clip(beg[:, None] + jnp.arange(T)[None, :], 0, T - 1)
         g_rows = jnp.take_along_axis(g, idx[..., None], axis=1)
@@ -200,25 +197,29 @@ class Eagle3Drafter:
             verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
         )
 
+    def _write_rows(
+        self, params: Any, cache: KVCache, tokens: Array, g: Array, pos: Array
+    ) -> KVCache:
+        """The decoder rows `(tokens, g)` [B, T] written at `pos` (-1 = padding): their K/V
+        only. A row's K/V are a function of the row alone, and nothing reads the layer's
+        output for a written row, so its attention, output projection and FFN are skipped."""
+        cfg = self.config
+        qkv = e3.decoder_qkv(
+            cfg, params["head"], params["shared"], tokens, g.astype(cfg.dtype), pos
+        )
+        k, v = qkv.k.astype(cache.k[0].dtype), qkv.v.astype(cache.v[0].dtype)
+        return commit_kv(cache, pos, (k,), (v,))
+
     def flush(self, params: Any, state: Eagle3State) -> Eagle3State:
         """The logged rows' K/V written into the cache (a loop run 0 or 1 times: nothing
         when the log is empty), the log emptied."""
 
         def apply(state: Eagle3State) -> Eagle3State:
-            cfg = self.config
-            k, v = e3.decoder_kv(
-                cfg,
-                params["head"],
-                params["shared"],
-                state.log_tokens,
-                state.log_g.astype(cfg.dtype),
-                state.log_pos,
-                state.cache.k[0].dtype,
-            )
-            cache = commit_kv(state.cache, state.log_pos, (k,), (v,))
             return replace(
                 state,
-                cache=cache,
+                cache=self._write_rows(
+                    params, state.cache, state.log_tokens, state.log_g, state.log_pos
+                ),
                 log_pos=jnp.full_like(state.log_pos, -1),
                 log_n=jnp.zeros_like(state.log_n),
             )
@@ -302,7 +303,6 @@ class Eagle3Drafter:
                 seed_pos,
                 cache,
             )
-            assert out.logits is not None
             cache = commit_kv(cache, seed_pos, out.k, out.v, after=out.logits)
             temp = inp.temperature.astype(jnp.float32)
             rows = jnp.arange(B)
@@ -359,7 +359,6 @@ class Eagle3Drafter:
                         cache,
                         extra=scratch,
                     )
-                    assert o.logits is not None
                     scratch = ExtraKV(
                         k=(put_scratch_kv(scratch.k[0], i, o.k[0]),),
                         v=(put_scratch_kv(scratch.v[0], i, o.v[0]),),

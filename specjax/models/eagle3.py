@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -243,22 +243,6 @@ def decoder_qkv(
     return DecoderQKV(apply_rope(q, cos, sin), apply_rope(k, cos, sin), v, residual)
 
 
-def decoder_kv(
-    config: Eagle3Config,
-    params: Params,
-    shared: Params,
-    tokens_BT: Array,
-    g_BTD: Array,
-    positions_BT: Array,
-    dtype: Any,
-) -> tuple[Array, Array]:
-    """The K/V [B, T, G, E] (in `dtype`) the decoder layer writes for rows `(token, g)`: a
-    function of the row alone, so a row only written to the cache (`process`) needs no
-    attention, output projection or FFN (the layer's output feeds nothing there)."""
-    qkv = decoder_qkv(config, params, shared, tokens_BT, g_BTD, positions_BT)
-    return qkv.k.astype(dtype), qkv.v.astype(dtype)
-
-
 def decoder_out(config: Eagle3Config, params: Params, attn_BTI: Array, residual: Array) -> Array:
     """Output projection, residual, SwiGLU FFN: the pre-norm hidden ("prenorm", next g)."""
     x = residual + linear(attn_BTI, params["wo"])
@@ -281,7 +265,7 @@ def head_logits(config: Eagle3Config, params: Params, shared: Params, prenorm: A
 
 
 class DecoderCompute(NamedTuple):
-    logits: Array | None  # [B, T, V] float32
+    logits: Array  # [B, T, V] float32
     k: tuple[Array, ...]  # ([B, T, G, E],) in the cache's dtype
     v: tuple[Array, ...]
     prenorm: Array  # [B, T, D]
@@ -297,7 +281,6 @@ def decoder_compute(
     cache: KVCache,
     *,
     extra: ExtraKV | None = None,
-    logits: bool = True,
 ) -> DecoderCompute:
     """The decoder graph over rows `(token, g)` at `positions` (-1 = padding); the cache is
     read, never written (see `commit_kv`)."""
@@ -312,7 +295,7 @@ def decoder_compute(
     native = isinstance(params["wqkv"], KernelWeight)
     attn = _layer_attention(lc, 0, qkv.q, k, v, positions_BT, cache, n_chunks, extra, native, used)
     prenorm = decoder_out(config, params, attn, qkv.residual)
-    out = head_logits(config, params, shared, prenorm) if logits else None
+    out = head_logits(config, params, shared, prenorm)
     return DecoderCompute(out, (k,), (v,), prenorm)
 
 
