@@ -79,6 +79,16 @@ drafting off is planned once (`rounds_off_ahead`: how many rounds the choice sta
 its rounds carry no governor work (`advance` adds them up afterwards), leaving the state
 that planning every round leaves, bit for bit.
 
+A chain the governor would never ask is left out of the run (`never_asks`, used by
+`api.unpaying_drafters` before anything is compiled): from the prior, only an asked row moves
+the estimates or opens its reach, so if no draft within the first cap pays at the prior for
+any number of active rows, no round of the run drafts, whatever the prompt. Such a drafter
+would still cost its per-round bookkeeping (an EAGLE-3 head's `record` of every round, its
+features taken from the target); left out, the run is plain decoding, and the statistics
+say which drafter and why. Each drafter of a chain is weighed alone at its own price, so a
+head whose ask costs more than a draft can win (EAGLE-3 at B = 1 on CPU) no longer keeps
+the n-gram drafters beside it from being asked, as the chain's summed price did.
+
 Only the budget changes: which tokens are emitted never depends on the governor at
 temperature 0 (verification is lossless), and at temperature > 0 the output distribution is
 the target's whatever the draft length.
@@ -292,6 +302,42 @@ def rounds_off_ahead(
     drafts = jax.vmap(drafts_after)(ahead)  # [horizon]
     # the first round that drafts (min, not argmax: a variadic reduce is slow on XLA CPU)
     return jnp.min(jnp.where(drafts, ahead - 1, horizon)).astype(jnp.int32)
+
+
+def never_asks(
+    cost: CostModel,
+    batch: int,
+    k_max: int,
+    widths: tuple[int, ...] | None = None,
+    caps: tuple[int, ...] | None = None,
+) -> bool:
+    """Whether the governor, starting from its prior, never asks the chain for a draft in a
+    batch of `batch` rows (a host bool; `cost` concrete).
+
+    A fresh governor's estimates are the prior (`Governor.create`), and only an asked row
+    moves them (`observe`); rows not asked relax towards the prior, where they already are,
+    and gain only a catch-up price. A row's reach, too, opens only by drafting, so its budget
+    stays cut to the first cap. So if no draft of at most `caps[0]` tokens (and `k_max`) pays
+    at the prior for any number of active rows 1..`batch`, every row's budget is 0 in every
+    round of the run: the chain is off for the run, whatever the prompt. (A smaller budget
+    or a row that may not draft, `possible_B`, never makes drafting pay where this did not.)
+    False with the cost model off (the full budget is drafted); True at `k_max` 0."""
+    if not bool(cost.enabled):
+        return False
+    if k_max < 1:
+        return True
+    budget = min(k_max, caps[0]) if caps else k_max
+    gov = Governor.create(batch)
+    hit, accept = estimates(gov)
+    budget_B = jnp.full((batch,), budget, jnp.int32)
+
+    def drafts_with(n_active: Array) -> Array:
+        active_B = jnp.arange(batch) < n_active
+        ratio_k = _tokens_per_cost(hit, accept, cost, budget_B, active_B, k_max, widths, gov.idle)
+        return _drafts(ratio_k, cost)
+
+    drafts = jax.vmap(drafts_with)(jnp.arange(1, batch + 1))
+    return not bool(jnp.any(drafts))
 
 
 def advance(gov: Governor, rounds: Array, counted: Array) -> Governor:

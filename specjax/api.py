@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import compile_cache, cpu_kernels, sampling
+from specjax import adaptive, compile_cache, cpu_kernels, sampling
 from specjax import engine as eng
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
@@ -261,7 +261,8 @@ class SpecReport:
     stats: Any  # specjax.stats.SpecStats with numpy leaves
     names: tuple[str, ...]
     #: The draft governor's counters (specjax.adaptive): rounds with a draft budget, rounds
-    #: it drafted shorter than the budget, rounds it did not draft; and whether it was on.
+    #: it drafted shorter than the budget, rounds it did not draft; whether it was on; and
+    #: `dropped`, the drafters left out of the run with why (`unpaying_drafters`).
     governor: dict[str, Any] = dataclasses.field(default_factory=dict)
 
     def lines(self) -> list[str]:
@@ -281,6 +282,8 @@ class SpecReport:
                 f"draft governor: {state}, drafting shortened in {g['throttled']} and off "
                 f"in {g['off']} of {g['rounds']} rounds"
             )
+            lines += [f"draft governor: {name} off for this run: {why}"
+                      for name, why in g.get("dropped", {}).items()]  # fmt: skip
         return lines
 
     def to_dict(self) -> dict[str, Any]:
@@ -704,6 +707,87 @@ def cost_model(
     )
 
 
+def chain_cost(
+    cost: CostModel, spec: SpecConfig, model: Model, drafters: Sequence[Any]
+) -> CostModel:
+    """`cost` (the whole chain's, from `cost_model`) as it prices the part `drafters` of the
+    chain: their own asks (`chain_call_price`, unless `spec.cost_call` is given), a draft
+    step only with a draft-model drafter in it (or `spec.cost_draft_step` given), a catch-up
+    only with draft-simple. The measured verify price is kept (no new calibration)."""
+    names = {d.name for d in drafters}
+    call = (
+        chain_call_price(
+            drafters, jax.default_backend() == "cpu", target_params=model.config.num_params()
+        )
+        if spec.cost_call is None
+        else spec.cost_call
+    )
+    stepped = bool(names & {"draft-simple", "draft-eagle3"}) or spec.cost_draft_step is not None
+    return dataclasses.replace(
+        cost,
+        call=jnp.asarray(call, jnp.float32),
+        draft_step=cost.draft_step if stepped else jnp.zeros((), jnp.float32),
+        catch_up=cost.catch_up if "draft-simple" in names else None,
+    )
+
+
+def chain_k_max(spec: SpecConfig, drafters: Sequence[Any]) -> int:
+    """The static draft width K of the chain `drafters`: `spec.k_max` when given, else the
+    maximum over the chain's drafters (`drafters.base.chain_width`)."""
+    from specjax.drafters.base import chain_width
+
+    k_max = spec.resolved_k_max()
+    return k_max if spec.k_max is not None else chain_width(drafters, k_max)
+
+
+def unpaying_drafters(
+    spec: SpecConfig, model: Model, engine: eng.Engine, cost: CostModel, batch: int
+) -> dict[str, str]:
+    """The drafters of `engine`'s chain that the draft governor would never ask in a run of
+    `batch` rows (`adaptive.never_asks`), each with the reason, in words: the engine leaves
+    them out of the run, so they cost nothing, not even their per-round bookkeeping.
+
+    Each drafter is weighed alone, at its own price (`chain_cost`) and its own caps, so a
+    drafter that never pays does not keep the rest of the chain from being asked (the chain's
+    price is the sum of its asks); then the drafters left, as the chain they form. Empty with
+    the governor off (`spec.adaptive` False, synthetic runs): llama.cpp drafts whatever it
+    costs."""
+    if not bool(cost.enabled) or not engine.drafters:
+        return {}
+
+    def never(drafters: Sequence[Any]) -> tuple[bool, CostModel, eng.Engine]:
+        part = dataclasses.replace(
+            engine, drafters=tuple(drafters), k_max=chain_k_max(spec, drafters)
+        )
+        priced = chain_cost(cost, spec, model, drafters)
+        caps = part.draft_caps()
+        off = adaptive.never_asks(priced, batch, part.k_max, part.verify_widths(), caps)
+        return off, priced, part
+
+    def why(priced: CostModel, part: eng.Engine) -> str:
+        longest = min(part.k_max, part.draft_caps()[0])
+        return (
+            f"an ask is priced at {float(priced.call):.2f} target steps (+ "
+            f"{float(priced.draft_step):.2f} a drafted token), and no draft of up to {longest} "
+            f"tokens pays for it at B <= {batch}, even accepted as the governor's prior expects "
+            "(`--spec-governor off` drafts anyway)"
+        )
+
+    dropped: dict[str, str] = {}
+    for d in engine.drafters:
+        off, priced, part = never([d])
+        if off:
+            dropped[d.name] = why(priced, part)
+    kept = [d for d in engine.drafters if d.name not in dropped]
+    if len(kept) > 1:
+        off, priced, part = never(kept)
+        if off:
+            dropped.update(
+                {d.name: "with the rest of the chain: " + why(priced, part) for d in kept}
+            )
+    return dropped
+
+
 @dataclasses.dataclass(frozen=True)
 class _Slots:
     """A `Generator`'s fixed rows: batch B, its built drafters and their carried states."""
@@ -837,11 +921,7 @@ def generate(
             k: np.concatenate([v, np.full(n_idle, _IDLE_SAMPLING[k], v.dtype)])
             for k, v in sampling_args.items()
         }
-    k_max = spec.resolved_k_max() if spec else 0
-    if spec is not None and spec.k_max is None:
-        from specjax.drafters.base import chain_width
-
-        k_max = chain_width(drafters, k_max)  # the maximum over the chain's drafters
+    k_max = chain_k_max(spec, drafters) if spec else 0
     T, S, out_cap = build_engine_inputs(
         model, prompt_ids, max_new_tokens=int(max_new.max()), n_ctx=n_ctx, k_max=k_max
     )
@@ -870,6 +950,27 @@ def generate(
         cache_type_v=cache_dtype(cache_type_v),
         n_ubatch=int(n_ubatch),
     )
+    cost = cost_model(
+        spec,
+        model,
+        draft,
+        synthetic=synth is not None,
+        batch=B,
+        k_max=k_max,
+        capacity=S,
+        drafters=drafters,
+    )
+    carried = None if _slots is None else _slots.states
+    built = [d.name for d in drafters]  # (the order of a Generator's carried states)
+    dropped = {} if spec is None else unpaying_drafters(spec, model, engine, cost, B)
+    if spec is not None and dropped:  # the governor would never ask them: left out
+        keep = [i for i, d in enumerate(drafters) if d.name not in dropped]
+        drafters = tuple(drafters[i] for i in keep)
+        drafter_params = tuple(drafter_params[i] for i in keep)
+        carried = None if carried is None else tuple(carried[i] for i in keep)
+        k_max = chain_k_max(spec, drafters) if drafters else 0
+        engine = dataclasses.replace(engine, drafters=drafters, k_max=k_max)
+        cost = chain_cost(cost, spec, model, drafters)
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, : len(p)] = p
@@ -888,19 +989,9 @@ def generate(
         synth_rates=jnp.asarray(
             synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32
         ),
-        cost=cost_model(
-            spec,
-            model,
-            draft,
-            synthetic=synth is not None,
-            batch=B,
-            k_max=k_max,
-            capacity=S,
-            drafters=drafters,
-        ),
+        cost=cost,
     )
     tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
-    carried = None if _slots is None else _slots.states
     start = None
     if slot_states is not None and any(st is not None for st in slot_states):
         from specjax import slots as slots_mod
@@ -980,6 +1071,8 @@ def generate(
                 "rounds": int(gov.n_rounds),
                 "throttled": int(gov.n_throttled),
                 "off": int(gov.n_off),
+                # drafters left out of the run: the governor would never ask them
+                "dropped": dropped,
             },
         )
     return GenerationResult(
@@ -989,7 +1082,11 @@ def generate(
         finish_reasons=reasons,
         stats=stats,
         prompt_tokens=prompt_ids[:n_prompts],
-        drafter_states={d.name: st for d, st in zip(drafters, state.drafter_states)},
+        drafter_states={
+            # a drafter left out of the run keeps the state it came with (a Generator's)
+            **({} if _slots is None else dict(zip(built, _slots.states, strict=True))),
+            **{d.name: st for d, st in zip(drafters, state.drafter_states)},
+        },
     )
 
 

@@ -526,6 +526,18 @@ class _Runner:
             capacity=capacity,
             drafters=self.drafters,
         )
+        # drafters the governor would never ask at this batch size: left out of the job
+        self.dropped: dict[str, str] = {}
+        if spec is not None:
+            self.dropped = api.unpaying_drafters(spec, model, self.engine, self.cost, n_parallel)
+        if spec is not None and self.dropped:
+            keep = [i for i, d in enumerate(self.drafters) if d.name not in self.dropped]
+            self.drafters = tuple(self.drafters[i] for i in keep)
+            self.drafter_params = tuple(self.drafter_params[i] for i in keep)
+            self.engine = dataclasses.replace(
+                self.engine, drafters=self.drafters, k_max=k_max if self.drafters else 0
+            )
+            self.cost = api.chain_cost(self.cost, spec, model, self.drafters)
         self.stats_host: Any = None
         self.compile_seconds = 0.0
         self.params = api.decode_params(model.params)  # the mesh path below keeps the stored form
@@ -673,7 +685,7 @@ class _Runner:
             if not ready:
                 continue
             out_tokens = np.asarray(jax.device_get(state.out_tokens))
-            if engine.drafters:
+            if self.spec is not None:
                 self.stats_host = jax.device_get((state.stats, state.governor))
             now = time.perf_counter()
             for b in ready:
@@ -727,5 +739,6 @@ class _Runner:
                 "rounds": int(gov.n_rounds),
                 "throttled": int(gov.n_throttled),
                 "off": int(gov.n_off),
+                "dropped": self.dropped,
             },
         )

@@ -164,11 +164,12 @@ def test_generate_prices_the_chain_it_built(shipped, monkeypatch):
     monkeypatch.setattr(api, "chain_call_price", spy)
     spec = SpecConfig(types=("ngram-simple",), draft_n_max=4)
     specjax.generate(target, [[1, 2, 3, 4]], max_new_tokens=4, n_ctx=64, spec=spec)
-    assert seen == [("ngram-simple",)]
+    assert seen and set(seen) == {("ngram-simple",)}  # (again when it weighs each drafter)
+    priced = len(seen)
     specjax.generate(
         target, [[1, 2, 3, 4]], max_new_tokens=4, n_ctx=64, spec=spec.replace(cost_call=0.1)
     )
-    assert len(seen) == 1  # a given price is used as it is
+    assert len(seen) == priced  # a given price is used as it is
 
 
 def test_a_feature_head_is_priced_by_its_measured_ask(shipped, monkeypatch):
