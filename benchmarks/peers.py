@@ -50,7 +50,8 @@ Measured (sections of the JSON):
                 spec tok/s / plain tok/s;
   governed      specjax alone: the feature drafters (run ungoverned under `speculative`, to
                 compare acceptance with llama.cpp's) with the draft governor on, as a user
-                runs them, spec tok/s / plain tok/s (goal 4);
+                runs them, and the chain `draft-eagle3,ngram-mod`, spec tok/s / plain tok/s
+                (goal 4);
   draft_simple_round  specjax's draft-simple round (governor off, 4 tokens drafted every
                 round) over its parts timed alone: one 5-token target forward + 4 draft-model
                 steps (jitted loops of forwards on the decode weights), and the governor's
@@ -515,9 +516,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         cases.append((name, cmd, lambda: sj.run(name, ids[prompt], 2048, cfg), prompt))
 
     def add_governed(prompt: str, spec_type: str) -> None:
-        """A feature drafter under the draft governor: specjax's side only (goal 4)."""
+        """A feature drafter (or a chain, comma-separated) under the draft governor:
+        specjax's side only (goal 4)."""
         name = f"governed/{prompt}/{spec_type}"
-        cfg = specjax.SpecConfig(types=(spec_type,), draft_n_max=4)
+        cfg = specjax.SpecConfig(types=tuple(spec_type.split(",")), draft_n_max=4)
         cases.append((name, None, lambda: sj.run(name, ids[prompt], 2048, cfg), prompt))
 
     add_plain("main", 2048)
@@ -533,6 +535,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         for spec_type in spec_types:
             if spec_type in FEATURE_DRAFTERS:
                 add_governed(prompt, spec_type)
+        if {"draft-eagle3", "ngram-mod"} <= set(spec_types):
+            add_governed(prompt, "draft-eagle3,ngram-mod")  # the issue's chain
     if not args.spec_types:  # the no-draft cases (skipped when only some drafters run)
         add_plain("norepeat", 2048)
         add_spec(
