@@ -760,8 +760,14 @@ def unpaying_drafters(
             engine, drafters=tuple(drafters), k_max=chain_k_max(spec, drafters)
         )
         priced = chain_cost(cost, spec, model, drafters)
-        caps = part.draft_caps()
-        off = adaptive.never_asks(priced, batch, part.k_max, part.verify_widths(), caps)
+        prices = (priced.verify_token, priced.draft_step, priced.call, priced.catch_up)
+        off = _never_asks(
+            *(None if x is None else float(x) for x in prices),
+            batch,
+            part.k_max,
+            part.verify_widths(),
+            part.draft_caps(),
+        )
         return off, priced, part
 
     def why(priced: CostModel, part: eng.Engine) -> str:
@@ -786,6 +792,31 @@ def unpaying_drafters(
                 {d.name: "with the rest of the chain: " + why(priced, part) for d in kept}
             )
     return dropped
+
+
+@functools.lru_cache(maxsize=256)
+def _never_asks(
+    verify_token: float,
+    draft_step: float,
+    call: float,
+    catch_up: float | None,
+    batch: int,
+    k_max: int,
+    widths: tuple[int, ...],
+    caps: tuple[int, ...],
+) -> bool:
+    """`adaptive.never_asks` of an enabled cost model, by value: it runs ~10 ms of small
+    eager ops, about half of a short `generate` call's own time, so each price is weighed
+    once per process."""
+    f32 = jnp.float32
+    cost = CostModel(
+        enabled=jnp.asarray(True),
+        verify_token=jnp.asarray(verify_token, f32),
+        draft_step=jnp.asarray(draft_step, f32),
+        call=jnp.asarray(call, f32),
+        catch_up=None if catch_up is None else jnp.asarray(catch_up, f32),
+    )
+    return adaptive.never_asks(cost, batch, k_max, widths, caps)
 
 
 @dataclasses.dataclass(frozen=True)
