@@ -862,7 +862,9 @@ def generate(
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
     With `spec` (and `draft` for draft-simple) the run is speculative; at temperature 0 its
-    output equals plain greedy decoding token for token. `max_new_tokens` and `seed` may be
+    output equals plain greedy decoding token for token. With the draft governor on
+    (`spec.adaptive`), a drafter it would never ask at this batch size is left out of the run
+    (`unpaying_drafters`; `result.stats.governor["dropped"]` says which and why). `max_new_tokens` and `seed` may be
     given per prompt; `max_new_tokens=-1` generates until EOG or a full context (n_ctx, by
     default the model's training context), as llama.cpp's n_predict -1. Sampling parameters
     follow llama.cpp (see `_sampling_args`: "off" values clamped, refused values raise
