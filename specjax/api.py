@@ -744,8 +744,9 @@ def unpaying_drafters(
     spec: SpecConfig, model: Model, engine: eng.Engine, cost: CostModel, batch: int
 ) -> dict[str, str]:
     """The drafters of `engine`'s chain that the draft governor would never ask in a run of
-    `batch` rows (`adaptive.never_asks`), each with the reason, in words: the engine leaves
-    them out of the run, so they cost nothing, not even their per-round bookkeeping.
+    `batch` rows (`adaptive.never_asks`), each with the reason, in words: `generate` and batch
+    jobs leave them out of the run, so they cost nothing, not even their per-round
+    bookkeeping.
 
     Each drafter is weighed alone, at its own price (`chain_cost`) and its own caps, so a
     drafter that never pays does not keep the rest of the chain from being asked (the chain's
