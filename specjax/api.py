@@ -772,7 +772,7 @@ def unpaying_drafters(
         return off, priced, part
 
     def why(priced: CostModel, part: eng.Engine) -> str:
-        longest = min(part.k_max, part.draft_caps()[0])
+        longest = min(part.k_max, part.draft_caps()[0], spec.n_max() or part.k_max)
         return (
             f"an ask is priced at {float(priced.call):.2f} target steps (+ "
             f"{float(priced.draft_step):.2f} a drafted token), and no draft of up to {longest} "
