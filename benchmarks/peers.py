@@ -52,6 +52,9 @@ Measured (sections of the JSON):
                 compare acceptance with llama.cpp's) with the draft governor on, as a user
                 runs them, and the chain `draft-eagle3,ngram-mod`, spec tok/s / plain tok/s
                 (goal 4);
+  noise_floor   specjax's plain decoding paired with itself exactly as a speculative case is
+                (an A/A check, `aa/<prompt>/plain`; the same compiled programs on both sides):
+                how far from 1.0 this run's ratios move with nothing changed; not a goal;
   draft_simple_round  specjax's draft-simple round (governor off, 4 tokens drafted every
                 round) over its parts timed alone: one 5-token target forward + 4 draft-model
                 steps (jitted loops of forwards on the decode weights), and the governor's
@@ -537,6 +540,9 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                 add_governed(prompt, spec_type)
         if {"draft-eagle3", "ngram-mod"} <= set(spec_types):
             add_governed(prompt, "draft-eagle3,ngram-mod")  # the chain
+        # plain decoding paired with itself: the noise floor of this run's ratios
+        name = f"aa/{prompt}/plain"
+        cases.append((name, None, functools.partial(sj.run, name, ids[prompt], 2048), prompt))
     if not args.spec_types:  # the no-draft cases (skipped when only some drafters run)
         add_plain("norepeat", 2048)
         add_spec(
@@ -588,7 +594,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     for rep in range(args.repeats):
         for name, cmd, thunk, prompt in cases:
             prompt_text = texts[prompt][:-1] if texts[prompt].endswith("\n") else texts[prompt]
-            paired = name.startswith(("spec/", "nodraft/", "governed/"))
+            paired = name.startswith(("spec/", "nodraft/", "governed/", "aa/"))
             if cmd is not None and llama is not None:
                 key = "spec_tps" if "llama-speculative-simple" in cmd[0] else "decode_tps"
                 plain_cmd = llama.completion(PROMPT_FILES[prompt], 2048) if paired else []
@@ -711,7 +717,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         }
     spec_rows = []
     for name, *_ in cases:
-        if not name.startswith(("spec/", "nodraft/", "governed/")):
+        if not name.startswith(("spec/", "nodraft/", "governed/", "aa/")):
             continue
         kind, prompt, spec_type = name.split("/")
         plain = f"plain/{prompt}/c2048"
@@ -775,6 +781,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     ]
     report["no_draft"] = [r for r in spec_rows if r["kind"] == "nodraft"]
     report["governed"] = [r for r in spec_rows if r["kind"] == "governed"]
+    report["noise_floor"] = [r for r in spec_rows if r["kind"] == "aa"]
     if not args.spec_types or "draft-simple" in spec_types:
         report["draft_simple_round"] = draft_simple_round(sj, ids["main"], 4, args.repeats)
     report["cli"] = measure_cli(args, llama) if not args.no_cli else {}
