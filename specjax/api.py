@@ -332,10 +332,12 @@ def _mapped_regions() -> int:
         return 0
 
 
-#: Decode forms of recently used parameter pytrees, by id and form; each entry keeps the
-#: original's leaves (arrays are immutable: the same leaves mean the copy is still right, even
-#: if the dict holding them was edited in place).
-_DECODE_PARAMS: dict[tuple[int, str], tuple[list[Any], Params]] = {}
+#: Decode forms of recently used parameter pytrees, by form, structure and the identities of
+#: the leaves (not of the dict holding them: a head drafter's parameters are a new dict around
+#: the same arrays each call, `registry.build_drafters`); each entry keeps the original's
+#: leaves, so their ids stay theirs while it is cached (arrays are immutable: the same leaves
+#: mean the copy is still right).
+_DECODE_PARAMS: dict[tuple[Any, ...], tuple[list[Any], Params]] = {}
 _DECODE_PARAMS_MAX = 4
 
 
@@ -356,11 +358,11 @@ def decode_params(params: Params) -> Params:
 
 
 def _cached_form(params: Any, form: str, make: Any) -> Any:
-    """`make(params)`, made once per set of weights (`_DECODE_PARAMS`, by id and form)."""
-    leaves = jax.tree.leaves(params)
-    key = (id(params), form)
+    """`make(params)`, made once per set of weights (`_DECODE_PARAMS`)."""
+    leaves, treedef = jax.tree.flatten(params)
+    key = (form, treedef, *map(id, leaves))
     hit = _DECODE_PARAMS.pop(key, None)
-    if hit is None or len(hit[0]) != len(leaves) or any(a is not b for a, b in zip(hit[0], leaves)):
+    if hit is None or any(a is not b for a, b in zip(hit[0], leaves, strict=True)):
         hit = (leaves, make(params))
     _lru_put(_DECODE_PARAMS, key, hit, lambda d: len(d) > _DECODE_PARAMS_MAX)
     return hit[1]
