@@ -867,9 +867,10 @@ def generate(
     With `spec` (and `draft` for draft-simple) the run is speculative; at temperature 0 its
     output equals plain greedy decoding token for token. With the draft governor on
     (`spec.adaptive`), a drafter it would never ask at this batch size is left out of the run
-    (`unpaying_drafters`; `result.stats.governor["dropped"]` says which and why). `max_new_tokens` and `seed` may be
-    given per prompt; `max_new_tokens=-1` generates until EOG or a full context (n_ctx, by
-    default the model's training context), as llama.cpp's n_predict -1. Sampling parameters
+    (`unpaying_drafters`; `result.stats.governor["dropped"]` says which and why).
+    `max_new_tokens` and `seed` may be given per prompt; `max_new_tokens=-1` generates until
+    EOG or a full context (n_ctx, by default the model's training context), as llama.cpp's
+    n_predict -1. Sampling parameters
     follow llama.cpp (see `_sampling_args`: "off" values clamped, refused values raise
     ValueError). `stop` strings end a row's text at their first occurrence (applied on
     the host after the device loop, which itself stops at end-of-generation tokens and
