@@ -675,11 +675,7 @@ def cost_model(
     draft_step, call, enabled, simple = 0.0, 0.0, False, False
     if spec is not None:
         enabled = spec.adaptive and not synthetic
-        call = (
-            chain_call_price(drafters, on_cpu, target_params=model.config.num_params())
-            if spec.cost_call is None
-            else spec.cost_call
-        )
+        call = _call_price(spec, model, drafters)
         simple = draft is not None and "draft-simple" in spec.types
         if draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
             t, d = model.config, draft.config
@@ -709,6 +705,15 @@ def cost_model(
     )
 
 
+def _call_price(spec: SpecConfig, model: Model, drafters: Sequence[Any]) -> float:
+    """The governor's price of asking `drafters`: `spec.cost_call`, else `chain_call_price`
+    on this backend against `model`."""
+    if spec.cost_call is not None:
+        return float(spec.cost_call)
+    on_cpu = jax.default_backend() == "cpu"
+    return chain_call_price(drafters, on_cpu, target_params=model.config.num_params())
+
+
 def chain_cost(
     cost: CostModel, spec: SpecConfig, model: Model, drafters: Sequence[Any]
 ) -> CostModel:
@@ -717,13 +722,7 @@ def chain_cost(
     step only with a draft-model drafter in it (or `spec.cost_draft_step` given), a catch-up
     only with draft-simple. The measured verify price is kept (no new calibration)."""
     names = {d.name for d in drafters}
-    call = (
-        chain_call_price(
-            drafters, jax.default_backend() == "cpu", target_params=model.config.num_params()
-        )
-        if spec.cost_call is None
-        else spec.cost_call
-    )
+    call = _call_price(spec, model, drafters)
     stepped = bool(names & {"draft-simple", "draft-eagle3"}) or spec.cost_draft_step is not None
     return dataclasses.replace(
         cost,
@@ -795,6 +794,28 @@ def unpaying_drafters(
                 {d.name: "with the rest of the chain: " + why(priced, part) for d in kept}
             )
     return dropped
+
+
+def leave_out_unpaying(
+    spec: SpecConfig,
+    model: Model,
+    engine: eng.Engine,
+    cost: CostModel,
+    batch: int,
+    k_max: int | None = None,
+) -> tuple[list[int], eng.Engine, CostModel, dict[str, str]]:
+    """The run without the drafters `unpaying_drafters` finds: (indices of the drafters kept,
+    for the callers' per-drafter parameters and states; the engine and the cost model of the
+    chain they form; the drafters left out, with why). `k_max`: the kept chain's static
+    width (None: its own, `chain_k_max`; 0 when nothing is kept)."""
+    dropped = unpaying_drafters(spec, model, engine, cost, batch)
+    keep = [i for i, d in enumerate(engine.drafters) if d.name not in dropped]
+    if not dropped:
+        return keep, engine, cost, dropped
+    kept = tuple(engine.drafters[i] for i in keep)
+    width = 0 if not kept else chain_k_max(spec, kept) if k_max is None else k_max
+    engine = dataclasses.replace(engine, drafters=kept, k_max=width)
+    return keep, engine, chain_cost(cost, spec, model, kept), dropped
 
 
 @functools.lru_cache(maxsize=256)
@@ -999,15 +1020,12 @@ def generate(
     )
     carried = None if _slots is None else _slots.states
     built = [d.name for d in drafters]  # (the order of a Generator's carried states)
-    dropped = {} if spec is None else unpaying_drafters(spec, model, engine, cost, B)
-    if spec is not None and dropped:  # the governor would never ask them: left out
-        keep = [i for i, d in enumerate(drafters) if d.name not in dropped]
-        drafters = tuple(drafters[i] for i in keep)
+    dropped: dict[str, str] = {}
+    if spec is not None:  # the governor would never ask them: left out
+        keep, engine, cost, dropped = leave_out_unpaying(spec, model, engine, cost, B)
+        drafters, k_max = engine.drafters, engine.k_max
         drafter_params = tuple(drafter_params[i] for i in keep)
         carried = None if carried is None else tuple(carried[i] for i in keep)
-        k_max = chain_k_max(spec, drafters) if drafters else 0
-        engine = dataclasses.replace(engine, drafters=drafters, k_max=k_max)
-        cost = chain_cost(cost, spec, model, drafters)
     tokens = np.zeros((B, T), np.int32)
     for i, p in enumerate(prompt_ids):
         tokens[i, : len(p)] = p

@@ -529,15 +529,11 @@ class _Runner:
         # drafters the governor would never ask at this batch size: left out of the job
         self.dropped: dict[str, str] = {}
         if spec is not None:
-            self.dropped = api.unpaying_drafters(spec, model, self.engine, self.cost, n_parallel)
-        if spec is not None and self.dropped:
-            keep = [i for i, d in enumerate(self.drafters) if d.name not in self.dropped]
-            self.drafters = tuple(self.drafters[i] for i in keep)
-            self.drafter_params = tuple(self.drafter_params[i] for i in keep)
-            self.engine = dataclasses.replace(
-                self.engine, drafters=self.drafters, k_max=k_max if self.drafters else 0
+            keep, self.engine, self.cost, self.dropped = api.leave_out_unpaying(
+                spec, model, self.engine, self.cost, n_parallel, k_max=k_max
             )
-            self.cost = api.chain_cost(self.cost, spec, model, self.drafters)
+            self.drafters = self.engine.drafters
+            self.drafter_params = tuple(self.drafter_params[i] for i in keep)
         self.stats_host: Any = None
         self.compile_seconds = 0.0
         self.params = api.decode_params(model.params)  # the mesh path below keeps the stored form
