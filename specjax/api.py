@@ -309,6 +309,9 @@ class GenerationResult:
     stats: Any = None
     prompt_tokens: list[list[int]] = dataclasses.field(default_factory=list)
     #: Final drafter states (device arrays), by drafter name; e.g. ngram-cache's context caches.
+    #: A `Generator`'s result holds the Generator's own states: its next call consumes them
+    #: (donated buffers, updated in place), so copy them (`jax.tree.map(jnp.copy, ...)`) to
+    #: keep them past it.
     drafter_states: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -1235,6 +1238,9 @@ class Generator:
     dropped, then the drafters' `process` (the prompt) and `begin` run (ngram-cache's context
     cache and ngram-map's maps are per-request, ngram-mod's pool is not). Carried state never
     recompiles; prompt-length and max_new_tokens buckets compile as in `specjax.generate`.
+    Each request's prefill takes the states as donated buffers (ngram-mod's 32 MB pool is
+    updated in place, not copied per request), so a result's `drafter_states`, which are the
+    Generator's, are valid until its next call.
     """
 
     def __init__(
@@ -1291,9 +1297,9 @@ class Generator:
             drafter_params=self.drafter_params,
             states=self.states,
         )
-        out = generate(
-            self.model,
-            prompts,
+        out = self._generate_carried(
+            model=self.model,
+            prompts=prompts,
             max_new_tokens=max_new_tokens,
             temperature=temperature,
             top_k=top_k,
@@ -1312,3 +1318,14 @@ class Generator:
         )
         self.states = tuple(out.drafter_states[d.name] for d in self.drafters)
         return out
+
+    def _generate_carried(self, **kwargs: Any) -> GenerationResult:
+        """`generate` with this Generator's states, which the prefill consumes (donated: no
+        copy of ngram-mod's pool per request). A call that fails after that leaves fresh
+        states, as `reset` does: what the drafters had learned is gone with the request."""
+        try:
+            return generate(**kwargs)
+        except BaseException:
+            if any(x.is_deleted() for x in jax.tree.leaves(self.states)):
+                self.reset()
+            raise

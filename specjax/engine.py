@@ -205,10 +205,11 @@ def prefill(
     """Evaluate the prompts, sample the first token, prime the drafters.
 
     `states`: drafter states carried over from an earlier call with the same B and S (a
-    server slot's drafter memory across requests, e.g. ngram-mod's pool); None = fresh
-    `init(B, S)`. Carried states first drop every memory cell (`rollback` to 0: a new
-    request, as the server's `seq_rm` of the slot); then `process` and `begin` run as for
-    fresh states, so a drafter's `begin` decides what else a new request resets.
+    server slot's drafter memory across requests, e.g. ngram-mod's pool; donated by
+    `prefill_jit`); None = fresh `init(B, S)`. Carried states first drop every memory cell
+    (`rollback` to 0: a new request, as the server's `seq_rm` of the slot); then `process`
+    and `begin` run as for fresh states, so a drafter's `begin` decides what else a new
+    request resets.
 
     `start`: (cache, n_cached [B]) from restored slots (`specjax.slots`): the cache already
     holds each row's positions 0..n_cached-1, only the rest of the prompt is evaluated (not
@@ -1054,6 +1055,8 @@ def generate_loop(
     return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_rounds, first)[0]
 
 
-prefill_jit = jax.jit(prefill, static_argnames=("engine",))
+# Carried drafter states are donated: ngram-mod's pool (32 MB at the default size) is then
+# updated in place across a Generator's requests instead of copied into a fresh buffer.
+prefill_jit = jax.jit(prefill, static_argnames=("engine",), donate_argnames=("states",))
 step_jit = jax.jit(spec_step, static_argnames=("engine",), donate_argnames=("state",))
 generate_loop_jit = jax.jit(generate_loop, static_argnames=("engine",), donate_argnames=("state",))
