@@ -309,9 +309,10 @@ class GenerationResult:
     stats: Any = None
     prompt_tokens: list[list[int]] = dataclasses.field(default_factory=list)
     #: Final drafter states (device arrays), by drafter name; e.g. ngram-cache's context caches.
-    #: A `Generator`'s result holds the Generator's own states: its next call consumes them
-    #: (donated buffers, updated in place), so copy them (`jax.tree.map(jnp.copy, ...)`) to
-    #: keep them past it.
+    #: Empty unless asked for (`generate(..., return_drafter_states=True)`): they are device
+    #: memory a kept result would pin (ngram-mod's pool alone is 32 MB). A `Generator`'s
+    #: result holds the Generator's own states: its next call consumes them (donated buffers,
+    #: updated in place), so copy them (`jax.tree.map(jnp.copy, ...)`) to keep them past it.
     drafter_states: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
@@ -322,6 +323,14 @@ class GenerationResult:
 #: recently used are dropped above `_COMPILED_MAX` entries or `_MAX_MAPPED_REGIONS` mappings.
 _COMPILED: dict[Any, Any] = {}
 _COMPILED_MAX = 64
+#: Final drafter states of recent one-shot `generate` calls whose chain can renew them
+#: (`renew`: ngram-mod), by (chain, B, S), handed to the next such call as `engine.prefill`'s
+#: spare: it starts from fresh states made in their buffers instead of allocating and filling
+#: them again (32 MB for ngram-mod's default pool: ~6 ms and ~8,000 page faults a call on the
+#: 2-core host). Never read by a run except through `renew`, so no output or statistic
+#: depends on them; `clear_compiled` drops them.
+_SPARES: dict[Any, Any] = {}
+_SPARES_MAX = 2
 _MAX_MAPPED_REGIONS = 32768
 _compiles_made = 0
 
@@ -464,11 +473,13 @@ def compile_count() -> int:
 
 
 def clear_compiled() -> None:
-    """Drop every executable `generate` and JAX's jit caches hold, releasing their memory.
+    """Drop every executable `generate` and JAX's jit caches hold, releasing their memory
+    (and the drafter states kept for the next call's reuse, `_SPARES`).
 
     The next call compiles again (or reads JAX's persistent compilation cache, when on).
     """
     _COMPILED.clear()
+    _SPARES.clear()
     jax.clear_caches()
 
 
@@ -885,6 +896,7 @@ def generate(
     slot_save: str | Sequence[str | None] | None = None,
     slot_restore: str | Sequence[str | None] | None = None,
     slot_overwrite: bool = False,
+    return_drafter_states: bool = False,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -904,7 +916,9 @@ def generate(
     `cache_type_k` / `cache_type_v` (`f32`, `f16`, `bf16`; llama.cpp's `-ctk` / `-ctv`) set
     the target's KV cache types, F16 by default as in llama.cpp. Compilation is cached per static shape; `timings["compile_seconds"]`
     reports it apart from prefill/decode time. Drafter state lives for one call; a
-    `Generator` keeps it across calls.
+    `Generator` keeps it across calls. `return_drafter_states=True` puts the drafters' final
+    states in `result.drafter_states` (by default the result holds none: device memory a
+    kept result would pin, 32 MB for ngram-mod's pool).
 
     Slots (`specjax.slots`, llama.cpp's `--slot-save-path`): `slot_save="NAME"` (or one name
     or None per prompt) saves each prompt's processed state as `slot_save_path/NAME` before
@@ -1064,8 +1078,22 @@ def generate(
         )  # fmt: skip
     tc = time.perf_counter()
     params = decode_params(model.params)
+    # one-shot calls of a chain that can renew its state take the last such call's states
+    # (`_SPARES`) instead of allocating them again (ngram-mod's 32 MB pool)
+    recycle = (
+        _slots is None
+        and not return_drafter_states
+        and any(hasattr(d, "renew") for d in engine.drafters)
+    )
+    spare_key = (engine.drafters, B, S)
+    spare = _SPARES.pop(spare_key, None) if recycle else None
+    init_exe = None
+    if recycle and spare is None:
+        init_exe = _compiled(eng.init_states_jit, engine, lengths_j)
+    spare_shape = init_exe.out_info if init_exe is not None else spare
     prefill_exe = _compiled(
         eng.prefill_jit, engine, params, drafter_params, tokens_j, lengths_j, run, carried, start,
+        spare_shape,
     )  # fmt: skip
     state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
     if stream is None:
@@ -1077,12 +1105,17 @@ def generate(
             model, engine, drafter_params, state_shape, run, stream, stream_rounds, n_prompts
         )
     t0 = time.perf_counter()
-    state = prefill_exe(params, drafter_params, tokens_j, lengths_j, run, carried, start)
+    if init_exe is not None:
+        spare = init_exe(lengths_j)
+    state = prefill_exe(params, drafter_params, tokens_j, lengths_j, run, carried, start, spare)
+    del spare  # (donated)
     jax.block_until_ready(state.last_token)
     t1 = time.perf_counter()
     state = loop_exe(params, drafter_params, state, run)
     jax.block_until_ready(state.out_len)
     t2 = time.perf_counter()
+    if recycle:
+        _lru_put(_SPARES, spare_key, state.drafter_states, lambda d: len(d) > _SPARES_MAX)
     check_overflow(state.cache)
     if n_idle:  # idle slots did not begin a request
         st = state.stats
@@ -1144,7 +1177,9 @@ def generate(
             # a drafter left out of the run keeps the state it came with (a Generator's)
             **({} if _slots is None else dict(zip(built, _slots.states, strict=True))),
             **{d.name: st for d, st in zip(drafters, state.drafter_states)},
-        },
+        }
+        if return_drafter_states or _slots is not None
+        else {},
     )
 
 

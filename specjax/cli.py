@@ -314,6 +314,10 @@ def generate_main(argv: list[str]) -> int:
             sys.stdout.write(text)
             sys.stdout.flush()
 
+    # the run's context caches are merged into the dynamic cache file after it (below)
+    saves_dynamic_cache = bool(
+        spec is not None and "ngram-cache" in spec.types and opts.get("lookup_cache_dynamic")
+    )
     result = generate(
         model,
         prompts,
@@ -330,6 +334,7 @@ def generate_main(argv: list[str]) -> int:
         draft=draft,
         n_ubatch=int(opts["ubatch_size"] or 0),
         **slot_kwargs,
+        return_drafter_states=saves_dynamic_cache,
     )
     for prompt, text in zip(prompts, result.text):
         if stream is not None:
@@ -362,7 +367,7 @@ def generate_main(argv: list[str]) -> int:
     if result.stats is not None:
         for line in result.stats.lines():
             print(line, file=log)
-    if spec is not None and "ngram-cache" in spec.types and opts.get("lookup_cache_dynamic"):
+    if saves_dynamic_cache:
         # llama.cpp's lookup example: merge this run's context caches into the dynamic cache
         from specjax.drafters.ngram_cache import context_cache
         from specjax.lookup import update_dynamic_cache

@@ -201,6 +201,7 @@ def prefill(
     run: RunParams,
     states: tuple[Any, ...] | None = None,
     start: tuple[KVCache, Array] | None = None,
+    spare: tuple[Any, ...] | None = None,
 ) -> GenState:
     """Evaluate the prompts, sample the first token, prime the drafters.
 
@@ -214,6 +215,11 @@ def prefill(
     `start`: (cache, n_cached [B]) from restored slots (`specjax.slots`): the cache already
     holds each row's positions 0..n_cached-1, only the rest of the prompt is evaluated (not
     chunked; drafters see the whole prompt, without hidden states).
+
+    `spare` (with `states` None): the final drafter states of an earlier call with the same
+    chain, B and S, donated; the drafters start from `renewed` ones: fresh states, as
+    `init(B, S)` makes, in the spare's buffers where a drafter can (ngram-mod's pool: no
+    32 MB allocated and filled per call).
     """
     B, T = tokens_BT.shape
     S, out_cap = engine.capacity, engine.out_capacity
@@ -223,7 +229,9 @@ def prefill(
     cache = new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v)
     last_idx = jnp.maximum(lengths_B - 1, 0)
     carried = states is not None
-    if states is None:
+    if states is None and spare is not None:
+        states = renewed(engine, spare, B)
+    elif states is None:
         states = tuple(d.init(B, S) for d in engine.drafters)
     else:
         no_cells = jnp.zeros((B,), jnp.int32)
@@ -311,6 +319,21 @@ def prefill(
         lookup_next=None
         if seen is None or engine.lookup_n is None
         else lookup_index.query(seen, history, lengths_B, first, engine.lookup_n),
+    )
+
+
+def init_states(engine: Engine, lengths_B: Array) -> tuple[Any, ...]:
+    """Fresh drafter states for the rows of `lengths_B` (its shape gives B): a first `spare`
+    for `prefill` (`specjax.api`'s recycled states)."""
+    return tuple(d.init(lengths_B.shape[0], engine.capacity) for d in engine.drafters)
+
+
+def renewed(engine: Engine, spare: tuple[Any, ...], batch: int) -> tuple[Any, ...]:
+    """Fresh drafter states (what `init(batch, S)` gives) from states of those shapes: a
+    drafter with `renew(state)` makes them in the old state's buffers, the others anew."""
+    return tuple(
+        d.renew(s) if hasattr(d, "renew") else d.init(batch, engine.capacity)
+        for d, s in zip(engine.drafters, spare, strict=True)
     )
 
 
@@ -1055,8 +1078,10 @@ def generate_loop(
     return jax.lax.while_loop(lambda c: cond(c[0]), round_then_off_rounds, first)[0]
 
 
-# Carried drafter states are donated: ngram-mod's pool (32 MB at the default size) is then
-# updated in place across a Generator's requests instead of copied into a fresh buffer.
-prefill_jit = jax.jit(prefill, static_argnames=("engine",), donate_argnames=("states",))
+# Carried and spare drafter states are donated: ngram-mod's pool (32 MB at the default size)
+# is then updated in place across a Generator's requests, and renewed in place across
+# `generate` calls, instead of copied or allocated and filled again.
+prefill_jit = jax.jit(prefill, static_argnames=("engine",), donate_argnames=("states", "spare"))
+init_states_jit = jax.jit(init_states, static_argnames=("engine",))
 step_jit = jax.jit(spec_step, static_argnames=("engine",), donate_argnames=("state",))
 generate_loop_jit = jax.jit(generate_loop, static_argnames=("engine",), donate_argnames=("state",))

@@ -415,8 +415,9 @@ def test_chunked_prefill_drafts_like_a_whole_prefill(target, head, plain):
     """Prompts prefilled in chunks of 3 (`-ub 3`: uneven, through the cross-ubatch bridge)
     give the same drafts, acceptances and final head memory as one whole prefill."""
     spec = SpecConfig(types=("draft-eagle3",), adaptive=False, draft_n_max=3)
-    whole = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
-    chunked = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head, n_ubatch=3)
+    kw = dict(max_new_tokens=MAX_NEW, spec=spec, draft=head, return_drafter_states=True)
+    whole = generate(target, PROMPTS, **kw)
+    chunked = generate(target, PROMPTS, **kw, n_ubatch=3)
     assert chunked.tokens == whole.tokens == plain.tokens
     a, b = whole.stats.to_dict(), chunked.stats.to_dict()
     assert a == b and a["num_draft_tokens"] > 0

@@ -149,3 +149,55 @@ def test_carried_pool_is_updated_in_place(target, prompts, monkeypatch):
     assert int(gen.states[0].used) == 0  # fresh
     want = specjax.generate(target, [p, q], max_new_tokens=4, n_ctx=N_CTX).tokens
     assert gen.generate([p, q], max_new_tokens=4).tokens == want
+
+
+def test_one_shot_results_pin_no_drafter_state_unless_asked(target, prompts):
+    """A kept `generate` result holds its drafters' final states only when asked for
+    (`return_drafter_states=True`): each would pin device memory (ngram-mod's pool, 32 MB at
+    the default size: 20 kept results grew the process by ~1.4 GB). A Generator's results
+    always hold its states (its own buffers: no extra memory)."""
+    p, q = prompts
+    spec = spec_config(types=("ngram-mod",), ngram_mod_n_match=4, ngram_mod_pool_size=1 << 12)
+    kw = dict(max_new_tokens=4, spec=spec, n_ctx=N_CTX)
+    kept = specjax.generate(target, [p, q], **kw)
+    asked = specjax.generate(target, [p, q], **kw, return_drafter_states=True)
+    assert kept.drafter_states == {} and kept.tokens == asked.tokens
+    assert asked.drafter_states["ngram-mod"].pool.shape == (1 << 12,)
+    gen = specjax.Generator(target, spec=spec, n_ctx=N_CTX, batch=2)
+    assert gen.generate([p, q], max_new_tokens=4).drafter_states["ngram-mod"] is gen.states[0]
+
+
+def test_one_shot_calls_reuse_the_last_calls_pool_as_fresh(target, prompts):
+    """One-shot `generate` calls of a chain with ngram-mod hand their final states to the next
+    call of the same chain, B and S (`api._SPARES`), which renews them: the pool's buffer is
+    reused (no 32 MB allocated and filled per call), and nothing it held leaks. The first
+    call's prompt P + C fills the pool with the continuation C that a Generator would then
+    draft for P; a one-shot call on P after it drafts nothing, as a fresh run does, and its
+    statistics equal a fresh process's (`clear_compiled` drops the spares)."""
+    p, q = prompts
+    c = specjax.generate(target, [p], max_new_tokens=NEW).tokens[0]
+    spec = spec_config(
+        types=("ngram-mod",),
+        ngram_mod_n_match=4,
+        ngram_mod_n_min=2,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 12,
+    )
+    kw = dict(max_new_tokens=NEW, spec=spec, n_ctx=N_CTX)
+    api.clear_compiled()
+    fresh = specjax.generate(target, [p, q], **kw)
+    api.clear_compiled()
+    specjax.generate(target, [p + c, q], **kw)
+    ((spare,),) = api._SPARES.values()
+    where = spare.pool.unsafe_buffer_pointer()
+    again = specjax.generate(target, [p, q], **kw)
+    ((spare,),) = api._SPARES.values()
+    assert spare.pool.unsafe_buffer_pointer() == where
+    assert again.tokens == fresh.tokens
+    assert again.stats.to_dict() == fresh.stats.to_dict()
+    assert fresh.stats.to_dict()["num_draft_tokens"] == 0
+    # a call that returns its states neither takes the spare nor leaves its own
+    kept = specjax.generate(target, [p, q], **kw, return_drafter_states=True)
+    ((spare,),) = api._SPARES.values()
+    assert spare.pool.unsafe_buffer_pointer() == where
+    assert kept.drafter_states["ngram-mod"].pool.unsafe_buffer_pointer() != where

@@ -509,6 +509,43 @@ def test_mod_rows_share_pool_in_row_order() -> None:
     assert drafts[1] == [7, 8, 9]
 
 
+def test_mod_renew_is_a_fresh_state_in_the_same_buffers() -> None:
+    """`renew` (what `generate` does to the last call's state, `engine.prefill`'s spare) leaves
+    a state that drafts as `init`'s: every slot EMPTY, per-row fields 0, by a new epoch whose
+    pool is not rewritten; at EPOCH_LIMIT the epochs start over with the pool filled."""
+    from specjax.drafters import ngram_mod
+
+    d = NgramMod(n_match=2, n_min=1, n_max=4, pool_size=64)
+    pair = Pair(d, 2, 4)
+    hist = [1, 2, 3] * 15
+    pair.begin([hist, hist[:7]], [True, True])
+    drafts = pair.draft([hist, hist[:7]], [1, 1], [True, True])
+    pair.accept([0, 0], [False, False], [bool(dr) for dr in drafts])
+    used = pair.state
+    assert int(used.used) > 0 and int(used.n_low[0]) == 1 and int(used.i_last[0]) > 0
+    old_pool = np.asarray(used.pool)
+    fresh = d.init(2, 64)
+    renewed = jax.jit(d.renew)(used)
+    for field in ("used", "i_last", "n_draft_last", "n_low"):
+        np.testing.assert_array_equal(getattr(renewed, field), getattr(fresh, field))
+    np.testing.assert_array_equal(pool_view(renewed), pool_view(fresh))
+    np.testing.assert_array_equal(renewed.pool, old_pool)  # not rewritten: a new epoch
+    assert int(renewed.epoch) == int(used.epoch) + 1
+    # a renewed state drafts as a fresh one: nothing before its own prompt is ingested
+    again, new = Pair(d, 2, 4), Pair(d, 2, 4)
+    again.state = renewed
+    for p in (again, new):
+        p.begin([[5, 6, 1, 2], [9, 9]], [True, True])
+    assert again.draft([hist, [9, 9]], [1, 9], [True, True]) == new.draft(
+        [hist, [9, 9]], [1, 9], [True, True]
+    )
+    late = replace(used, epoch=jnp.asarray(ngram_mod.EPOCH_LIMIT, jnp.int32))
+    restarted = d.renew(late)
+    assert int(restarted.epoch) == 1 and int(restarted.used) == 0
+    np.testing.assert_array_equal(restarted.pool, np.full(64, ngram_mod.EMPTY))
+    np.testing.assert_array_equal(restarted.stamp, np.zeros(64))
+
+
 def test_mod_hash_matches_uint64_reference() -> None:
     rng = random.Random(0)
     for p in (4 * 1024 * 1024, 61, 12345, 1000003, 1, 2**30):

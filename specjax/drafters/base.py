@@ -15,6 +15,12 @@ static configuration (it can be a jit static argument) and implementing:
     set_spec_state(state, saved, rows_B) -> state              every row's blob ([B] leading
                                                                leaves); restores rows_B (see
                                                                take_spec_state / load_spec_state)
+    renew(state) -> state                                      optional: a fresh state (what
+                                                               `init` gives at its shapes) made
+                                                               in an old one's buffers, so that
+                                                               one-shot `generate` calls need
+                                                               not allocate large state again
+                                                               (`engine.prefill`'s spare)
 
 Static facts a drafter instance reports (attributes, class-level or per instance):
 * `hidden_layers`: target layer ids whose features `process` reads from

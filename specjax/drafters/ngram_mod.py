@@ -12,6 +12,8 @@ State (`NgramModState`):
   row's last draft), `n_low` (low-acceptance streak).
 * Jit `begin`/`draft`/`accept` with the state donated (`donate_argnums`): the pool is then
   updated in place; without donation every call copies it (16 MiB x 2 at the default size).
+  `renew` makes a fresh state in an old one's buffers (a new epoch): `generate` hands each
+  one-shot call the last one's state instead of allocating and filling the pool again.
 
 64-bit hashing without x64: JAX has no usable uint64 unless `jax_enable_x64` is on (it is not,
 and must not be switched on globally), so a 64-bit value is a pair of uint32 halves (hi, lo).
@@ -71,6 +73,9 @@ POOL_SIZE = 4 * 1024 * 1024
 EMPTY = -1
 LCG_FACTOR = 6364136223846793005
 CHUNK = 32  # ingestion happens once more than CHUNK new tokens are pending
+#: `renew` starts the epochs over (filling the pool once) from here: a run's resets, one per
+#: epoch, then still fit below int32's end.
+EPOCH_LIMIT = 1 << 30
 _DRAFT_CHUNK = 64  # n-grams per ingestion step in `draft` (one step for the usual ~9-40)
 _BEGIN_CHUNK = 256  # n-grams per ingestion step in `begin` (whole prompts)
 _LOG_PER_ROW = 48  # a draft call adding <= 48 * B n-grams in total takes the all-rows path
@@ -210,6 +215,32 @@ class NgramMod(ModelFreeDrafter):
             i_last=jnp.zeros((batch,), jnp.int32),
             n_draft_last=jnp.zeros((batch,), jnp.int32),
             n_low=jnp.zeros((batch,), jnp.int32),
+        )
+
+    def renew(self, state: NgramModState) -> NgramModState:
+        """A fresh state (as `init` at the same B) in `state`'s buffers: every slot EMPTY by
+        a new epoch, so the `[P]` arrays are neither allocated nor filled (`generate` hands
+        each call the last call's state, `engine.prefill`'s `spare`). Near int32's end the
+        epochs start over: the arrays are then filled once (a loop run 0 or 1 times, not
+        `lax.cond`, whose branches would copy the pool)."""
+
+        zero = jnp.zeros_like(state.epoch)
+
+        def refill(c: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
+            _, pool, stamp, _ = c
+            return jnp.bool_(False), jnp.full_like(pool, EMPTY), jnp.zeros_like(stamp), zero
+
+        init = (state.epoch >= EPOCH_LIMIT, state.pool, state.stamp, state.epoch)
+        _, pool, stamp, epoch = lax.while_loop(lambda c: c[0], refill, init)
+        zeros_B = jnp.zeros_like(state.i_last)
+        return NgramModState(
+            pool=pool,
+            stamp=stamp,
+            epoch=epoch + 1,
+            used=jnp.zeros_like(state.used),
+            i_last=zeros_B,
+            n_draft_last=jnp.zeros_like(zeros_B),
+            n_low=jnp.zeros_like(zeros_B),
         )
 
     # ------------------------------------------------------------------ pool primitives
