@@ -13,13 +13,13 @@ import gc
 import time
 import warnings
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, compile_cache, cpu_kernels, sampling
+from specjax import adaptive, compile_cache, cpu_kernels, lookup_index, sampling
 from specjax import engine as eng
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
@@ -35,7 +35,7 @@ from specjax.models.llama import (
     kernel_weights,
     new_cache,
 )
-from specjax.types import Params
+from specjax.types import Array, Params
 
 
 @dataclasses.dataclass(frozen=True)
@@ -451,7 +451,8 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
     """
     global _compiles_made
     leaves, treedef = jax.tree.flatten(args)
-    key = (fn, engine, treedef, tuple((tuple(x.shape), str(x.dtype)) for x in leaves))
+    # (dtypes as they are: str() of each of the ~270 leaves' was ~1.3 ms of a call)
+    key = (fn, engine, treedef, tuple((tuple(x.shape), x.dtype) for x in leaves))
     exe = _COMPILED.pop(key, None)
     if exe is not None:
         _COMPILED[key] = exe  # most recently used
@@ -859,12 +860,22 @@ def _never_asks(
 
 @dataclasses.dataclass(frozen=True)
 class _Slots:
-    """A `Generator`'s fixed rows: batch B, its built drafters and their carried states."""
+    """A `Generator`'s fixed rows: batch B, its built drafters and their carried states.
+
+    `lookup_seen`: the lookup table the last call ended with, as `((n, gap, shape), table)`,
+    `EMPTY_TABLE` (fresh states: their memory holds nothing), or None (unknown); `carry`
+    receives this call's (`generate` writes it after the run)."""
 
     batch: int
     drafters: tuple[Any, ...]
     drafter_params: tuple[Any, ...]
     states: tuple[Any, ...]
+    lookup_seen: Any = None
+    carry: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
+#: `_Slots.lookup_seen` of fresh drafter states.
+EMPTY_TABLE = "empty"
 
 
 #: Sampling values of an idle Generator slot (greedy, all samplers off).
@@ -1047,23 +1058,19 @@ def generate(
     for i, p in enumerate(prompt_ids):
         tokens[i, : len(p)] = p
     lengths = np.asarray([len(p) for p in prompt_ids], np.int32)
+    # NumPy leaves: the executables take them in with their other arguments, where each
+    # jnp.asarray would dispatch an op of its own (~25 a call, ~1 ms of host time)
     run = eng.RunParams(
-        sampling=sampling.SamplingParams.create(
-            batch=B,
-            **{name: jnp.asarray(value) for name, value in sampling_args.items()},
-            seed=jnp.asarray(seeds % (1 << 32), jnp.uint32),
-        ),
-        max_new=jnp.asarray(max_new, jnp.int32),
-        n_max=jnp.asarray(spec.draft_n_max if spec else 0, jnp.int32),
-        chain_n_max=jnp.asarray(spec.n_max() if spec else 0, jnp.int32),
-        n_min=jnp.asarray(spec.draft_n_min if spec else 0, jnp.int32),
-        p_min=jnp.asarray(spec.draft_p_min if spec else 0.0, jnp.float32),
-        synth_rates=jnp.asarray(
-            synth if synth is not None else np.zeros(max(k_max, 1)), jnp.float32
-        ),
+        sampling=sampling.SamplingParams.host(B, seed=seeds, **sampling_args),
+        max_new=_host_leaf(max_new, np.int32),
+        n_max=_host_leaf(spec.draft_n_max if spec else 0, np.int32),
+        chain_n_max=_host_leaf(spec.n_max() if spec else 0, np.int32),
+        n_min=_host_leaf(spec.draft_n_min if spec else 0, np.int32),
+        p_min=_host_leaf(spec.draft_p_min if spec else 0.0, np.float32),
+        synth_rates=_host_leaf(synth if synth is not None else np.zeros(max(k_max, 1)), np.float32),
         cost=cost,
     )
-    tokens_j, lengths_j = jnp.asarray(tokens), jnp.asarray(lengths)
+
     start = None
     if slot_states is not None and any(st is not None for st in slot_states):
         from specjax import slots as slots_mod
@@ -1089,11 +1096,20 @@ def generate(
     spare = _SPARES.pop(spare_key, None) if recycle else None
     init_exe = None
     if recycle and spare is None:
-        init_exe = _compiled(eng.init_states_jit, engine, lengths_j)
+        init_exe = _compiled(eng.init_states_jit, engine, lengths)
     spare_shape = init_exe.out_info if init_exe is not None else spare
+    # a Generator's chain with a shared lookup table: the table its last call ended with
+    table_key, seen = None, None
+    if _slots is not None and engine.lookup_n is not None and engine.lookup_shared:
+        table_key = (engine.lookup_n, engine.lookup_gap, lookup_index.table_shape(B, S, True))
+        held = _slots.lookup_seen
+        if held is EMPTY_TABLE:
+            seen = jnp.zeros(table_key[2], bool)
+        elif held is not None and held[0] == table_key:
+            seen = held[1]
     prefill_exe = _compiled(
-        eng.prefill_jit, engine, params, drafter_params, tokens_j, lengths_j, run, carried, start,
-        spare_shape,
+        eng.prefill_jit, engine, params, drafter_params, tokens, lengths, run, carried, start,
+        spare_shape, seen,
     )  # fmt: skip
     state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
     if stream is None:
@@ -1106,9 +1122,9 @@ def generate(
         )
     t0 = time.perf_counter()
     if init_exe is not None:
-        spare = init_exe(lengths_j)
-    state = prefill_exe(params, drafter_params, tokens_j, lengths_j, run, carried, start, spare)
-    del spare  # (donated)
+        spare = init_exe(lengths)
+    state = prefill_exe(params, drafter_params, tokens, lengths, run, carried, start, spare, seen)
+    del spare, seen  # (donated)
     jax.block_until_ready(state.last_token)
     t1 = time.perf_counter()
     state = loop_exe(params, drafter_params, state, run)
@@ -1116,6 +1132,8 @@ def generate(
     t2 = time.perf_counter()
     if recycle:
         _lru_put(_SPARES, spare_key, state.drafter_states, lambda d: len(d) > _SPARES_MAX)
+    if table_key is not None and _slots is not None:
+        _slots.carry["lookup_seen"] = (table_key, state.lookup_seen)
     check_overflow(state.cache)
     if n_idle:  # idle slots did not begin a request
         st = state.stats
@@ -1181,6 +1199,11 @@ def generate(
         if return_drafter_states or _slots is not None
         else {},
     )
+
+
+def _host_leaf(value: Any, dtype: Any) -> Array:
+    """A NumPy leaf of an entry point's arguments (typed as the jax.Array it becomes there)."""
+    return cast(Array, np.asarray(value, dtype))
 
 
 def _slot_kwargs(path: Any, save: Any, restore: Any, overwrite: bool) -> dict[str, Any]:
@@ -1311,6 +1334,8 @@ class Generator:
     def reset(self) -> None:
         """Forget what the drafters learned (fresh states, as a new server)."""
         self.states: tuple[Any, ...] = tuple(d.init(self.batch, self.n_ctx) for d in self.drafters)
+        # the n-grams their shared memory may hold: none (`specjax.lookup_index`)
+        self.lookup_seen: Any = EMPTY_TABLE
 
     def generate(
         self,
@@ -1331,6 +1356,7 @@ class Generator:
             drafters=self.drafters,
             drafter_params=self.drafter_params,
             states=self.states,
+            lookup_seen=self.lookup_seen,
         )
         out = self._generate_carried(
             model=self.model,
@@ -1352,6 +1378,7 @@ class Generator:
             _slots=slots,
         )
         self.states = tuple(out.drafter_states[d.name] for d in self.drafters)
+        self.lookup_seen = slots.carry.get("lookup_seen", self.lookup_seen)
         return out
 
     def _generate_carried(self, **kwargs: Any) -> GenerationResult:

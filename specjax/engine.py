@@ -202,6 +202,7 @@ def prefill(
     states: tuple[Any, ...] | None = None,
     start: tuple[KVCache, Array] | None = None,
     spare: tuple[Any, ...] | None = None,
+    lookup_seen: Array | None = None,
 ) -> GenState:
     """Evaluate the prompts, sample the first token, prime the drafters.
 
@@ -220,6 +221,10 @@ def prefill(
     chain, B and S, donated; the drafters start from `renewed` ones: fresh states, as
     `init(B, S)` makes, in the spare's buffers where a drafter can (ngram-mod's pool: no
     32 MB allocated and filled per call).
+
+    `lookup_seen` (with carried `states`): the lookup table (`GenState.lookup_seen`) the call that
+    left them ended with, donated: the n-grams their shared memory may hold, to which the
+    prompts' are added (None: unknown, every row stays askable; `prompt_lookup_index`).
     """
     B, T = tokens_BT.shape
     S, out_cap = engine.capacity, engine.out_capacity
@@ -300,7 +305,7 @@ def prefill(
     )
     stats = stats_mod.SpecStats.create(len(engine.drafters), max(engine.k_max, 1))
     stats = stats_mod.record_begin(stats, jnp.ones((B,), bool))
-    seen = prompt_lookup_index(engine, history, lengths_B, carried)
+    seen = prompt_lookup_index(engine, history, lengths_B, carried, lookup_seen)
     return GenState(
         cache=cache,
         history=history,
@@ -338,19 +343,25 @@ def renewed(engine: Engine, spare: tuple[Any, ...], batch: int) -> tuple[Any, ..
 
 
 def prompt_lookup_index(
-    engine: Engine, history_BS: Array, lengths_B: Array, carried: bool = False
+    engine: Engine,
+    history_BS: Array,
+    lengths_B: Array,
+    carried: bool = False,
+    seen: Array | None = None,
 ) -> Array | None:
     """The lookup index (`specjax.lookup_index`) of rows starting on these prompts, or None
     (the chain has none). `carried` (static): the drafter states come from an earlier call;
-    memory they share across requests may hold any n-gram, so a shared table starts full."""
+    memory they share across requests may hold any n-gram, so a shared table starts full,
+    or from `seen`, the table that call ended with (its n-grams and the prompts')."""
     n = engine.lookup_n
     if n is None:
         return None
     shared = engine.lookup_shared
     shape = lookup_index.table_shape(history_BS.shape[0], engine.capacity, shared)
-    if carried and shared:
+    if carried and shared and seen is None:
         return jnp.ones(shape, bool)
-    return lookup_index.build(history_BS, lengths_B, n, shape, engine.lookup_gap)
+    table = seen if carried and shared else None
+    return lookup_index.build(history_BS, lengths_B, n, shape, engine.lookup_gap, table)
 
 
 def _prefill_chunked(
@@ -1081,7 +1092,9 @@ def generate_loop(
 # Carried and spare drafter states are donated: ngram-mod's pool (32 MB at the default size)
 # is then updated in place across a Generator's requests, and renewed in place across
 # `generate` calls, instead of copied or allocated and filled again.
-prefill_jit = jax.jit(prefill, static_argnames=("engine",), donate_argnames=("states", "spare"))
+prefill_jit = jax.jit(
+    prefill, static_argnames=("engine",), donate_argnames=("states", "spare", "lookup_seen")
+)
 init_states_jit = jax.jit(init_states, static_argnames=("engine",))
 step_jit = jax.jit(spec_step, static_argnames=("engine",), donate_argnames=("state",))
 generate_loop_jit = jax.jit(generate_loop, static_argnames=("engine",), donate_argnames=("state",))

@@ -33,7 +33,9 @@ Invariants:
   n-grams of another row or of an earlier request, so the one table collects every row's
   n-grams and is never cleared (continuous batching keeps it across requests, as the pool
   is kept). When such a state is carried into a call (a server slot's drafter memory), the
-  n-grams it already holds are unknown: the table starts full and every row stays askable.
+  n-grams it already holds are unknown: the table starts full and every row stays askable,
+  unless the table of the call that left the state comes with it (a `Generator` keeps it
+  beside its drafter states): the new prompts' n-grams are then added to it.
 * The index decides only whether the governor asks a row (`engine.draft_budget`): with the
   cost model off (llama.cpp's behaviour, `adaptive=False`) every row is asked as before,
   and the tokens never depend on it.
@@ -41,6 +43,7 @@ Invariants:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -118,6 +121,13 @@ def lookup_gap(drafters: Sequence[Any]) -> int:
 def shares_memory(drafters: Sequence[Any], capacity: int) -> bool:
     """Whether some drafter's state has a leaf without the batch axis (memory shared by the
     rows and kept across requests, such as ngram-mod's pool)."""
+    return _shares_memory(tuple(drafters), capacity)
+
+
+@functools.lru_cache(maxsize=64)
+def _shares_memory(drafters: tuple[Any, ...], capacity: int) -> bool:
+    # (cached: two `eval_shape`s of each drafter's `init`, ~3 ms, for an answer fixed by
+    # the configuration, asked by each `generate` call of a Generator)
     return not all(all(per_row_leaves(d, capacity)) for d in drafters)
 
 
@@ -156,11 +166,17 @@ def _key_hashes(keys_BEk: Array) -> Array:
 
 
 def build(
-    history_BS: Array, length_B: Array, n: int, shape: tuple[int, int], gap: int = 0
+    history_BS: Array,
+    length_B: Array,
+    n: int,
+    shape: tuple[int, int],
+    gap: int = 0,
+    table: Array | None = None,
 ) -> Array:
-    """A table holding the n-grams ending at positions n-1 .. length-1-gap of every row."""
+    """A table holding the n-grams ending at positions n-1 .. length-1-gap of every row (and
+    those `table`, of that shape, already holds)."""
     S = history_BS.shape[1]
-    table = jnp.zeros(shape, bool)
+    table = jnp.zeros(shape, bool) if table is None else table
     count = jnp.maximum(length_B - gap, 0)
     return insert(table, history_BS, jnp.zeros_like(length_B), count, n, S)
 

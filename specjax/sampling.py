@@ -27,6 +27,7 @@ Invariants:
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any, cast
 
 import jax
 import jax.numpy as jnp
@@ -109,6 +110,36 @@ class SamplingParams:
             min_p=conv(min_p, jnp.float32),
             repeat_penalty=conv(repeat_penalty, jnp.float32),
             seed=conv(seed, jnp.uint32),
+        )
+
+    @classmethod
+    def host(
+        cls,
+        batch: int,
+        *,
+        temperature: Any,
+        top_k: Any,
+        top_p: Any,
+        min_p: Any,
+        repeat_penalty: Any,
+        seed: Any,
+    ) -> SamplingParams:
+        """`create(batch, ...)` with NumPy `[batch]` leaves, for the host to hand an entry
+        point: no JAX op is dispatched to build them (each `jnp.asarray` / `astype` /
+        `broadcast_to` of `create` is one, ~18 a call), the executable takes them in with its
+        other arguments. Seeds are taken modulo 2**32."""
+
+        def conv(value: Any, dtype: Any) -> Array:
+            arr = np.ascontiguousarray(np.broadcast_to(np.asarray(value).astype(dtype), (batch,)))
+            return cast(Array, arr)  # (a leaf an entry point takes as it takes a jax.Array)
+
+        return cls(
+            temperature=conv(temperature, np.float32),
+            top_k=conv(top_k, np.int32),
+            top_p=conv(top_p, np.float32),
+            min_p=conv(min_p, np.float32),
+            repeat_penalty=conv(repeat_penalty, np.float32),
+            seed=conv(np.asarray(seed, np.int64) % (1 << 32), np.uint32),
         )
 
     def broadcast(self, batch: int) -> SamplingParams:

@@ -201,3 +201,31 @@ def test_one_shot_calls_reuse_the_last_calls_pool_as_fresh(target, prompts):
     ((spare,),) = api._SPARES.values()
     assert spare.pool.unsafe_buffer_pointer() == where
     assert kept.drafter_states["ngram-mod"].pool.unsafe_buffer_pointer() != where
+
+
+def test_a_generator_keeps_its_lookup_table_beside_the_pool(target, prompts):
+    """With the draft governor on, ngram-mod is asked only where the n-gram ending at a row's
+    last token may be in its pool (`specjax.lookup_index`). A Generator keeps the table its
+    last request ended with beside the pool, so a request asks where a one-shot call would,
+    plus where earlier requests' n-grams are: the first request (a fresh pool) has a one-shot
+    call's statistics exactly, and the next finds the continuation the first one taught (a
+    table rebuilt from the prompt alone would not ask there). A carried pool's table used to
+    start full: every row askable, every round."""
+    p, q = prompts
+    plain = specjax.generate(target, [p, q], max_new_tokens=NEW)
+    c = plain.tokens[0]
+    spec = SpecConfig(
+        types=("ngram-mod",),
+        ngram_mod_n_match=4,
+        ngram_mod_n_min=2,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 12,
+    )
+    gen = specjax.Generator(target, spec=spec, n_ctx=N_CTX, batch=2)
+    first = gen.generate([p + c, q], max_new_tokens=NEW)
+    one = specjax.generate(target, [p + c, q], max_new_tokens=NEW, spec=spec, n_ctx=N_CTX)
+    assert first.tokens == one.tokens
+    assert first.stats.to_dict() == one.stats.to_dict()
+    second = gen.generate([p, q], max_new_tokens=NEW)
+    assert second.tokens == plain.tokens
+    assert second.stats.to_dict()["num_accepted_tokens"] >= NEW // 2

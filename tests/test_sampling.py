@@ -211,6 +211,31 @@ def test_create_broadcasts_and_sampling_traces_once():
         step(logits, p, make_keys(p.seed, jnp.arange(4), ROLE_SAMPLE))
 
 
+def test_host_params_equal_create_and_share_its_trace():
+    """`SamplingParams.host` (NumPy leaves, what `generate` hands its executables) holds what
+    `create` does, per row and seed modulo 2**32, and a step traced with one traces for the
+    other."""
+    kw = dict(temperature=[0.0, 0.7], top_k=[0, 40], top_p=[1.0, 0.9], min_p=[0.05, 0.0])
+    seeds = np.asarray([2**32 + 5, 2**31 + 1])
+    host = SamplingParams.host(2, repeat_penalty=[1.0, 1.1], seed=seeds, **kw)
+    made = SamplingParams.create(
+        2, repeat_penalty=jnp.asarray([1.0, 1.1]), seed=jnp.asarray([5, 2**31 + 1], jnp.uint32),
+        **{k: jnp.asarray(v) for k, v in kw.items()},
+    )  # fmt: skip
+    for a, b in zip(jax.tree.leaves(host), jax.tree.leaves(made)):
+        assert isinstance(a, np.ndarray) and a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(a, np.asarray(b))
+
+    @jax.jit
+    @chex.assert_max_traces(n=1)
+    def step(logits, params, keys):
+        return sample(logits, params, keys)
+
+    logits = jnp.zeros((2, 6), jnp.float32)
+    for p in (made, host):
+        step(logits, p, make_keys(p.seed, jnp.arange(2), ROLE_SAMPLE))
+
+
 @pytest.mark.parametrize("top_k", [small_top_k, top_k_rounds], ids=["small_top_k", "xla_rounds"])
 @pytest.mark.parametrize("k", [1, 10, 50])
 def test_small_top_k_is_a_stable_descending_sort_prefix(k, top_k):
