@@ -24,7 +24,6 @@ object.
 from __future__ import annotations
 
 import argparse
-import json
 import resource
 import statistics
 import sys
@@ -33,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _common import DEFAULT_TARGET, machine, refuse_overwrite
+from _common import DEFAULT_TARGET, emit, machine, refuse_overwrite
 from peers import PROMPT_FILES, llamacpp_prompt_ids
 
 import specjax
@@ -136,10 +135,7 @@ def main() -> None:
         "configs": report_rows,
         "kept_results": kept_results,
     }
-    text = json.dumps(report, indent=1)
-    if args.out is not None:
-        args.out.write_text(text + "\n")
-    print(text)
+    emit(report, args.out)
 
 
 if __name__ == "__main__":

@@ -323,6 +323,9 @@ class GenerationResult:
 #: recently used are dropped above `_COMPILED_MAX` entries or `_MAX_MAPPED_REGIONS` mappings.
 _COMPILED: dict[Any, Any] = {}
 _COMPILED_MAX = 64
+_MAX_MAPPED_REGIONS = 32768
+_compiles_made = 0
+
 #: Final drafter states of recent one-shot `generate` calls whose chain can renew them
 #: (`renew`: ngram-mod), by (chain, B, S), handed to the next such call as `engine.prefill`'s
 #: spare: it starts from fresh states made in their buffers instead of allocating and filling
@@ -331,8 +334,6 @@ _COMPILED_MAX = 64
 #: depends on them; `clear_compiled` drops them.
 _SPARES: dict[Any, Any] = {}
 _SPARES_MAX = 2
-_MAX_MAPPED_REGIONS = 32768
-_compiles_made = 0
 
 
 def _mapped_regions() -> int:
@@ -1070,7 +1071,6 @@ def generate(
         synth_rates=_host_leaf(synth if synth is not None else np.zeros(max(k_max, 1)), np.float32),
         cost=cost,
     )
-
     start = None
     if slot_states is not None and any(st is not None for st in slot_states):
         from specjax import slots as slots_mod

@@ -32,6 +32,19 @@ def spec_config(**kw: object) -> SpecConfig:
     return SpecConfig(**kw)  # type: ignore[arg-type]
 
 
+def mod_spec(**kw: object) -> SpecConfig:
+    """ngram-mod over the tiny model's streams: 4-grams, drafts of 2-8 tokens, a small pool;
+    no draft governor unless `adaptive=True`."""
+    base: dict[str, object] = dict(
+        types=("ngram-mod",),
+        ngram_mod_n_match=4,
+        ngram_mod_n_min=2,
+        ngram_mod_n_max=8,
+        ngram_mod_pool_size=1 << 12,
+    )
+    return spec_config(**{**base, **kw})
+
+
 @pytest.fixture(scope="module")
 def target():
     return tiny_model(0)
@@ -50,13 +63,7 @@ def test_ngram_mod_pool_outlives_a_request(target, prompts):
     p, q = prompts
     plain = specjax.generate(target, [p, q], max_new_tokens=NEW)
     c = plain.tokens[0]
-    spec = spec_config(
-        types=("ngram-mod",),
-        ngram_mod_n_match=4,
-        ngram_mod_n_min=2,
-        ngram_mod_n_max=8,
-        ngram_mod_pool_size=1 << 12,
-    )
+    spec = mod_spec()
     fresh = specjax.generate(target, [p, q], max_new_tokens=NEW, spec=spec, n_ctx=N_CTX)
     assert fresh.tokens == plain.tokens
     assert fresh.stats.to_dict()["num_draft_tokens"] == 0
@@ -129,7 +136,7 @@ def test_carried_pool_is_updated_in_place(target, prompts, monkeypatch):
     the default 32 MB). A request that fails after the prefill consumed the states leaves
     fresh ones (as `reset`), and the next request runs and equals plain decoding."""
     p, q = prompts
-    spec = spec_config(types=("ngram-mod",), ngram_mod_n_match=4, ngram_mod_pool_size=1 << 12)
+    spec = mod_spec()
     gen = specjax.Generator(target, spec=spec, n_ctx=N_CTX, batch=2)
     gen.generate([p, q], max_new_tokens=4)  # compiles; the states now come from a request
     pool = gen.states[0].pool
@@ -157,7 +164,7 @@ def test_one_shot_results_pin_no_drafter_state_unless_asked(target, prompts):
     the default size: 20 kept results grew the process by ~1.4 GB). A Generator's results
     always hold its states (its own buffers: no extra memory)."""
     p, q = prompts
-    spec = spec_config(types=("ngram-mod",), ngram_mod_n_match=4, ngram_mod_pool_size=1 << 12)
+    spec = mod_spec()
     kw = dict(max_new_tokens=4, spec=spec, n_ctx=N_CTX)
     kept = specjax.generate(target, [p, q], **kw)
     asked = specjax.generate(target, [p, q], **kw, return_drafter_states=True)
@@ -176,13 +183,7 @@ def test_one_shot_calls_reuse_the_last_calls_pool_as_fresh(target, prompts):
     statistics equal a fresh process's (`clear_compiled` drops the spares)."""
     p, q = prompts
     c = specjax.generate(target, [p], max_new_tokens=NEW).tokens[0]
-    spec = spec_config(
-        types=("ngram-mod",),
-        ngram_mod_n_match=4,
-        ngram_mod_n_min=2,
-        ngram_mod_n_max=8,
-        ngram_mod_pool_size=1 << 12,
-    )
+    spec = mod_spec()
     kw = dict(max_new_tokens=NEW, spec=spec, n_ctx=N_CTX)
     api.clear_compiled()
     fresh = specjax.generate(target, [p, q], **kw)
@@ -214,13 +215,7 @@ def test_a_generator_keeps_its_lookup_table_beside_the_pool(target, prompts):
     p, q = prompts
     plain = specjax.generate(target, [p, q], max_new_tokens=NEW)
     c = plain.tokens[0]
-    spec = SpecConfig(
-        types=("ngram-mod",),
-        ngram_mod_n_match=4,
-        ngram_mod_n_min=2,
-        ngram_mod_n_max=8,
-        ngram_mod_pool_size=1 << 12,
-    )
+    spec = mod_spec(adaptive=True)
     gen = specjax.Generator(target, spec=spec, n_ctx=N_CTX, batch=2)
     first = gen.generate([p + c, q], max_new_tokens=NEW)
     one = specjax.generate(target, [p + c, q], max_new_tokens=NEW, spec=spec, n_ctx=N_CTX)
