@@ -54,6 +54,17 @@ DEFAULT_REPEAT_PENALTY = 1.0
 DEFAULT_PENALTY_LAST_N = 64
 
 
+#: `SamplingParams`' fields and their dtypes, in order.
+_FIELDS = (
+    ("temperature", np.float32),
+    ("top_k", np.int32),
+    ("top_p", np.float32),
+    ("min_p", np.float32),
+    ("repeat_penalty", np.float32),
+    ("seed", np.uint32),
+)
+
+
 @pytree_dataclass
 class SamplingParams:
     """Per-row target sampling parameters (all leaves; nothing static).
@@ -94,8 +105,8 @@ class SamplingParams:
         Seeds are taken modulo 2**32 (llama.cpp seeds are uint32).
         """
 
-        def conv(value: float | Array, dtype: jnp.dtype) -> Array:
-            if dtype == jnp.uint32 and isinstance(value, int):
+        def conv(value: float | Array, dtype: Any) -> Array:
+            if dtype == np.uint32 and isinstance(value, int):
                 arr = jnp.asarray(np.uint32(value % (1 << 32)))
             else:
                 arr = jnp.asarray(value).astype(dtype)
@@ -103,14 +114,8 @@ class SamplingParams:
                 arr = jnp.broadcast_to(arr, (batch,))
             return arr
 
-        return cls(
-            temperature=conv(temperature, jnp.float32),
-            top_k=conv(top_k, jnp.int32),
-            top_p=conv(top_p, jnp.float32),
-            min_p=conv(min_p, jnp.float32),
-            repeat_penalty=conv(repeat_penalty, jnp.float32),
-            seed=conv(seed, jnp.uint32),
-        )
+        values = (temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        return cls(**{f: conv(v, dtype) for (f, dtype), v in zip(_FIELDS, values, strict=True)})
 
     @classmethod
     def host(
@@ -133,14 +138,9 @@ class SamplingParams:
             arr = np.ascontiguousarray(np.broadcast_to(np.asarray(value).astype(dtype), (batch,)))
             return cast(Array, arr)  # (a leaf an entry point takes as it takes a jax.Array)
 
-        return cls(
-            temperature=conv(temperature, np.float32),
-            top_k=conv(top_k, np.int32),
-            top_p=conv(top_p, np.float32),
-            min_p=conv(min_p, np.float32),
-            repeat_penalty=conv(repeat_penalty, np.float32),
-            seed=conv(np.asarray(seed, np.int64) % (1 << 32), np.uint32),
-        )
+        seed = np.asarray(seed, np.int64) % (1 << 32)
+        values = (temperature, top_k, top_p, min_p, repeat_penalty, seed)
+        return cls(**{f: conv(v, dtype) for (f, dtype), v in zip(_FIELDS, values, strict=True)})
 
     def broadcast(self, batch: int) -> SamplingParams:
         """Every field broadcast to `[batch]` (scalars repeated; `[batch]` fields unchanged)."""
