@@ -677,7 +677,8 @@ def cost_model(
     capacity: int = 0,
     drafters: Sequence[Any] = (),
 ) -> CostModel:
-    """The draft governor's cost model for a run (see specjax.adaptive); traced values.
+    """The draft governor's cost model for a run (see specjax.adaptive): traced values, built
+    as NumPy leaves (an entry point takes them in with its other arguments).
 
     `drafters`: the chain as built (`registry.build_drafters`), priced by `chain_call_price`
     unless `spec.cost_call` is given.
@@ -710,14 +711,14 @@ def cost_model(
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-    return CostModel(
-        enabled=jnp.asarray(enabled),
-        verify_token=jnp.asarray(verify, jnp.float32),
-        draft_step=jnp.asarray(draft_step, jnp.float32),
-        call=jnp.asarray(call, jnp.float32),
+    return CostModel(  # (NumPy leaves, as `generate`'s other run parameters)
+        enabled=_host_leaf(enabled, np.bool_),
+        verify_token=_host_leaf(verify, np.float32),
+        draft_step=_host_leaf(draft_step, np.float32),
+        call=_host_leaf(call, np.float32),
         # draft-simple's model skips the rounds it is not asked in and catches up before it
         # drafts (None for other chains: no catch-up term in their programs)
-        catch_up=jnp.asarray(draft_step, jnp.float32) if simple else None,
+        catch_up=_host_leaf(draft_step, np.float32) if simple else None,
     )
 
 
@@ -742,8 +743,8 @@ def chain_cost(
     stepped = bool(names & {"draft-simple", "draft-eagle3"}) or spec.cost_draft_step is not None
     return dataclasses.replace(
         cost,
-        call=jnp.asarray(call, jnp.float32),
-        draft_step=cost.draft_step if stepped else jnp.zeros((), jnp.float32),
+        call=_host_leaf(call, np.float32),
+        draft_step=cost.draft_step if stepped else _host_leaf(0.0, np.float32),
         catch_up=cost.catch_up if "draft-simple" in names else None,
     )
 
