@@ -711,14 +711,22 @@ def cost_model(
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-    return CostModel(  # (NumPy leaves, as `generate`'s other run parameters)
+    # draft-simple's model skips the rounds it is not asked in and catches up before it
+    # drafts (None for other chains: no catch-up term in their programs)
+    return _priced(enabled, verify, draft_step, call, draft_step if simple else None)
+
+
+def _priced(
+    enabled: bool, verify_token: float, draft_step: float, call: float, catch_up: float | None
+) -> CostModel:
+    """A `CostModel` of these prices (NumPy leaves, as `generate`'s other run parameters)."""
+    f32 = np.float32
+    return CostModel(
         enabled=_host_leaf(enabled, np.bool_),
-        verify_token=_host_leaf(verify, np.float32),
-        draft_step=_host_leaf(draft_step, np.float32),
-        call=_host_leaf(call, np.float32),
-        # draft-simple's model skips the rounds it is not asked in and catches up before it
-        # drafts (None for other chains: no catch-up term in their programs)
-        catch_up=_host_leaf(draft_step, np.float32) if simple else None,
+        verify_token=_host_leaf(verify_token, f32),
+        draft_step=_host_leaf(draft_step, f32),
+        call=_host_leaf(call, f32),
+        catch_up=None if catch_up is None else _host_leaf(catch_up, f32),
     )
 
 
@@ -849,14 +857,7 @@ def _never_asks(
     """`adaptive.never_asks` of an enabled cost model, by value: it runs ~10 ms of small
     eager ops, about half of a short `generate` call's own time, so each price is weighed
     once per process."""
-    f32 = jnp.float32
-    cost = CostModel(
-        enabled=jnp.asarray(True),
-        verify_token=jnp.asarray(verify_token, f32),
-        draft_step=jnp.asarray(draft_step, f32),
-        call=jnp.asarray(call, f32),
-        catch_up=None if catch_up is None else jnp.asarray(catch_up, f32),
-    )
+    cost = _priced(True, verify_token, draft_step, call, catch_up)
     return adaptive.never_asks(cost, batch, k_max, widths, caps)
 
 
@@ -865,8 +866,9 @@ class _Slots:
     """A `Generator`'s fixed rows: batch B, its built drafters and their carried states.
 
     `lookup_seen`: the lookup table the last call ended with, as `((n, gap, shape), table)`,
-    `EMPTY_TABLE` (fresh states: their memory holds nothing), or None (unknown); `carry`
-    receives this call's (`generate` writes it after the run)."""
+    or None for fresh states (their memory holds nothing); a table of another chain's
+    lookups leaves the n-grams held unknown. `carry` receives this call's (`generate` writes
+    it after the run)."""
 
     batch: int
     drafters: tuple[Any, ...]
@@ -874,10 +876,6 @@ class _Slots:
     states: tuple[Any, ...]
     lookup_seen: Any = None
     carry: dict[str, Any] = dataclasses.field(default_factory=dict)
-
-
-#: `_Slots.lookup_seen` of fresh drafter states.
-EMPTY_TABLE = "empty"
 
 
 #: Sampling values of an idle Generator slot (greedy, all samplers off).
@@ -1104,10 +1102,10 @@ def generate(
     if _slots is not None and engine.lookup_n is not None and engine.lookup_shared:
         table_key = (engine.lookup_n, engine.lookup_gap, lookup_index.table_shape(B, S, True))
         held = _slots.lookup_seen
-        if held is EMPTY_TABLE:
+        if held is None:  # fresh states: nothing held yet
             seen = jnp.zeros(table_key[2], bool)
-        elif held is not None and held[0] == table_key:
-            seen = held[1]
+        elif held[0] == table_key:
+            seen = held[1]  # (another chain's table: unknown, the table starts full)
     prefill_exe = _compiled(
         eng.prefill_jit, engine, params, drafter_params, tokens, lengths, run, carried, start,
         spare_shape, seen,
@@ -1336,7 +1334,7 @@ class Generator:
         """Forget what the drafters learned (fresh states, as a new server)."""
         self.states: tuple[Any, ...] = tuple(d.init(self.batch, self.n_ctx) for d in self.drafters)
         # the n-grams their shared memory may hold: none (`specjax.lookup_index`)
-        self.lookup_seen: Any = EMPTY_TABLE
+        self.lookup_seen: Any = None
 
     def generate(
         self,

@@ -132,8 +132,8 @@ def test_generator_prefills_in_n_ubatch_chunks(target, prompts, monkeypatch):
 
 def test_carried_pool_is_updated_in_place(target, prompts, monkeypatch):
     """A Generator's states are donated to the request's prefill: ngram-mod's pool keeps its
-    buffer across requests (copying it cost 2,600-9,000 page faults and ~7 ms a request at
-    the default 32 MB). A request that fails after the prefill consumed the states leaves
+    buffer across requests (copying it cost 221 page faults a request at the default 32 MB,
+    benchmarks/results/requests-before.json). A request that fails after the prefill consumed the states leaves
     fresh ones (as `reset`), and the next request runs and equals plain decoding."""
     p, q = prompts
     spec = mod_spec()
