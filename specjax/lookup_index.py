@@ -12,9 +12,14 @@ beside the token history, a bit table of the n-grams the stream has held, and th
 asks a row only where the n-gram ending at its last token is in it.
 
 Table: `[G, M]` bool, G = B (a row each) or 1 (`shared`: one table for all rows); M a power
-of two, about 4 slots per cell the table covers. The slot of the n-gram `t[p-n+1 : p+1]` is
-the top log2(M) bits of a polynomial hash (`ngram_end_hashes`, mod 2^32) of its key after a
-32-bit mix. The key is the n-gram itself when n <= KEY_TOKENS, else KEY_TOKENS of its tokens
+of two, about 8 slots per cell the table covers. An n-gram `t[p-n+1 : p+1]` sets two slots
+(a Bloom filter of two hashes): the top log2(M) bits of two 32-bit mixes of a polynomial hash
+(`ngram_end_hashes`, mod 2^32) of its key, and it is in the table when both are set. Every
+True that is not a repeat is an ask that finds nothing (~80 us at B = 1 on the shared 2-core
+host, half a plain round), and one hash at 4 slots per cell answered True for ~7% of the
+rounds of a 600-token stream in a 2,048-cell row (13 asks for nothing in 256 tokens, and the
+governor backed off before ngram-map-k's real repeats): two hashes at 8 slots per cell answer
+~0.5% there, for twice the bytes. The key is the n-gram itself when n <= KEY_TOKENS, else KEY_TOKENS of its tokens
 spread evenly over it, its first and last among them (`key_offsets`): a round hashes at most
 KEY_TOKENS tokens per position whatever n is (a 1,024-gram's hash was most of the index's
 time), and equal n-grams still have equal keys. n is the shortest `lookup_size` of the chain
@@ -23,9 +28,9 @@ time), and equal n-grams still have equal keys. n is the shortest `lookup_size` 
 
 Invariants:
 * After prefill and after every round, for each row b and every position p with
-  n - 1 <= p <= length_b - 1 - g (the n-grams a lookup may use), the slot of the n-gram
-  ending at p is set in the row's table. So `query` is never False where the
-  chain could draft: a False is exact, a True may come from a colliding slot or, for
+  n - 1 <= p <= length_b - 1 - g (the n-grams a lookup may use), both slots of the n-gram
+  ending at p are set in the row's table. So `query` is never False where the
+  chain could draft: a False is exact, a True may come from colliding slots or, for
   n > KEY_TOKENS, from an n-gram that agrees with an earlier one on the key's tokens only
   (then the asked drafter finds nothing, as it did without the index).
 * `shared`: a drafter of the chain keeps memory shared by all rows, which outlives a request
@@ -54,9 +59,10 @@ import numpy as np
 from specjax.drafters.base import per_row_leaves
 from specjax.types import Array
 
-#: Table slots per cell the table covers (about 1 - e^(-1/4) = 22% of lookups over a full
-#: table come back True by collision).
-SLOTS_PER_CELL = 4
+#: Table slots per cell the table covers. With two slots set per n-gram (`_slots`), a lookup
+#: over a table whose cells all hold n-grams comes back True by collision with probability
+#: about (1 - e^(-2/8))^2 = 5%; over a third of them, 0.6% (one slot at 4 per cell: 22%, 8%).
+SLOTS_PER_CELL = 8
 #: The smallest table (slots per row).
 MIN_SLOTS = 1024
 #: `insert` hashes up to this many positions window by window (a round's K + 1 new tokens:
@@ -69,6 +75,8 @@ KEY_TOKENS = 32
 
 #: Odd multiplier of `ngram_end_hashes`.
 _HASH_A = 0x9E3779B1
+#: Odd multiplier of `_slots`' second mix.
+_SECOND_MIX = 0x2C1B3C6D
 
 
 def _powers(x: int, count: int) -> np.ndarray:
@@ -138,17 +146,19 @@ def table_shape(batch: int, capacity: int, shared: bool) -> tuple[int, int]:
     return (1 if shared else batch), slots
 
 
-def _slot(hashes: Array, slots: int) -> Array:
-    """Table slot of each hash: the top log2(slots) bits of its 32-bit finalizer mix
-    (MurmurHash3's `fmix32`; the polynomial's own top bits barely depend on its oldest
-    token, whose term is not multiplied)."""
+def _slots(hashes: Array, slots: int) -> Array:
+    """`[..., 2]` table slots of each hash: the top log2(slots) bits of its 32-bit
+    finalizer mix (MurmurHash3's `fmix32`; the polynomial's own top bits barely depend on
+    its oldest token, whose term is not multiplied), and those of that mix folded and
+    multiplied once more (its top bits depend on all of the first mix's bits)."""
     x = hashes ^ (hashes >> jnp.uint32(16))
     x = x * jnp.uint32(0x85EBCA6B)
     x = x ^ (x >> jnp.uint32(13))
     x = x * jnp.uint32(0xC2B2AE35)
     x = x ^ (x >> jnp.uint32(16))
-    shift = 32 - (slots.bit_length() - 1)
-    return (x >> jnp.uint32(shift)).astype(jnp.int32)
+    y = (x ^ (x >> jnp.uint32(15))) * jnp.uint32(_SECOND_MIX)
+    shift = jnp.uint32(32 - (slots.bit_length() - 1))
+    return jnp.stack([x >> shift, y >> shift], axis=-1).astype(jnp.int32)
 
 
 def _group(table: Array, batch: int) -> Array:
@@ -225,7 +235,7 @@ def advance(
     keys = jnp.where(idx == length_B[:, None, None], last_B[:, None, None], past.reshape(idx.shape))
     flat_BE = _flat_slots(table, _key_hashes(keys))
     table, flat = _mark(table, flat_BE, _insertable(ends_BE, count_B, n, S))  # (query: never)
-    return table, (length_B >= n - 1) & flat[flat_BE[:, width]]
+    return table, (length_B >= n - 1) & jnp.all(flat[flat_BE[:, width]], axis=-1)
 
 
 def query(table: Array, history_BS: Array, length_B: Array, last_B: Array, n: int) -> Array:
@@ -242,14 +252,16 @@ def _insertable(ends_BE: Array, count_B: Array, n: int, S: int) -> Array:
 
 
 def _flat_slots(table: Array, hashes_BE: Array) -> Array:
-    """One flat index per cell (table row * M + slot): a 1-D scatter and gather, no index
-    pairs (each pair a concatenation, a kernel of its own on XLA CPU)."""
+    """`[B, E, 2]`: flat indices (table row * M + slot) of each n-gram's slots: a 1-D
+    scatter and gather, no index pairs (each pair a concatenation, a kernel of its own on
+    XLA CPU)."""
     B, M = hashes_BE.shape[0], table.shape[1]
-    return _group(table, B)[:, None] * M + _slot(hashes_BE, M)
+    return _group(table, B)[:, None, None] * M + _slots(hashes_BE, M)
 
 
-def _mark(table: Array, flat_BE: Array, ok_BE: Array) -> tuple[Array, Array]:
-    """(table, its flat view) with the cells `flat_BE` set where `ok_BE`."""
+def _mark(table: Array, flat_BEH: Array, ok_BE: Array) -> tuple[Array, Array]:
+    """(table, its flat view) with the slots `flat_BEH` of the n-grams `ok_BE` set."""
     G, M = table.shape
-    flat = table.reshape(G * M).at[jnp.where(ok_BE, flat_BE, G * M)].set(True, mode="drop")
+    where = jnp.where(ok_BE[..., None], flat_BEH, G * M)
+    flat = table.reshape(G * M).at[where].set(True, mode="drop")
     return flat.reshape(G, M), flat
