@@ -156,9 +156,12 @@ def _slots(hashes: Array, slots: int) -> Array:
     x = x ^ (x >> jnp.uint32(13))
     x = x * jnp.uint32(0xC2B2AE35)
     x = x ^ (x >> jnp.uint32(16))
-    y = (x ^ (x >> jnp.uint32(15))) * jnp.uint32(_SECOND_MIX)
-    shift = jnp.uint32(32 - (slots.bit_length() - 1))
-    return jnp.stack([x >> shift, y >> shift], axis=-1).astype(jnp.int32)
+    # (a select over a broadcast last axis, not a stack: a concatenation is a kernel of its
+    # own on XLA CPU, every round)
+    x = x[..., None]
+    second = jnp.arange(2) == 1
+    y = jnp.where(second, (x ^ (x >> jnp.uint32(15))) * jnp.uint32(_SECOND_MIX), x)
+    return (y >> jnp.uint32(32 - (slots.bit_length() - 1))).astype(jnp.int32)
 
 
 def _group(table: Array, batch: int) -> Array:
