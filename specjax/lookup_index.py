@@ -16,11 +16,13 @@ of two, about 8 slots per cell the table covers. An n-gram `t[p-n+1 : p+1]` sets
 (a Bloom filter of two hashes): the top log2(M) bits of two 32-bit mixes of a polynomial hash
 (`ngram_end_hashes`, mod 2^32) of its key, and it is in the table when both are set. Every
 True that is not a repeat is an ask that finds nothing (~80 us at B = 1 on the shared 2-core
-host, half a plain round), and one hash at 4 slots per cell answered True for ~7% of the
-rounds of a 600-token stream in a 2,048-cell row (13 asks for nothing in 256 tokens, and the
-governor backed off before ngram-map-k's real repeats): two hashes at 8 slots per cell answer
-~0.5% there, for twice the bytes. The key is the n-gram itself when n <= KEY_TOKENS, else KEY_TOKENS of its tokens
-spread evenly over it, its first and last among them (`key_offsets`): a round hashes at most
+host, half a plain round). One slot at 4 per cell answered True for 8% of new n-grams over a
+third-full table (ngram-mod was asked 13 times for nothing in 256 tokens of a benchmark
+prompt in which no 24-gram repeats, and the governor backed off before ngram-map-k's real
+repeats); two at 8 per cell answer 0.6% there, for twice the bytes.
+
+The key is the n-gram itself when n <= KEY_TOKENS, else KEY_TOKENS of its tokens spread
+evenly over it, its first and last among them (`key_offsets`): a round hashes at most
 KEY_TOKENS tokens per position whatever n is (a 1,024-gram's hash was most of the index's
 time), and equal n-grams still have equal keys. n is the shortest `lookup_size` of the chain
 (a longer n-gram that occurred earlier ends with a shorter one that did) and g its smallest
