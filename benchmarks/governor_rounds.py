@@ -14,6 +14,11 @@ Deterministic counts (no timing), for comparing governor settings at two commits
   64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
   `specjax.adaptive`; 0 since the lookup index, `specjax.lookup_index`, rules every round
   out).
+* `generator`: one `specjax.Generator` with ngram-mod (B = 1, `-c 2048`) serving 16
+  requests in turn, each the first 400 tokens of one of the installed `yaml` package's
+  modules (sorted by name) and `--generator-tokens` new tokens: asks and drafts per request.
+  Its pool and its lookup table outlive the requests, so the table fills request after
+  request (`lookup_index`: a shared table is never cleared) and its collisions grow.
 
 `--cost-call` sets `SpecConfig.cost_call` (the governor's price of asking the chain, in
 target forwards) for every run: the trade-off between the two lists above. Without it each
@@ -44,10 +49,33 @@ def asked(result: Any) -> int:
     return governor["rounds"] - governor["off"]
 
 
+def generator_requests(model: Any, tokens: int, priced: dict[str, Any]) -> dict[str, Any]:
+    """The `generator` section (module docstring)."""
+    import yaml
+
+    files = sorted(Path(yaml.__file__).parent.glob("*.py"))[:16]
+    spec = specjax.SpecConfig(types=("ngram-mod",), draft_n_max=4, **priced)
+    gen = specjax.Generator(model, spec=spec, n_ctx=2048)
+    per_request = []
+    for path in files:
+        ids = model.tokenizer.encode(path.read_text())[:400]
+        r = gen.generate([ids], max_new_tokens=tokens, temperature=0.0)
+        stats = r.stats.to_dict()["drafters"]["ngram-mod"]
+        per_request.append(
+            {"file": path.name, "asked": stats["n_call_draft"], "drafts": stats["n_gen_drafts"]}
+        )
+    return {
+        "requests": per_request,
+        "asked": sum(r["asked"] for r in per_request),
+        "drafts": sum(r["drafts"] for r in per_request),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tokens", type=int, default=256)
     ap.add_argument("--cost-call", type=float, default=None, help="default: SpecConfig's")
+    ap.add_argument("--generator-tokens", type=int, default=200)
     ap.add_argument("--out", default=None)
     ap.add_argument("--overwrite", action="store_true", help="replace an existing --out file")
     args = ap.parse_args()
@@ -100,6 +128,8 @@ def main() -> None:
             "total_rounds": sum(c["rounds"] for c in cases.values()),
             "finds_nothing_asked": finds_nothing,
             "draft_model": draft_model,
+            "generator_tokens": args.generator_tokens,
+            "generator": generator_requests(model, args.generator_tokens, priced),
         },
         args.out,
     )
