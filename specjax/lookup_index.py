@@ -39,7 +39,9 @@ Invariants:
   (ngram-mod's pool: a leaf of its state has no batch axis). Its lookups may then hit
   n-grams of another row or of an earlier request, so the one table collects every row's
   n-grams and is never cleared (continuous batching keeps it across requests, as the pool
-  is kept). When such a state is carried into a call (a server slot's drafter memory), the
+  is kept). It fills request after request, so it has 4 times the slots per cell
+  (`SHARED_SLOTS_PER_CELL`): after 4 capacities' worth of n-grams it collides as often as
+  a table of one request does when full. When such a state is carried into a call (a server slot's drafter memory), the
   n-grams it already holds are unknown: the table starts full and every row stays askable,
   unless the table of the call that left the state comes with it (a `Generator` keeps it
   beside its drafter states): the new prompts' n-grams are then added to it.
@@ -65,8 +67,13 @@ from specjax.types import Array
 #: over a table whose cells all hold n-grams comes back True by collision with probability
 #: about (1 - e^(-2/8))^2 = 5%; over a third of them, 0.6% (one slot at 4 per cell: 22%, 8%).
 SLOTS_PER_CELL = 8
-#: The smallest table (slots per row).
+#: The same for a shared table, which is never cleared: a `Generator` serving 16 requests
+#: of 600 tokens at 2,048 cells put ~4.7 n-grams per cell into it, where two slots at 8 per
+#: cell collide for about half of new n-grams (6% at 32 per cell).
+SHARED_SLOTS_PER_CELL = 32
+#: The smallest table (slots per row), and the largest shared one (16 MB).
 MIN_SLOTS = 1024
+MAX_SHARED_SLOTS = 1 << 24
 #: `insert` hashes up to this many positions window by window (a round's K + 1 new tokens:
 #: O(width * key tokens), no pass over S); more (a prompt), from shifted copies of the row.
 ROUND_WIDTH = 128
@@ -143,9 +150,10 @@ def _shares_memory(drafters: tuple[Any, ...], capacity: int) -> bool:
 
 def table_shape(batch: int, capacity: int, shared: bool) -> tuple[int, int]:
     """(G, M) of the table of `batch` rows of `capacity` cells."""
-    cells = capacity * (batch if shared else 1)
-    slots = max(MIN_SLOTS, 1 << int(np.ceil(np.log2(SLOTS_PER_CELL * cells))))
-    return (1 if shared else batch), slots
+    if shared:
+        wanted = SHARED_SLOTS_PER_CELL * capacity * batch
+        return 1, min(max(MIN_SLOTS, 1 << int(np.ceil(np.log2(wanted)))), MAX_SHARED_SLOTS)
+    return batch, max(MIN_SLOTS, 1 << int(np.ceil(np.log2(SLOTS_PER_CELL * capacity))))
 
 
 def _slots(hashes: Array, slots: int) -> Array:

@@ -181,7 +181,8 @@ def test_a_chain_has_an_index_only_when_every_drafter_is_a_lookup():
     assert not lookup_index.shares_memory([NgramSimple()], 64)
     assert lookup_index.shares_memory([NgramSimple(), NgramMod(pool_size=64)], 64)
     assert lookup_index.table_shape(4, 64, shared=False) == (4, 1024)
-    assert lookup_index.table_shape(4, 1024, shared=True) == (1, 32768)
+    assert lookup_index.table_shape(4, 1024, shared=True) == (1, 131072)
+    assert lookup_index.table_shape(64, 32768, shared=True) == (1, 1 << 24)  # (16 MB at most)
 
 
 def _engine(types, **kw):
