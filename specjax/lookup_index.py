@@ -42,9 +42,10 @@ Invariants:
   is kept). It fills request after request, so it has 4 times the slots per cell
   (`SHARED_SLOTS_PER_CELL`): after 4 capacities' worth of n-grams it collides as often as
   a table of one request does when full. When such a state is carried into a call (a
-  server slot's drafter memory), the n-grams it already holds are unknown: the table starts full and every row stays askable,
-  unless the table of the call that left the state comes with it (a `Generator` keeps it
-  beside its drafter states): the new prompts' n-grams are then added to it.
+  server slot's drafter memory), the n-grams it already holds are unknown: the table
+  starts full and every row stays askable, unless the table of the call that left the
+  state comes with it (a `Generator` keeps it beside its drafter states): the new prompts'
+  n-grams are then added to it.
 * The index decides only whether the governor asks a row (`engine.draft_budget`): with the
   cost model off (llama.cpp's behaviour, `adaptive=False`) every row is asked as before,
   and the tokens never depend on it.
