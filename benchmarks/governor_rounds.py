@@ -8,7 +8,10 @@ Deterministic counts (no timing), for comparing governor settings at two commits
 * `cases`: each of ngram-simple / ngram-map-k / ngram-mod / ngram-cache over the `main`,
   `repetitive` and `norepeat` prompts (as benchmarks/peers.py builds them): rounds taken
   (fewer = more tokens per target forward) and rounds in which the drafter was asked;
-  `total_rounds` sums them. `draft_model`: draft-simple with the shipped draft over the same
+  `total_rounds` sums them. For a lookup drafter, `repeats`: of the generated tokens, those
+  that end an n-gram of its `lookup_size` that also ends at least `lookup_gap` + 1
+  positions earlier in the stream (prompt and output), by a plain-Python scan: where a
+  lookup could draft at all (asks beyond these come from the lookup index's collisions). `draft_model`: draft-simple with the shipped draft over the same
   prompts, apart (its asks cost a draft model's steps and catch-up, not a lookup).
 * `finds_nothing`: ngram-map-k with an n-gram size no text can match, asked rounds after
   64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
@@ -29,8 +32,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, emit, machine, refuse_overwrite
@@ -49,10 +55,20 @@ def asked(result: Any) -> int:
     return governor["rounds"] - governor["off"]
 
 
+def repeats(stream: Sequence[int], first: int, n: int, gap: int) -> int:
+    """Positions p >= first of `stream` whose n-gram (ending at p) also ends at a position
+    <= p - 1 - gap (the earliest occurrence of each n-gram is all that matters)."""
+    earliest: dict[tuple[int, ...], int] = {}
+    count = 0
+    for p in range(n - 1, len(stream)):
+        gram = tuple(stream[p - n + 1 : p + 1])
+        seen = earliest.setdefault(gram, p)
+        count += p >= first and seen <= p - 1 - gap
+    return count
+
+
 def generator_requests(model: Any, tokens: int, priced: dict[str, Any]) -> dict[str, Any]:
     """The `generator` section (module docstring)."""
-    import yaml
-
     files = sorted(Path(yaml.__file__).parent.glob("*.py"))[:16]
     spec = specjax.SpecConfig(types=("ngram-mod",), draft_n_max=4, **priced)
     gen = specjax.Generator(model, spec=spec, n_ctx=2048)
@@ -87,11 +103,19 @@ def main() -> None:
     cases: dict[str, dict[str, int]] = {}
     for drafter in DRAFTERS:
         spec = specjax.SpecConfig(types=(drafter,), draft_n_max=4, **priced)
+        (built,), _ = build_drafters(spec, None, None)
         for prompt in PROMPTS:
             r = specjax.generate(
                 model, [ids[prompt]], max_new_tokens=args.tokens, n_ctx=2048, spec=spec
             )
-            cases[f"{drafter}/{prompt}"] = {"rounds": r.timings["n_rounds"], "asked": asked(r)}
+            case = cases[f"{drafter}/{prompt}"] = {
+                "rounds": r.timings["n_rounds"],
+                "asked": asked(r),
+            }
+            n = built.lookup_size()
+            if n is not None:
+                stream = ids[prompt] + r.tokens[0]
+                case["repeats"] = repeats(stream, len(ids[prompt]), n, built.lookup_gap())
     draft_model = {}
     spec = specjax.SpecConfig(types=("draft-simple",), draft_n_max=4, **priced)
     for prompt in PROMPTS:

@@ -151,10 +151,9 @@ def _shares_memory(drafters: tuple[Any, ...], capacity: int) -> bool:
 
 def table_shape(batch: int, capacity: int, shared: bool) -> tuple[int, int]:
     """(G, M) of the table of `batch` rows of `capacity` cells."""
-    if shared:
-        wanted = SHARED_SLOTS_PER_CELL * capacity * batch
-        return 1, min(max(MIN_SLOTS, 1 << int(np.ceil(np.log2(wanted)))), MAX_SHARED_SLOTS)
-    return batch, max(MIN_SLOTS, 1 << int(np.ceil(np.log2(SLOTS_PER_CELL * capacity))))
+    wanted = SHARED_SLOTS_PER_CELL * capacity * batch if shared else SLOTS_PER_CELL * capacity
+    slots = max(MIN_SLOTS, 1 << int(np.ceil(np.log2(wanted))))
+    return (1, min(slots, MAX_SHARED_SLOTS)) if shared else (batch, slots)
 
 
 def _slots(hashes: Array, slots: int) -> Array:
