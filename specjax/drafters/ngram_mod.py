@@ -65,6 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
+from specjax.control import run_once
 from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
@@ -221,17 +222,16 @@ class NgramMod(ModelFreeDrafter):
         """A fresh state (as `init` at the same B) in `state`'s buffers: every slot EMPTY by
         a new epoch, so the `[P]` arrays are neither allocated nor filled (`generate` hands
         each call the last call's state, `engine.prefill`'s `spare`). Near int32's end the
-        epochs start over: the arrays are then filled once (a loop run 0 or 1 times, not
-        `lax.cond`, whose branches would copy the pool)."""
+        epochs start over: the arrays are then filled once (`run_once`, not `lax.cond`,
+        whose branches would copy the pool)."""
 
-        zero = jnp.zeros_like(state.epoch)
+        def refill(c: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+            pool, stamp, epoch = c
+            return jnp.full_like(pool, EMPTY), jnp.zeros_like(stamp), jnp.zeros_like(epoch)
 
-        def refill(c: tuple[Array, Array, Array, Array]) -> tuple[Array, Array, Array, Array]:
-            _, pool, stamp, _ = c
-            return jnp.bool_(False), jnp.full_like(pool, EMPTY), jnp.zeros_like(stamp), zero
-
-        init = (state.epoch >= EPOCH_LIMIT, state.pool, state.stamp, state.epoch)
-        _, pool, stamp, epoch = lax.while_loop(lambda c: c[0], refill, init)
+        pool, stamp, epoch = run_once(
+            state.epoch >= EPOCH_LIMIT, refill, (state.pool, state.stamp, state.epoch)
+        )
         zeros_B = jnp.zeros_like(state.i_last)
         return NgramModState(
             pool=pool,
