@@ -61,7 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.drafters.base import per_row_leaves
+from specjax.drafters.base import Drafter, per_row_leaves
 from specjax.types import Array
 
 #: Table slots per cell the table covers. With two slots set per n-gram (`_slots`), a lookup
@@ -121,19 +121,19 @@ def ngram_end_hashes(tokens_BS: Array, n: int) -> Array:
     return hashes
 
 
-def lookup_n(drafters: Sequence[Any]) -> int | None:
+def lookup_n(drafters: Sequence[Drafter]) -> int | None:
     """The chain's shortest `lookup_size`, or None: no drafters, or one without a lookup
     size (draft-simple, ngram-cache: they may draft without any repeat)."""
-    sizes = [getattr(d, "lookup_size", lambda: None)() for d in drafters]
+    sizes = [d.lookup_size() for d in drafters]
     known = [int(n) for n in sizes if n is not None]
     if not sizes or len(known) < len(sizes):
         return None
     return min(known)
 
 
-def lookup_gap(drafters: Sequence[Any]) -> int:
-    """The chain's smallest `lookup_gap` (0 for a drafter that declares none)."""
-    return min((int(getattr(d, "lookup_gap", lambda: 0)()) for d in drafters), default=0)
+def lookup_gap(drafters: Sequence[Drafter]) -> int:
+    """The chain's smallest `lookup_gap` (`Drafter.lookup_gap`: 0 unless a drafter says)."""
+    return min((int(d.lookup_gap()) for d in drafters), default=0)
 
 
 def shares_memory(drafters: Sequence[Any], capacity: int) -> bool:

@@ -15,25 +15,23 @@ static configuration (it can be a jit static argument) and implementing:
     set_spec_state(state, saved, rows_B) -> state              every row's blob ([B] leading
                                                                leaves); restores rows_B (see
                                                                take_spec_state / load_spec_state)
-    renew(state) -> state                                      optional: a fresh state (what
+    renew(state) -> state                                      optional (`can_renew`): a fresh
+                                                               state (what
                                                                `init` gives at its shapes) made
                                                                in an old one's buffers, so that
                                                                one-shot `generate` calls need
                                                                not allocate large state again
                                                                (`engine.prefill`'s spare)
 
-Static facts a drafter instance reports (attributes, class-level or per instance):
+Every capability the engine, the API and the governor read (static facts: `hidden_layers`,
+`max_draft_len`, `idle_noop`, `idle_record`, `ask_steps`, `prices`, ...) is declared, with its
+default and what it means, on the base class `Drafter`, from which every drafter type derives.
 * `hidden_layers`: target layer ids whose features `process` reads from
   `TargetBatch.hidden` (a dict keyed by layer id: id i < L is the input of layer i, id L the
   last layer's output before the final norm, llama.cpp's rule for an id equal to n_layer).
   The engine evaluates the union over the chain; each drafter reads its own ids by key.
-* `max_draft_len` (optional): the longest draft it produces; the engine's static draft
-  width K is the maximum over the chain (`chain_width`). Without it the width comes from
-  the spec's per-type rule (`SpecConfig.resolved_k_max`).
-* `idle_noop` (optional, False): a round in which no row may draft leaves the state as it
-  is, so the engine may skip every call in such a round (`engine.idle_rounds_are_plain`).
-* `idle_record` (optional, False): a drafter whose `process` must see every verify batch
-  (it reads the target's features of each row, e.g. EAGLE-3, DFlash) may instead offer
+* `idle_record`: a drafter whose `process` must see every verify batch (it reads the
+  target's features of each row, e.g. EAGLE-3, DFlash) offers instead
       record(params, state, batch) -> state   in a round in which no row may draft
   which keeps the batch's rows (at most one evaluated token per row: no draft was verified)
   for later and returns quickly. The rows are applied, in order, by the next `process` or
@@ -65,7 +63,7 @@ from __future__ import annotations
 import dataclasses
 import struct
 from collections.abc import Sequence
-from typing import Any, ClassVar, Protocol, runtime_checkable
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -156,60 +154,82 @@ def empty_draft(batch: int, k_max: int) -> DraftOutput:
     )
 
 
-@runtime_checkable
-class Drafter(Protocol):
-    """Structural type every drafter implements (see module docstring)."""
+class Drafter:
+    """The drafter protocol, written down: the six methods every drafter implements, and
+    every capability the engine, the API and the governor read, each with its default (see
+    the module docstring). Every drafter type derives from it (a frozen dataclass holding
+    static configuration), so the engine reads each capability as a plain attribute.
 
-    name: ClassVar[str]
+    Adding a drafter type is a module with a subclass (its `from_spec` builds it from a
+    `SpecConfig`) plus one entry in `registry._TYPES`.
+    """
+
+    #: llama.cpp's type name (`DRAFTER_TYPES`): the CLI's name, the statistics' key.
+    name: ClassVar[str] = ""
     #: Target layer ids whose features this drafter reads in `process` (static; a class
     #: attribute or, for drafters whose layers come from their model file, per instance).
-    hidden_layers: tuple[int, ...]
-
-    def init(self, batch: int, capacity: int) -> Any: ...
-
-    def begin(self, state: Any, history: TokenHistory) -> Any: ...
-
-    def process(self, params: Any, state: Any, batch: TargetBatch) -> Any: ...
-
-    def draft(
-        self, params: Any, state: Any, inp: DraftInput, k_max: int
-    ) -> tuple[Any, DraftOutput]: ...
-
-    def accept(self, state: Any, n_accepted: Array, is_other: Array, active: Array) -> Any: ...
-
-    def rollback(self, state: Any, keep: Array) -> Any: ...
-
-
-def hidden_by_layer(layers: Sequence[int], hidden: Sequence[Array]) -> dict[int, Array]:
-    """The target forward's hiddens (in `layers` order) as `TargetBatch.hidden`."""
-    return dict(zip(layers, hidden))
-
-
-def chain_width(drafters: Sequence[Any], fallback: int) -> int:
-    """Static draft width K: the maximum `max_draft_len` over the chain; drafters without one
-    count as `fallback` (the spec's per-type width)."""
-    widths = [int(getattr(d, "max_draft_len", fallback)) for d in drafters]
-    return max([1, *widths]) if drafters else fallback
-
-
-class ModelFreeDrafter:
-    """Mixin with the no-op methods model-free drafters share."""
-
-    hidden_layers: ClassVar[tuple[int, ...]] = ()
-    #: What one ask for a draft costs on CPU, in plain rounds of the shipped target
-    #: (benchmarks/ask_cost.py at gap 8, rounded up): the draft governor's price of asking
-    #: this drafter (`api.chain_call_price`, used when `SpecConfig.cost_call` is None).
-    ask_steps: ClassVar[float] = 0.0
+    hidden_layers: tuple[int, ...] = ()
+    #: The longest draft it produces; the engine's static draft width K is the maximum over
+    #: the chain (`chain_width`). None: the width comes from the spec's per-type rule
+    #: (`SpecConfig.resolved_k_max`).
+    max_draft_len: int | None = None
+    #: Rows at temperature > 0 sample their drafts (with their draft distribution `q`) and are
+    #: verified by rejection sampling; False: drafts verified by match.
+    probabilistic: bool = False
+    #: A round in which no row may draft leaves the state as it is, so the engine may skip
+    #: every call in such a round (`engine.idle_rounds_are_plain`).
+    idle_noop: ClassVar[bool] = False
+    #: `process` must see every verify batch, and `record` keeps it for later in a round in
+    #: which no row may draft (see the module docstring); such a round is then an idle one.
+    idle_record: ClassVar[bool] = False
     #: `process`, `accept` and `rollback` leave the state as it is in a round in which no row
-    #: got a draft (`accept` only touches a row's own verified draft), so `engine.spec_step`
-    #: may finish such a round without them (`engine.empty_rounds_are_plain`). A subclass
-    #: whose feedback does more must set it False.
-    quiet_without_draft: ClassVar[bool] = True
+    #: got a draft, so `engine.spec_step` may finish such a round without them
+    #: (`engine.empty_rounds_are_plain`).
+    quiet_without_draft: ClassVar[bool] = False
+    #: `process` of a prompt may be skipped (continuous batching defers it): `draft` catches
+    #: up from the token history before it drafts.
+    lazy_prompt: ClassVar[bool] = False
+    #: Reads the hybrid target's nextn hidden state (`draft_mtp.H_NEXTN` in
+    #: `TargetBatch.hidden`) rather than trunk layers by id.
+    reads_nextn: ClassVar[bool] = False
+    #: Runs on the target's hidden states (a head over its features, or its own nextn
+    #: block): a hybrid target keeps draft n_max rollback planes for it upstream
+    #: (`registry.reads_target_hidden`, `common_params_speculative::need_n_rs_seq`).
+    reads_target_hidden: ClassVar[bool] = False
+    #: `renew(state)` exists: a fresh state (what `init` gives at its shapes) made in an old
+    #: one's buffers (`engine.renewed`); without it a fresh state is `init`'s.
+    can_renew: ClassVar[bool] = False
+    #: What one ask for a draft costs on CPU, in plain rounds of the shipped target
+    #: (benchmarks/ask_cost.py): the draft governor's price of asking this drafter
+    #: (`api.chain_call_price`, used when `SpecConfig.cost_call` is None).
+    ask_steps: ClassVar[float] = 0.0
+    #: The governor's price terms beyond an ask (`api.cost_model`, `api.chain_cost`):
+    #: "draft_step", a draft-model step per drafted token (priced from the draft model's
+    #: size); "catch_up", the model skips the rounds it is not asked in and catches up
+    #: before it drafts.
+    prices: ClassVar[frozenset[str]] = frozenset()
+    #: The form of its parameters it drafts fastest with (`api.drafter_decode_params`):
+    #: "as_is"; "model", a draft model's (the target's decode form, `api.decode_params`);
+    #: "head", `{"head", "shared"}` with the head in `head_kernel_params`'s form and the
+    #: shared LM head as a `KernelWeight` (CPU with the native kernel only).
+    params_form: ClassVar[str] = "as_is"
+
+    @classmethod
+    def from_spec(cls, spec: Any, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """(the drafter, its parameters) for `spec` (a `SpecConfig`), the target model and
+        the draft model (or None), with the type's checks (`registry.build_drafters`)."""
+        raise NotImplementedError(f"speculative type {cls.name} is not implemented yet")
+
+    @property
+    def min_draft_len(self) -> int:
+        """The shortest draft it gives when it drafts at all (ngram-mod: its n_min)."""
+        return 1
 
     def lookup_size(self) -> int | None:
         """The length n of the n-gram the drafter looks up: it can draft only where the last n
         tokens of the stream occurred earlier in it (`specjax.lookup_index`); None = no such
-        condition (a drafter that may draft from other sources, e.g. ngram-cache's files)."""
+        condition (a drafter that may draft from other sources: a model, ngram-cache's
+        files)."""
         return None
 
     def lookup_gap(self) -> int:
@@ -217,6 +237,84 @@ class ModelFreeDrafter:
         must end at a position <= L - 1 - gap (L = `TokenHistory.length`; the stream's last
         token sits at L). 0 = any earlier occurrence."""
         return 0
+
+    @staticmethod
+    def head_kernel_params(head: Any) -> Any:
+        """`params_form` "head": the head's parameters as `KernelWeight`s."""
+        return head
+
+    def init(self, batch: int, capacity: int) -> Any:
+        """A fresh state for `batch` rows of `capacity` positions (host-side, static)."""
+        raise NotImplementedError
+
+    def begin(self, state: Any, history: TokenHistory) -> Any:
+        """Once per request, after prefill."""
+        raise NotImplementedError
+
+    def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
+        """After every target forward (prefill chunk or verify batch)."""
+        raise NotImplementedError
+
+    def draft(
+        self, params: Any, state: Any, inp: DraftInput, k_max: int
+    ) -> tuple[Any, DraftOutput]:
+        """A `[B, k_max]` draft for the rows `inp.drafting`."""
+        raise NotImplementedError
+
+    def accept(self, state: Any, n_accepted: Array, is_other: Array, active: Array) -> Any:
+        """Feedback after verification, for the rows `active` that verified a draft."""
+        raise NotImplementedError
+
+    def rollback(self, state: Any, keep: Array) -> Any:
+        """`seq_rm(row, keep[row], -1)` on its own memory."""
+        raise NotImplementedError
+
+    def record(self, params: Any, state: Any, batch: TargetBatch) -> Any:
+        """`idle_record` drafters: keep a verify batch of a round no row may draft in."""
+        raise NotImplementedError(f"{self.name} has no idle_record")
+
+    def spec_state(self, state: Any) -> Any:
+        """The in-jit form of `get_state` (every row's checkpoint data, `[B]` leading
+        leaves); {} for a drafter that keeps none."""
+        del state
+        return {}
+
+    def set_spec_state(self, state: Any, saved: Any, rows_B: Array) -> Any:
+        """`set_state` for the rows `rows_B` from `spec_state`'s data (other rows kept)."""
+        del saved, rows_B
+        return state
+
+    def get_state(self, state: Any, row: int) -> bytes | None:
+        """llama.cpp's per-row checkpoint blob; None: the drafter keeps none."""
+        del state, row
+        return None
+
+    def set_state(self, state: Any, row: int, blob: bytes) -> Any:
+        """Row `row` from `get_state`'s blob (a blob of the wrong size is ignored)."""
+        del row, blob
+        return state
+
+
+def hidden_by_layer(layers: Sequence[int], hidden: Sequence[Array]) -> dict[int, Array]:
+    """The target forward's hiddens (in `layers` order) as `TargetBatch.hidden`."""
+    return dict(zip(layers, hidden))
+
+
+def chain_width(drafters: Sequence[Drafter], fallback: int) -> int:
+    """Static draft width K: the maximum `max_draft_len` over the chain; drafters without one
+    count as `fallback` (the spec's per-type width)."""
+    widths = [fallback if d.max_draft_len is None else int(d.max_draft_len) for d in drafters]
+    return max([1, *widths]) if drafters else fallback
+
+
+class ModelFreeDrafter(Drafter):
+    """Base of the model-free drafters: the no-op methods they share."""
+
+    #: `process`, `accept` and `rollback` leave the state as it is in a round in which no row
+    #: got a draft (`accept` only touches a row's own verified draft), so `engine.spec_step`
+    #: may finish such a round without them (`engine.empty_rounds_are_plain`). A subclass
+    #: whose feedback does more must set it False.
+    quiet_without_draft: ClassVar[bool] = True
 
     def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
         del params, batch
@@ -259,17 +357,15 @@ def select_rows(mask_B: Array, new: Any, old: Any) -> Any:
     return jax.tree.map(pick, new, old)
 
 
-def take_spec_state(drafter: Any, state: Any) -> Any:
+def take_spec_state(drafter: Drafter, state: Any) -> Any:
     """The drafter's per-row checkpoint data (a checkpoint's `data_spec`, the traced form of
     `get_state` for every row at once); {} for drafters that keep none."""
-    fn = getattr(drafter, "spec_state", None)
-    return {} if fn is None else fn(state)
+    return drafter.spec_state(state)
 
 
-def load_spec_state(drafter: Any, state: Any, saved: Any, rows_B: Array) -> Any:
+def load_spec_state(drafter: Drafter, state: Any, saved: Any, rows_B: Array) -> Any:
     """`set_state` for the rows `rows_B` from `take_spec_state`'s data (other rows kept)."""
-    fn = getattr(drafter, "set_spec_state", None)
-    return state if fn is None else fn(state, saved, rows_B)
+    return drafter.set_spec_state(state, saved, rows_B)
 
 
 def boundary_blob(pos: int, vector_D: Any) -> bytes | None:

@@ -34,7 +34,8 @@ no stale injected rows even when a caller skipped `rollback`).
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+import warnings
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -42,12 +43,22 @@ import jax.numpy as jnp
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
 from specjax.control import run_once
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.base import (
+    Drafter,
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    empty_draft,
+)
 from specjax.drafters.draft_simple import DRAFT_TOP_K
 from specjax.models import dflash as df
 from specjax.models.llama import commit_kv, new_cache
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array
+
+if TYPE_CHECKING:
+    from specjax.config import SpecConfig
 
 #: Rows `record` keeps per row before it injects them (one batched injection per LOG_ROWS
 #: idle rounds).
@@ -78,13 +89,15 @@ def clamp_draft_sizes(
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter:
+class DFlashDrafter(Drafter):
     name: ClassVar[str] = "draft-dflash"
+    reads_target_hidden: ClassVar[bool] = True
+    params_form: ClassVar[str] = "head"
 
     config: df.DFlashConfig
-    hidden_layers: tuple[int, ...]
+    hidden_layers: tuple[int, ...] = dataclasses.field()
     #: the longest draft (static): the block width is max_draft_len (+ 1 without the anchor)
-    max_draft_len: int
+    max_draft_len: int = dataclasses.field()
     dspark: bool = False
     top_k: int = DRAFT_TOP_K
     #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
@@ -94,6 +107,48 @@ class DFlashDrafter:
     #: step for block drafters). benchmarks/ask_cost.py --heads at gap 8, n_max 4, the
     #: shipped DFlash head (block 8): 1.25 rounds (benchmarks/results/ask-cost-heads.json).
     ask_steps: ClassVar[float] = 1.25
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """The drafter for a DFlash head (`DSparkDrafter`: a DSpark head), checked against
+        the target; its parameters are the head's and the target's weights it shares."""
+        dspark = cls.dspark  # (the field's default: each class's own kind)
+        kind = cls.name
+        if draft is None:
+            raise ValueError(f"{kind} needs a DFlash head (-md/--spec-draft-model)")
+        cfg = draft.config
+        if not isinstance(cfg, df.DFlashConfig):
+            raise ValueError(
+                f"{kind} needs a draft model of architecture dflash, got "
+                f"{getattr(cfg, 'arch', type(cfg).__name__)!r}"
+            )
+        if dspark and not cfg.is_dspark:
+            raise ValueError(f"{kind} needs a DSpark head (markov_w1/markov_w2); this is DFlash")
+        if dspark and spec.draft_p_min > 0 and not cfg.has_confidence:
+            raise ValueError("DSpark draft has no confidence head: please set --spec-draft-p-min 0")
+        tc = target.config
+        if cfg.target_hidden != tc.D:
+            raise ValueError(
+                f"DFlash head expects target hidden size {cfg.target_hidden}, the target has {tc.D}"
+            )
+        for layer in cfg.target_layers:
+            if layer > tc.L:
+                raise ValueError(f"DFlash: target layer id {layer} exceeds target n_layer {tc.L}")
+        if cfg.V != tc.V:
+            raise ValueError(f"DFlash head vocabulary {cfg.V} differs from the target's {tc.V}")
+        if (not cfg.own_embed or not cfg.own_lm_head) and cfg.D != tc.D:
+            raise ValueError(
+                f"DFlash head of width {cfg.D} shares the target's embeddings / LM head "
+                f"(width {tc.D})"
+            )
+        drafter, warning = make_drafter(cfg, dspark, spec.draft_n_max, spec.draft_n_min, spec.k_max)
+        if warning is not None:
+            warnings.warn(f"{kind}: {warning}", stacklevel=3)
+        params = {
+            "head": draft.params,
+            "shared": df.shared_weights(cfg, target.params, tc.tie_embeddings),
+        }
+        return drafter, params
 
     def __post_init__(self) -> None:
         limit = self.config.max_draft(self.dspark)
@@ -111,6 +166,11 @@ class DFlashDrafter:
     @property
     def block_width(self) -> int:
         return self.max_draft_len + (0 if self.anchor else 1)
+
+    @staticmethod
+    def head_kernel_params(head: Any) -> Any:
+        """The head's products as `KernelWeight`s (`df.kernel_params`)."""
+        return df.kernel_params(head)
 
     def init(self, batch: int, capacity: int) -> DFlashState:
         return DFlashState(

@@ -43,7 +43,7 @@ temperature is top_k(10) then the argmax at p_min 0). Pure functions over the st
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +52,7 @@ import numpy as np
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import (
+    Drafter,
     DraftInput,
     DraftOutput,
     TargetBatch,
@@ -68,6 +69,9 @@ from specjax.models.qwen35_mtp import new_nextn_cache, nextn_forward
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
 
+if TYPE_CHECKING:
+    from specjax.config import SpecConfig
+
 #: `TargetBatch.hidden` key of the target's h_nextn (final-normed hidden of every row).
 H_NEXTN = -1
 
@@ -83,17 +87,45 @@ class MtpState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MtpDrafter:
+class MtpDrafter(Drafter):
     name: ClassVar[str] = "draft-mtp"
-    #: reads no trunk layer by id (the engine's llama path); `reads_nextn` asks the hybrid
-    #: engine for the target's h_nextn under H_NEXTN instead
-    hidden_layers: ClassVar[tuple[int, ...]] = ()
+    #: reads no trunk layer by id (`hidden_layers` (), the engine's llama path);
+    #: `reads_nextn` asks the hybrid engine for the target's h_nextn under H_NEXTN instead
     reads_nextn: ClassVar[bool] = True
+    reads_target_hidden: ClassVar[bool] = True
 
     config: qwen35.Qwen35Config
     #: the longest draft (chain heads: already clamped to the head count)
-    max_draft_len: int
+    max_draft_len: int = dataclasses.field()
     top_k: int = DRAFT_TOP_K
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """The target's own nextn block(s) (upstream creates the MTP context on the target
+        model when no draft path is given; a separate draft GGUF holding the block also
+        works)."""
+        source = target if draft is None else draft
+        cfg = source.config
+        if getattr(cfg, "arch", None) != "qwen35" or target.config.arch != "qwen35":
+            raise ValueError(
+                "draft-mtp runs the nextn block of a qwen35 model; got target "
+                f"{getattr(target.config, 'arch', '?')!r}, draft {getattr(cfg, 'arch', '?')!r}"
+            )
+        if cfg.n_nextn < 1:
+            raise ValueError(
+                "draft-mtp needs a model with a nextn (MTP) block; "
+                f"{'the target' if draft is None else 'the draft'} has none"
+            )
+        if cfg.D != target.config.D or cfg.V != target.config.V:
+            raise ValueError(
+                f"MTP block width/vocabulary ({cfg.D}, {cfg.V}) differ from the target's "
+                f"({target.config.D}, {target.config.V})"
+            )
+        # the drafter stops at draft n_max (upstream); an explicit k_max caps it
+        n_max = spec.draft_n_max if spec.k_max is None else min(spec.draft_n_max, spec.k_max)
+        if cfg.n_nextn > 1:  # chain heads: one draft step per head (upstream clamps n_max)
+            n_max = min(n_max, cfg.n_nextn)
+        return cls(config=cfg, max_draft_len=max(1, n_max)), source.params
 
     def __post_init__(self) -> None:
         if self.config.n_nextn < 1:

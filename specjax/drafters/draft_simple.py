@@ -27,19 +27,29 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory, empty_draft
+from specjax.drafters.base import (
+    Drafter,
+    DraftInput,
+    DraftOutput,
+    TargetBatch,
+    TokenHistory,
+    empty_draft,
+)
 from specjax.errors import VocabMismatchError
 from specjax.models.config import ModelConfig
 from specjax.models.llama import ExtraKV, commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
+
+if TYPE_CHECKING:
+    from specjax.config import SpecConfig
 
 #: llama.cpp's constants in `common_speculative_are_compatible`.
 SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
@@ -61,9 +71,8 @@ class DraftSimpleState:
 
 
 @dataclasses.dataclass(frozen=True)
-class DraftSimple:
+class DraftSimple(Drafter):
     name: ClassVar[str] = "draft-simple"
-    hidden_layers: ClassVar[tuple[int, ...]] = ()
     #: `process` of a prompt may be skipped (continuous batching defers it): `draft` catches
     #: up from the token history before it drafts, so only rows that draft pay for it.
     lazy_prompt: ClassVar[bool] = True
@@ -71,11 +80,44 @@ class DraftSimple:
     #: ignores verify batches, `accept` is a no-op, `rollback` to length + 1 >= n_past keeps
     #: every cell), so a round the governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
+    #: a draft-model step per drafted token, and the catch-up of the rounds it was not asked in
+    prices: ClassVar[frozenset[str]] = frozenset({"draft_step", "catch_up"})
+    #: a draft model's parameters: the target's decode form (`api.decode_params`)
+    params_form: ClassVar[str] = "model"
 
     config: ModelConfig
     target_vocab: int
     probabilistic: bool = False
     top_k: int = DRAFT_TOP_K
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """The draft model's drafter, checked against the target's vocabulary: a
+        `DraftSimpleRecurrent` for a qwen35 draft model."""
+        if draft is None:
+            raise ValueError("draft-simple needs a draft model (-md/--spec-draft-model)")
+        tc, dc = target.config, draft.config
+        if target.tokenizer is not None and draft.tokenizer is not None:
+            check_vocab_compatible(target.tokenizer, draft.tokenizer, tc.V, dc.V)
+        elif abs(tc.V - dc.V) > 128:
+            raise VocabMismatchError(
+                f"draft vocab size {dc.V} differs from the target's {tc.V} by more than 128"
+            )
+        # "greedy" (default, as upstream): argmax drafts verified by match, so output equals
+        # plain sampling with the same seed. "probabilistic": rows at temperature > 0 sample
+        # their drafts and are verified by rejection sampling; rows at temperature 0 still
+        # draft the argmax, so one static drafter serves every temperature without recompiling.
+        probabilistic = spec.draft_sampling == "probabilistic"
+        if getattr(dc, "arch", None) == "qwen35":
+            # a recurrent draft context: FULL (n_rs_seq 0, as upstream's draft contexts)
+            from specjax.drafters.draft_simple_recurrent import DraftSimpleRecurrent
+
+            recurrent = DraftSimpleRecurrent(
+                config=dc, target_vocab=tc.V, probabilistic=probabilistic
+            )
+            return recurrent, draft.params
+        drafter = DraftSimple(config=dc, target_vocab=tc.V, probabilistic=probabilistic)
+        return drafter, draft.params
 
     def init(self, batch: int, capacity: int) -> DraftSimpleState:
         return DraftSimpleState(

@@ -52,7 +52,7 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -60,8 +60,10 @@ import numpy as np
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
+from specjax.config import DRAFT_K_MIN
 from specjax.control import run_once
 from specjax.drafters.base import (
+    Drafter,
     DraftInput,
     DraftOutput,
     TargetBatch,
@@ -76,6 +78,9 @@ from specjax.models import eagle3 as e3
 from specjax.models.llama import ExtraKV, commit_kv, new_cache
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
+
+if TYPE_CHECKING:
+    from specjax.config import SpecConfig
 
 #: Decoder rows `record` keeps per row before it runs them through the head (a log that fills
 #: is applied by the `record` that finds it full: one batched pass per LOG_ROWS idle rounds).
@@ -111,14 +116,18 @@ def _bridges(state: Eagle3State, has: Array, pos_beg: Array) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter:
+class Eagle3Drafter(Drafter):
     name: ClassVar[str] = "draft-eagle3"
+    reads_target_hidden: ClassVar[bool] = True
+    #: a head step per drafted token (its `draft_step` priced from the head's size)
+    prices: ClassVar[frozenset[str]] = frozenset({"draft_step"})
+    params_form: ClassVar[str] = "head"
 
     config: e3.Eagle3Config
     #: target layer ids whose inputs `process` reads (the head's extract_layers)
-    hidden_layers: tuple[int, ...]
+    hidden_layers: tuple[int, ...] = dataclasses.field()
     #: the longest draft this drafter produces (static: part of the chain's draft width)
-    max_draft_len: int
+    max_draft_len: int = dataclasses.field()
     probabilistic: bool = False
     top_k: int = DRAFT_TOP_K
     #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
@@ -131,6 +140,55 @@ class Eagle3Drafter:
     #: a few us on XLA CPU: on this target the ask outweighs what even accepted drafts win,
     #: so on CPU the governor leaves the drafter off.
     ask_steps: ClassVar[float] = 2.15
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """The drafter for an EAGLE-3 head, checked against the target; its parameters are
+        the head's and the target's weights it shares."""
+        if draft is None:
+            raise ValueError("draft-eagle3 needs an EAGLE-3 head (-md/--spec-draft-model)")
+        cfg = draft.config
+        if not isinstance(cfg, e3.Eagle3Config):
+            raise ValueError(
+                "draft-eagle3 needs a draft model of architecture eagle3 (expected 3 extract "
+                f"layers), got {getattr(cfg, 'arch', type(cfg).__name__)!r}"
+            )
+        tc = target.config
+        if cfg.target_hidden != tc.D:
+            raise ValueError(
+                f"EAGLE-3 head expects target hidden size {cfg.target_hidden}, the target has "
+                f"{tc.D}"
+            )
+        for layer in cfg.target_layers:
+            if layer > tc.L:
+                raise ValueError(f"EAGLE3: target layer id {layer} exceeds target n_layer {tc.L}")
+        if cfg.V != tc.V:
+            raise ValueError(f"EAGLE-3 head vocabulary {cfg.V} differs from the target's {tc.V}")
+        if not cfg.own_embed and cfg.D != tc.D:
+            raise ValueError(
+                f"EAGLE-3 head of width {cfg.D} has no token embeddings and cannot use the "
+                f"target's (width {tc.D})"
+            )
+        if target.tokenizer is not None and draft.tokenizer is not None:
+            from specjax.drafters.draft_simple import check_vocab_compatible
+
+            check_vocab_compatible(target.tokenizer, draft.tokenizer, tc.V, cfg.V)
+        drafter = cls(
+            config=cfg,
+            hidden_layers=tuple(sorted(set(cfg.target_layers))),
+            max_draft_len=max(spec.draft_n_max, DRAFT_K_MIN) if spec.k_max is None else spec.k_max,
+            probabilistic=spec.draft_sampling == "probabilistic",
+        )
+        params = {
+            "head": draft.params,
+            "shared": e3.shared_weights(cfg, target.params, tc.tie_embeddings),
+        }
+        return drafter, params
+
+    @staticmethod
+    def head_kernel_params(head: Any) -> Any:
+        """The head's products as `KernelWeight`s (`e3.kernel_params`)."""
+        return e3.kernel_params(head)
 
     def init(self, batch: int, capacity: int) -> Eagle3State:
         D = self.config.D

@@ -68,7 +68,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
@@ -76,9 +76,12 @@ import numpy as np
 from jax import lax
 
 from specjax import cpu_kernels
-from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
+from specjax.drafters.base import Drafter, DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
 from specjax.pytree import pytree_dataclass, replace, static_field
 from specjax.types import Array
+
+if TYPE_CHECKING:
+    from specjax.config import SpecConfig
 
 # llama.cpp's constants (common/ngram-cache.h, common/speculative.cpp)
 NGRAM_MIN = 1
@@ -287,6 +290,15 @@ class NgramCache(ModelFreeDrafter):
     block: int = 32
     reset_on_begin: bool = True
     context_update: str = "speculative"
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """`--spec-ngram-cache-n-draft`; its parameters are the lookup files' device tables
+        (`lookup.load_tables`: the registry does the IO, the drafter receives the tables)."""
+        from specjax.lookup import load_tables
+
+        drafter = cls(n_draft=spec.ngram_cache_n_draft)
+        return drafter, load_tables(spec.lookup_cache_static, spec.lookup_cache_dynamic)
 
     def __post_init__(self) -> None:
         if self.n_draft < 0:

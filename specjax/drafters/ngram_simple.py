@@ -22,13 +22,14 @@ This module also holds the small window helpers the other n-gram drafters share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.base import (
+    Drafter,
     DraftInput,
     DraftOutput,
     ModelFreeDrafter,
@@ -37,6 +38,9 @@ from specjax.drafters.base import (
 )
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array
+
+if TYPE_CHECKING:
+    from specjax.config import SpecConfig
 
 # ---------------------------------------------------------------------------------------------
 # shared helpers (one row; tokens are int32 [S])
@@ -100,6 +104,11 @@ class NgramSimple(ModelFreeDrafter):
     ask_steps: ClassVar[float] = 0.07
     size_n: int = 12
     size_m: int = 48
+
+    @classmethod
+    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """`--spec-ngram-simple-size-n/-size-m`; no parameters."""
+        return cls(size_n=spec.ngram_simple_size_n, size_m=spec.ngram_simple_size_m), None
 
     def __post_init__(self) -> None:
         if self.size_n < 1 or self.size_m < 1:
