@@ -24,7 +24,8 @@ from specjax import engine as eng
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
-from specjax.models import dflash, eagle3
+from specjax.drafters.base import Drafter, chain_width
+from specjax.drafters.registry import drafter_class, price_terms
 from specjax.models.config import ModelConfig
 from specjax.models.llama import (
     LINEAR_WEIGHTS,
@@ -381,27 +382,24 @@ def _cached_form(params: Any, form: str, make: Any) -> Any:
     return hit[1]
 
 
-def drafter_decode_params(name: str, params: Any) -> Any:
-    """A drafter's parameters in the form its draft steps run fastest: draft-simple's model as
-    `decode_params`; on CPU with the native kernel, draft-eagle3's head (and the target's LM
-    head it shares) as `KernelWeight`s (its products and attention then run on the kernels
-    instead of XLA's dots and YNNPACK fusions, ~13 us each per step), and the block heads'
-    (draft-dflash / draft-dspark: their products, ~1 ms of a round on XLA's path). Made once
-    per set of weights; other drafters' parameters unchanged."""
-    if name == "draft-simple":
+def drafter_decode_params(drafter: Drafter | type[Drafter] | str, params: Any) -> Any:
+    """A drafter's parameters in the form its draft steps run fastest (`Drafter.params_form`):
+    a draft model's (draft-simple) as `decode_params`; on CPU with the native kernel, a
+    head's (draft-eagle3, and the block heads draft-dflash / draft-dspark) as its
+    `head_kernel_params` and the target's LM head it shares as a `KernelWeight` (EAGLE-3's
+    products and attention then run on the kernels instead of XLA's dots and YNNPACK
+    fusions, ~13 us each per step; a block head's products, ~1 ms of a round on XLA's path).
+    Made once per set of weights; other drafters' parameters unchanged. `drafter`: the
+    drafter (or its class, or its type name)."""
+    kind = drafter_class(drafter) if isinstance(drafter, str) else drafter
+    if kind.params_form == "model":
         return decode_params(params)
-    head_form = _HEAD_KERNEL_PARAMS.get(name)
-    if head_form is None or jax.default_backend() != "cpu" or not cpu_kernels.available():
+    if kind.params_form != "head" or jax.default_backend() != "cpu":
         return params
-    return _cached_form(params, name, functools.partial(_head_kernel_form, head_form))
-
-
-#: the feature-reading drafters' heads: how each becomes its `KernelWeight` form
-_HEAD_KERNEL_PARAMS: dict[str, Callable[[Params], Params]] = {
-    "draft-eagle3": eagle3.kernel_params,
-    "draft-dflash": dflash.kernel_params,
-    "draft-dspark": dflash.kernel_params,
-}
+    if not cpu_kernels.available():
+        return params
+    head_form = functools.partial(_head_kernel_form, kind.head_kernel_params)
+    return _cached_form(params, kind.name, head_form)
 
 
 def _head_kernel_form(head_form: Callable[[Params], Params], params: Any) -> Any:
@@ -643,7 +641,7 @@ ASK_REFERENCE_PARAMS = 7_344_384
 
 
 def chain_call_price(
-    drafters: Sequence[Any], on_cpu: bool = True, target_params: int | None = None
+    drafters: Sequence[Drafter], on_cpu: bool = True, target_params: int | None = None
 ) -> float:
     """The governor's price `call` of asking the chain `drafters` for drafts (when
     `SpecConfig.cost_call` is None): `ASK_OVERHEAD` plus, on CPU, every drafter's
@@ -660,7 +658,7 @@ def chain_call_price(
     round is launch-bound, as the reference's is). None = the reference target."""
     if not on_cpu:
         return ASK_OVERHEAD
-    asks = sum(float(getattr(d, "ask_steps", 0.0)) for d in drafters)
+    asks = sum(float(d.ask_steps) for d in drafters)
     if target_params is not None:
         asks *= min(1.0, ASK_REFERENCE_PARAMS / max(int(target_params), 1))
     return ASK_OVERHEAD + asks
@@ -693,8 +691,9 @@ def cost_model(
     if spec is not None:
         enabled = spec.adaptive and not synthetic
         call = _call_price(spec, model, drafters)
-        simple = draft is not None and "draft-simple" in spec.types
-        if draft is not None and any(t in ("draft-simple", "draft-eagle3") for t in spec.types):
+        terms = price_terms(spec.types)  # (`Drafter.prices` of the chain's types)
+        simple = draft is not None and "catch_up" in terms
+        if draft is not None and "draft_step" in terms:
             t, d = model.config, draft.config
             draft_step = max(d.L / t.L, d.num_params() / t.num_params())
         calibrate = (not on_cpu) if spec.cost_calibrate is None else spec.cost_calibrate
@@ -711,8 +710,8 @@ def cost_model(
             verify = spec.cost_verify_token
         if spec.cost_draft_step is not None:
             draft_step = spec.cost_draft_step
-    # draft-simple's model skips the rounds it is not asked in and catches up before it
-    # drafts (None for other chains: no catch-up term in their programs)
+    # a "catch_up" drafter's model (draft-simple's) skips the rounds it is not asked in and
+    # catches up before it drafts (None for other chains: no catch-up term in their programs)
     return _priced(enabled, verify, draft_step, call, draft_step if simple else None)
 
 
@@ -730,7 +729,7 @@ def _priced(
     )
 
 
-def _call_price(spec: SpecConfig, model: Model, drafters: Sequence[Any]) -> float:
+def _call_price(spec: SpecConfig, model: Model, drafters: Sequence[Drafter]) -> float:
     """The governor's price of asking `drafters`: `spec.cost_call`, else `chain_call_price`
     on this backend against `model`."""
     if spec.cost_call is not None:
@@ -740,28 +739,26 @@ def _call_price(spec: SpecConfig, model: Model, drafters: Sequence[Any]) -> floa
 
 
 def chain_cost(
-    cost: CostModel, spec: SpecConfig, model: Model, drafters: Sequence[Any]
+    cost: CostModel, spec: SpecConfig, model: Model, drafters: Sequence[Drafter]
 ) -> CostModel:
     """`cost` (the whole chain's, from `cost_model`) as it prices the part `drafters` of the
     chain: their own asks (`chain_call_price`, unless `spec.cost_call` is given), a draft
     step only with a draft-model drafter in it (or `spec.cost_draft_step` given), a catch-up
     only with draft-simple. The measured verify price is kept (no new calibration)."""
-    names = {d.name for d in drafters}
+    terms = frozenset().union(*(d.prices for d in drafters))  # (`Drafter.prices`)
     call = _call_price(spec, model, drafters)
-    stepped = bool(names & {"draft-simple", "draft-eagle3"}) or spec.cost_draft_step is not None
+    stepped = "draft_step" in terms or spec.cost_draft_step is not None
     return dataclasses.replace(
         cost,
         call=_host_leaf(call, np.float32),
         draft_step=cost.draft_step if stepped else _host_leaf(0.0, np.float32),
-        catch_up=cost.catch_up if "draft-simple" in names else None,
+        catch_up=cost.catch_up if "catch_up" in terms else None,
     )
 
 
-def chain_k_max(spec: SpecConfig, drafters: Sequence[Any]) -> int:
+def chain_k_max(spec: SpecConfig, drafters: Sequence[Drafter]) -> int:
     """The static draft width K of the chain `drafters`: `spec.k_max` when given, else the
     maximum over the chain's drafters (`drafters.base.chain_width`)."""
-    from specjax.drafters.base import chain_width
-
     k_max = spec.resolved_k_max()
     return k_max if spec.k_max is not None else chain_width(drafters, k_max)
 
