@@ -29,7 +29,20 @@ def _batch_parser() -> argparse.ArgumentParser:
     b.add_argument(
         "-np", "--parallel", dest="n_parallel", type=int, help="slots decoded together (8)"
     )
-    b.add_argument("--errors", dest="errors_path", help="write bad request lines here, skip them")
+    b.add_argument(
+        "--errors",
+        dest="errors_path",
+        help="write bad request lines here, skip them (checked before anything runs)",
+    )
+    b.add_argument(
+        "--repair",
+        action="store_true",
+        default=None,
+        help="resume from a damaged --out: drop (and list) the records it cannot trust "
+        "(incomplete, edited, of ids not in --in, or a second one of an id) and run their "
+        "requests again; the file as it was is kept in OUT.bak. Without it such a file is "
+        "refused unchanged",
+    )
     b.add_argument("--mesh", help="device mesh, e.g. data=4,model=2 (default: one device)")
     b.add_argument("--prefill-chunk", type=int, help="prompt tokens per prefill call (64)")
     b.add_argument("--fsync-interval", type=float, help="seconds between fsyncs of --out (1)")
@@ -59,6 +72,7 @@ _BATCH_DEFAULTS: dict[str, Any] = {
     "coordinator": None,
     "num_processes": None,
     "process_id": None,
+    "repair": False,
 }
 
 
@@ -71,9 +85,9 @@ def _load_options(argv: list[str]) -> dict[str, Any]:
         path = Path(args.config)
         if not path.is_file():
             raise SystemExit(f"error: config file {path} not found")
-        import yaml
+        from specjax.cli import _read_config
 
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_config(path)
         unknown = sorted(set(loaded) - set(opts))
         if unknown:
             raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}")
@@ -118,6 +132,15 @@ def batch_main(argv: list[str]) -> int:
         raise SystemExit("error: specjax batch needs --in REQUESTS.jsonl and --out RESULTS.jsonl")
     if opts.get("prompt") or opts.get("file"):
         raise SystemExit("error: specjax batch reads its prompts from --in, not -p/-f")
+    from specjax.cli import check_writable, fit_drafts
+
+    if not Path(opts["in_path"]).is_file():
+        raise SystemExit(f"error: request file {opts['in_path']} not found")
+    # where results go is checked before anything loads or runs (a shard's own path, under
+    # jax.distributed, again by `batch`)
+    check_writable(str(opts["out"]), "--out")
+    if opts.get("errors_path"):
+        check_writable(str(opts["errors_path"]), "--errors")
     from specjax.api import load
     from specjax.batching import batch
     from specjax.compile_cache import set_compile_cache
@@ -134,6 +157,9 @@ def batch_main(argv: list[str]) -> int:
     draft = load(opts["spec_draft_model"]) if opts.get("spec_draft_model") else None
     if spec is not None and "draft-simple" in spec.types and draft is None:
         raise SystemExit("error: --spec-type draft-simple needs -md/--spec-draft-model")
+    if spec is not None:  # a request has at least one token; -n is a default requests change
+        ctx = int(opts["ctx_size"] or 0) or int(model.config.max_position)
+        spec = fit_drafts(spec, ctx - 2, f"context {ctx}", log)
     summary = batch(
         model,
         opts["in_path"],
@@ -155,6 +181,7 @@ def batch_main(argv: list[str]) -> int:
         progress=bool(opts["progress"]),
         mesh=mesh,
         log=log,
+        repair=bool(opts.get("repair")),
     )
     print(
         f"specjax batch: {summary.n_done} request(s) done in {summary.seconds:.2f} s, "

@@ -30,8 +30,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import hashlib
 import json
 import os
+import shutil
 import sys
 import time
 from collections.abc import Iterable, Sequence
@@ -45,6 +47,7 @@ from specjax import api, sampling
 from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.cache import cache_dtype
+from specjax.cli import check_writable
 from specjax.config import SpecConfig
 from specjax.errors import CacheOverflowError
 
@@ -106,8 +109,13 @@ def _lines(source: str | os.PathLike[str] | Iterable[Any]) -> tuple[list[tuple[i
         path = os.fspath(source)
         if not os.path.isfile(path):
             raise ValueError(f"request file {path} not found")
-        with open(path, encoding="utf-8") as fh:
-            return [(i + 1, line) for i, line in enumerate(fh)], path
+        with open(path, "rb") as fh:
+            raw = fh.read().split(b"\n")
+        if raw and raw[-1] == b"":
+            raw.pop()
+        # a line that is not UTF-8 is a bad line like any other (reported with its number)
+        return [(i + 1, line.decode("utf-8", errors="surrogateescape")) for i, line in
+                enumerate(raw)], path  # fmt: skip
     out = []
     for i, item in enumerate(source):
         out.append((i + 1, item if isinstance(item, str) else json.dumps(item)))
@@ -151,6 +159,10 @@ def _parse_line(
     model: api.Model, number: int, text: str, n_ctx: int, defaults: dict[str, Any]
 ) -> Request:
     try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as err:
+        raise ValueError(f"not UTF-8 (byte {err.start + 1} of the line)") from None
+    try:
         obj = json.loads(text)
     except json.JSONDecodeError as err:
         raise ValueError(f"invalid JSON: {err.msg} (column {err.colno})") from None
@@ -170,8 +182,6 @@ def _parse_line(
         prompt = obj["prompt"]
         if not isinstance(prompt, str):
             raise ValueError(f"prompt must be a string, got {type(prompt).__name__}")
-        if not prompt:
-            raise ValueError("empty prompt")
         ids = model.encode(prompt)
     else:
         toks = obj["tokens"]
@@ -180,8 +190,8 @@ def _parse_line(
         ):
             raise ValueError("tokens must be a list of integer token ids")
         ids = list(toks)
-    if not ids:
-        raise ValueError("empty prompt (no tokens)")
+    if not ids:  # (an empty text is the BOS token alone where the model adds one)
+        raise ValueError("empty prompt: no tokens (the model adds no BOS token to a text)")
     V = model.config.V
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
@@ -226,8 +236,9 @@ def _parse_line(
 
 
 def read_results(path: str | os.PathLike[str], repair: bool = True) -> list[dict[str, Any]]:
-    """Records of a results file. A torn last line (no newline: a crash mid-write) is cut
-    off the file when `repair`, else ignored; any other unreadable line raises."""
+    """Records of a results file, as a reader sees them (no check against requests; the job
+    itself uses `load_results`). A torn last line (no newline: a crash mid-write) is cut off
+    the file when `repair`, else ignored; any other unreadable line raises."""
     path = os.fspath(path)
     if not os.path.exists(path):
         return []
@@ -236,17 +247,14 @@ def read_results(path: str | os.PathLike[str], repair: bool = True) -> list[dict
     end = data.rfind(b"\n") + 1
     if end < len(data):
         if repair:
-            with open(path, "r+b") as fh:
-                fh.truncate(end)
-                fh.flush()
-                os.fsync(fh.fileno())
+            _truncate(path, end)
             print(
                 f"specjax batch: dropped a torn last line of {len(data) - end} bytes from {path}",
                 file=sys.stderr,
             )
         data = data[:end]
     records = []
-    for i, line in enumerate(data.decode("utf-8").splitlines()):
+    for i, line in enumerate(data.decode("utf-8", errors="replace").splitlines()):
         if not line.strip():
             continue
         try:
@@ -257,6 +265,201 @@ def read_results(path: str | os.PathLike[str], repair: bool = True) -> list[dict
             raise ValueError(f"{path} line {i + 1} is not a result record (no id)")
         records.append(rec)
     return records
+
+
+def _truncate(path: str, end: int) -> None:
+    with open(path, "r+b") as fh:
+        fh.truncate(end)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+#: What a result record holds, with the type of each value.
+RECORD_KEYS: dict[str, Any] = {
+    "id": (int, str),
+    "tokens": list,
+    "text": str,
+    "finish_reason": str,
+    "timings": dict,
+    "stats": dict,
+    "check": str,
+}
+
+
+def _id_key(rid: Any) -> tuple[str, Any]:
+    return (type(rid).__name__, rid)
+
+
+def request_fingerprint(req: Request) -> str:
+    """What a request's record depends on besides the model: its prompt ids and sampling."""
+    text = json.dumps(
+        [
+            list(req.tokens),
+            req.n_predict,
+            req.temperature,
+            req.top_k,
+            req.top_p,
+            req.min_p,
+            req.repeat_penalty,
+            req.seed,
+        ]
+    )
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def record_check(record: dict[str, Any], req: Request) -> str:
+    """The `check` a record carries: a hash of its other fields (as parsed, so the file's
+    spacing does not matter) and of its request. An edited record, or one left from a request
+    that has since changed, no longer matches it."""
+    body = {k: v for k, v in record.items() if k != "check"}
+    text = json.dumps(body, sort_keys=True, ensure_ascii=True) + request_fingerprint(req)
+    return hashlib.sha256(text.encode()).hexdigest()[:32]
+
+
+def _record_problem(rec: Any, requests: dict[tuple[str, Any], Request]) -> str | None:
+    """Why a parsed line is not a trusted result record of `requests` (None: it is)."""
+    if not isinstance(rec, dict):
+        return f"not a JSON object ({type(rec).__name__})"
+    missing = [k for k in RECORD_KEYS if k not in rec]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    extra = sorted(set(rec) - set(RECORD_KEYS))
+    if extra:
+        return f"unknown key(s) {', '.join(map(repr, extra))}"
+    for key, kind in RECORD_KEYS.items():
+        if isinstance(rec[key], bool) or not isinstance(rec[key], kind):
+            return f"{key} has the wrong type ({type(rec[key]).__name__})"
+    if not all(isinstance(t, int) and not isinstance(t, bool) for t in rec["tokens"]):
+        return "tokens must be integer ids"
+    if rec["finish_reason"] not in eng.FINISH_NAMES.values():
+        return f"unknown finish_reason {rec['finish_reason']!r}"
+    req = requests.get(_id_key(rec["id"]))
+    if req is None:
+        return "its id is not a request of the input"
+    if rec["check"] != record_check(rec, req):
+        return "its check does not match (the record was edited, or its request changed)"
+    return None
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultProblem:
+    line: int  # 1-based line of the results file
+    id: Any  # the record's id when it has one, else None
+    reason: str
+
+    def __str__(self) -> str:
+        rid = "" if self.id is None else f" (id {self.id!r})"
+        return f"line {self.line}{rid}: {self.reason}"
+
+
+class DamagedResultsError(ValueError):
+    """A results file holding lines a resume cannot trust (raised before anything changes)."""
+
+    def __init__(self, path: str, problems: Sequence[ResultProblem]) -> None:
+        self.path, self.problems = path, list(problems)
+        shown = "\n".join(f"  {p}" for p in self.problems[:20])
+        more = f"\n  ... and {len(self.problems) - 20} more" if len(self.problems) > 20 else ""
+        super().__init__(
+            f"{path} holds {len(self.problems)} line(s) a resume cannot trust; the file was not "
+            f"changed (run again with --repair to drop them, keeping a backup):\n{shown}{more}"
+        )
+
+
+def check_results(
+    path: str, requests: Sequence[Request]
+) -> tuple[list[dict[str, Any]], list[ResultProblem], int]:
+    """Validate every line of the results file `path` against `requests`: (trusted records,
+    problems, length of the whole lines in bytes). A record is trusted when it has every key
+    with its type, a known finish reason, an id of the input, a `check` matching it and its
+    request, and is the first trusted record of its id. A torn last line (no newline: a crash
+    mid-write) is not a problem: it is past the whole lines and the resume cuts it off."""
+    by_id = {_id_key(r.id): r for r in requests}
+    with open(path, "rb") as fh:
+        data = fh.read()
+    end = data.rfind(b"\n") + 1
+    records: list[dict[str, Any]] = []
+    problems: list[ResultProblem] = []
+    first: dict[tuple[str, Any], int] = {}
+    for i, raw in enumerate(data[:end].split(b"\n")[:-1]):
+        number = i + 1
+        if not raw.strip():
+            problems.append(ResultProblem(number, None, "blank line"))
+            continue
+        try:
+            rec = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            why = "not UTF-8" if isinstance(err, UnicodeDecodeError) else "not JSON"
+            problems.append(ResultProblem(number, None, why))
+            continue
+        rid = rec.get("id") if isinstance(rec, dict) else None
+        rid = rid if isinstance(rid, int | str) and not isinstance(rid, bool) else None
+        problem = _record_problem(rec, by_id)
+        if problem is not None:
+            problems.append(ResultProblem(number, rid, problem))
+            continue
+        key = _id_key(rec["id"])
+        if key in first:
+            problems.append(
+                ResultProblem(
+                    number, rid, f"a second record of its id (first on line {first[key]})"
+                )
+            )
+            continue
+        first[key] = number
+        records.append(rec)
+    return records, problems, end
+
+
+def load_results(
+    path: str, requests: Sequence[Request], *, repair: bool = False, log: Any = None
+) -> list[dict[str, Any]]:
+    """The trusted records of the results file `path` for a resume (see `check_results`).
+
+    A torn last line is cut off (a crash mid-write: the request runs again). Any other
+    problem raises `DamagedResultsError` naming each line and id, with the file unchanged;
+    with `repair`, the file is first copied to `path + ".bak"` (the copy holds every byte, so
+    nothing is lost), each dropped line is listed on `log`, and the file is rewritten with the
+    trusted records only (atomically); their requests run again."""
+    log = sys.stderr if log is None else log
+    if not os.path.exists(path):
+        return []
+    records, problems, end = check_results(path, requests)
+    if problems and not repair:
+        raise DamagedResultsError(path, problems)
+    size = os.path.getsize(path)
+    if problems:
+        backup = _backup_path(path)
+        shutil.copy2(path, backup)
+        for p in problems:
+            print(f"specjax batch: --repair drops {path} {p}", file=log)
+        tmp = f"{path}.repair.tmp"
+        with open(tmp, "wb") as fh:
+            for rec in records:
+                fh.write((json.dumps(rec, ensure_ascii=False) + "\n").encode("utf-8"))
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+        print(
+            f"specjax batch: --repair kept {len(records)} record(s) of {path}, dropped "
+            f"{len(problems)} line(s) (their requests run again); the file as it was is in "
+            f"{backup}",
+            file=log,
+        )
+    elif end < size:
+        _truncate(path, end)
+        print(
+            f"specjax batch: dropped a torn last line of {size - end} bytes from {path}",
+            file=log,
+        )
+    return records
+
+
+def _backup_path(path: str) -> str:
+    """`path.bak`, or `path.bak.N` for the first N free: an earlier backup is never replaced."""
+    candidate, n = f"{path}.bak", 1
+    while os.path.exists(candidate):
+        candidate, n = f"{path}.bak.{n}", n + 1
+    return candidate
 
 
 class _Appender:
@@ -344,6 +547,7 @@ def batch(
     progress: bool = True,
     mesh: dict[str, int] | None = None,
     log: Any = None,
+    repair: bool = False,
 ) -> BatchSummary:
     """Run every request of `requests` (a JSONL path, or an iterable of request dicts) with
     `n_parallel` slots of continuous batching and append one result line per request to
@@ -351,6 +555,9 @@ def batch(
     the per-request defaults (`n_predict=-1`: until end of generation or a full context).
     `n_ctx`: context cells per slot (default: from the requests). Bad lines raise
     `BatchInputError` before anything runs, or go to `errors_path` and are skipped.
+    An existing `out` is checked whole first (`load_results`): a line it cannot trust raises
+    `DamagedResultsError` with the file unchanged, or with `repair` is dropped (the file as it
+    was is kept in `out.bak`) and its request runs again.
     """
     log = sys.stderr if log is None else log
     if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
@@ -384,6 +591,16 @@ def batch(
     reqs, errors, source = parse_requests(model, requests, n_ctx=check_ctx, defaults=defaults)
     if errors and errors_path is None:
         raise BatchInputError(errors, source)
+    out = os.fspath(out)
+    n_proc, proc = jax.process_count(), jax.process_index()
+    if n_proc > 1:  # jax.distributed: process i runs requests i, i + n, ... into its own shard
+        out = shard_path(out, proc, n_proc)
+        reqs = reqs[proc::n_proc]
+    check_writable(out, "--out")
+    if errors_path is not None:
+        check_writable(os.fspath(errors_path), "--errors")
+    # before anything is written: a damaged results file stops the job here, unchanged
+    finished = load_results(out, reqs, repair=repair, log=log)
     if errors_path is not None and jax.process_index() == 0:
         with open(errors_path, "w", encoding="utf-8") as fh:
             for e in errors:
@@ -394,17 +611,9 @@ def batch(
                 file=log,
             )
     S, out_cap = _sizes(model, reqs, n_ctx, k_max, prefill_chunk)
-
-    out = os.fspath(out)
-    n_proc, proc = jax.process_count(), jax.process_index()
-    if n_proc > 1:  # jax.distributed: process i runs requests i, i + n, ... into its own shard
-        out = shard_path(out, proc, n_proc)
-        reqs = reqs[proc::n_proc]
-    finished = read_results(out)
-    done_ids = {(type(r["id"]).__name__, r["id"]) for r in finished}
-    if len(done_ids) != len(finished):
-        raise ValueError(f"{out} holds an id more than once")
-    todo = [r for r in reqs if (type(r.id).__name__, r.id) not in done_ids]
+    done_ids = {_id_key(r["id"]) for r in finished}
+    todo = [r for r in reqs if _id_key(r.id) not in done_ids]
+    by_id = {_id_key(r.id): r for r in todo}
     n_skipped = len(reqs) - len(todo)
     print(
         f"specjax batch: {len(reqs)} request(s) in {source}; skipped {n_skipped} already in "
@@ -438,6 +647,7 @@ def batch(
     generated = 0
     try:
         for record in runner.run(todo):
+            record["check"] = record_check(record, by_id[_id_key(record["id"])])
             writer.write(record)
             generated += len(record["tokens"])
             if bar is not None:

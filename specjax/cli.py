@@ -9,9 +9,11 @@ and statistics go to stderr; `--out FILE.jsonl` writes one JSON record per promp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -70,12 +72,21 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--config", help="YAML preset (keys = option names with underscores)")
     p.add_argument("-m", "--model", help="target model: GGUF file or Hugging Face directory")
-    p.add_argument("-p", "--prompt", action="append", help="prompt (repeat for a batch)")
+    p.add_argument(
+        "-p",
+        "--prompt",
+        action="append",
+        help="prompt (repeat for a batch). An empty prompt is the model's BOS token alone "
+        "where the model adds one (as llama.cpp), else refused: the same rule in `specjax "
+        "batch`",
+    )
     p.add_argument(
         "-f",
         "--file",
         help="file with the prompt, read as is except that one trailing newline is dropped "
-        "(as llama.cpp's -f); a .jsonl file holds one prompt per line as {'prompt': ...}",
+        "(as llama.cpp's -f); bytes that are not UTF-8 become their byte-level BPE tokens "
+        "(an error for a vocabulary without them); a .jsonl file holds one prompt per line "
+        "as {'prompt': ...}",
     )
     p.add_argument("-n", "--n-predict", type=int, help="tokens to generate per prompt")
     p.add_argument(
@@ -94,7 +105,10 @@ def _generate_parser() -> argparse.ArgumentParser:
     p.add_argument("--min-p", type=float)
     p.add_argument("--repeat-penalty", type=float)
     p.add_argument("-s", "--seed", type=int)
-    p.add_argument("--out", help="write one JSON record per prompt to this .jsonl file")
+    p.add_argument(
+        "--out",
+        help="write one JSON record per prompt to this .jsonl file (checked before anything runs)",
+    )
     g = p.add_argument_group("speculative decoding")
     g.add_argument(
         "--spec-type",
@@ -109,8 +123,25 @@ def _generate_parser() -> argparse.ArgumentParser:
         help="ngram-mod with n_match 24, n_min 48, n_max 64",
     )
     g.add_argument("-md", "--spec-draft-model", "--model-draft", dest="spec_draft_model")
-    g.add_argument("--spec-draft-n-max", type=int)
-    g.add_argument("--spec-draft-n-min", type=int)
+    g.add_argument(
+        "--spec-draft-n-max",
+        "--draft-max",
+        "--draft-n",
+        "--draft",
+        dest="spec_draft_n_max",
+        type=int,
+        help="longest draft of a draft model (3; llama.cpp's earlier names --draft-max, "
+        "--draft-n, --draft are accepted); clamped to what the context and -n leave, with a "
+        "note; 0 drafts nothing, so the draft-model types leave the chain",
+    )
+    g.add_argument(
+        "--spec-draft-n-min",
+        "--draft-min",
+        "--draft-n-min",
+        dest="spec_draft_n_min",
+        type=int,
+        help="shortest draft worth verifying (0; also --draft-min, --draft-n-min)",
+    )
     g.add_argument("--spec-draft-p-min", "--draft-p-min", dest="spec_draft_p_min", type=float)
     g.add_argument(
         "--spec-governor",
@@ -192,9 +223,7 @@ def _load_options(argv: list[str]) -> dict[str, Any]:
         path = Path(args.config)
         if not path.is_file():
             raise SystemExit(f"error: config file {path} not found")
-        import yaml
-
-        loaded = yaml.safe_load(path.read_text()) or {}
+        loaded = _read_config(path)
         unknown = sorted(set(loaded) - set(_GENERATE_DEFAULTS))
         if unknown:
             raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}")
@@ -203,6 +232,36 @@ def _load_options(argv: list[str]) -> dict[str, Any]:
         if key != "config" and value is not None:
             opts[key] = value
     return opts
+
+
+def check_writable(path: str, flag: str) -> None:
+    """Raise ValueError (one line: the flag, the path, why) unless `path` can be opened for
+    writing; checked before any work, so a run never ends with nowhere to put its result. A
+    file this check creates is removed again."""
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: is a directory")
+    existed = os.path.exists(path)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+    except OSError as err:
+        raise ValueError(f"{flag} {path}: cannot write there ({err.strerror})") from None
+    os.close(fd)
+    if not existed:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _read_config(path: Path) -> dict[str, Any]:
+    """A --config YAML file as a dict (a clear error for one that is not YAML or no mapping)."""
+    import yaml
+
+    try:
+        loaded = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except (yaml.YAMLError, UnicodeDecodeError, OSError) as err:
+        raise SystemExit(f"error: config file {path} cannot be read: {err}") from None
+    if not isinstance(loaded, dict):
+        raise SystemExit(f"error: config file {path} must hold a mapping of option names")
+    return loaded
 
 
 def _spec_from_options(opts: dict[str, Any]):
@@ -250,8 +309,10 @@ def _spec_from_options(opts: dict[str, Any]):
     return SpecConfig(**kwargs)
 
 
-def _read_prompts(opts: dict[str, Any]) -> list[str]:
-    prompts: list[str] = []
+def _read_prompts(opts: dict[str, Any]) -> list[str | bytes]:
+    """The prompts of -p and -f: text, or the bytes of a -f file that is not UTF-8 (its
+    tokens are then made from the bytes, `_prompt_inputs`)."""
+    prompts: list[str | bytes] = []
     prompt = opts.get("prompt")
     if isinstance(prompt, str):
         prompts.append(prompt)
@@ -262,23 +323,183 @@ def _read_prompts(opts: dict[str, Any]) -> list[str]:
         if not path.is_file():
             raise SystemExit(f"error: prompt file {path} not found")
         # bytes as they are (no newline translation), as llama.cpp's read_file
-        text = path.read_bytes().decode("utf-8", errors="replace")
+        data = path.read_bytes()
         if path.suffix == ".jsonl":
-            for line in text.splitlines():
-                if line.strip():
-                    prompts.append(json.loads(line)["prompt"])
+            for number, line in enumerate(data.split(b"\n"), 1):
+                if not line.strip():
+                    continue
+                try:
+                    obj = json.loads(line.decode("utf-8"))
+                except UnicodeDecodeError:
+                    raise SystemExit(f"error: {path} line {number} is not UTF-8") from None
+                except json.JSONDecodeError as err:
+                    raise SystemExit(
+                        f"error: {path} line {number}: invalid JSON ({err.msg})"
+                    ) from None
+                if not isinstance(obj, dict) or not isinstance(obj.get("prompt"), str):
+                    raise SystemExit(f'error: {path} line {number}: needs {{"prompt": "..."}}')
+                prompts.append(obj["prompt"])
         else:
             # llama.cpp's -f: `if (prompt.back() == '\n') prompt.pop_back();` (one, not "\r\n")
-            prompts.append(text[:-1] if text.endswith("\n") else text)
+            data = data[:-1] if data.endswith(b"\n") else data
+            try:
+                prompts.append(data.decode("utf-8"))
+            except UnicodeDecodeError:
+                prompts.append(data)
     if not prompts:
         raise SystemExit("error: no prompt given (use -p/--prompt or -f/--file)")
     return prompts
+
+
+def _prompt_inputs(model: Any, prompts: list[str | bytes]) -> list[str | list[int]]:
+    """What `generate` gets for each prompt: the text, or for raw bytes their token ids
+    (`Tokenizer.encode_bytes`, with BOS/EOS as `Model.encode` adds them to a text)."""
+    out: list[str | list[int]] = []
+    for prompt in prompts:
+        if isinstance(prompt, str):
+            out.append(prompt)
+            continue
+        tok = model.tokenizer
+        if tok is None:
+            raise ValueError("this model has no tokenizer to read a prompt file with")
+        try:
+            ids = tok.encode_bytes(prompt)
+        except ValueError as err:
+            raise ValueError(f"prompt file: {err}") from None
+        if getattr(tok, "add_bos", False) and tok.bos_id is not None:
+            ids = [int(tok.bos_id), *ids]
+        if getattr(tok, "add_eos", False) and tok.eos_id is not None:
+            ids = [*ids, int(tok.eos_id)]
+        out.append(ids)
+    return out
+
+
+def _prompt_text(prompt: str | bytes) -> str:
+    return prompt if isinstance(prompt, str) else prompt.decode("utf-8", errors="replace")
+
+
+def _write_stdout(*parts: str | bytes) -> None:
+    """Text to stdout; a prompt's raw bytes as they are."""
+    for part in parts:
+        if isinstance(part, bytes):
+            sys.stdout.flush()
+            sys.stdout.buffer.write(part)
+            sys.stdout.buffer.flush()
+        else:
+            sys.stdout.write(part)
+
+
+#: (SpecConfig field, its flag, the type it limits) of the draft lengths `fit_drafts` clamps.
+_DRAFT_LIMITS = (
+    ("draft_n_max", "--spec-draft-n-max", "draft-"),
+    ("ngram_simple_size_m", "--spec-ngram-simple-size-m", "ngram-simple"),
+    ("ngram_map_k_size_m", "--spec-ngram-map-k-size-m", "ngram-map-k"),
+    ("ngram_map_k4v_size_m", "--spec-ngram-map-k4v-size-m", "ngram-map-k4v"),
+    ("ngram_mod_n_max", "--spec-ngram-mod-n-max", "ngram-mod"),
+    ("ngram_cache_n_draft", "ngram-cache's n_draft", "ngram-cache"),
+)
+
+
+def fit_drafts(spec: Any, room: int, why: str, log: Any) -> Any:
+    """`spec` with every draft-length limit of its types clamped to `room` (the tokens a
+    draft can still be verified in: what the context and -n leave), with one note on `log`
+    when one was; the draft-model types leave the chain when --spec-draft-n-max is 0 (they
+    draft nothing). None when nothing is left to draft."""
+    import dataclasses
+
+    if spec is None:
+        return None
+    notes: list[str] = []
+    if spec.draft_n_max <= 0 and any(t.startswith("draft-") for t in spec.types):
+        gone = [t for t in spec.types if t.startswith("draft-")]
+        rest = tuple(t for t in spec.types if not t.startswith("draft-"))
+        notes.append(f"--spec-draft-n-max 0 drafts nothing: {', '.join(gone)} left out")
+        spec = dataclasses.replace(spec, types=rest) if rest else None
+        if spec is None:
+            notes[-1] += ", speculation off"
+    if spec is not None and room < 1:
+        notes.append(f"no room for a draft ({why}): speculation off")
+        spec = None
+    if spec is not None:
+        changes: dict[str, int] = {}
+        clamped: list[str] = []
+        for field, flag, kind in _DRAFT_LIMITS:
+            value = int(getattr(spec, field))
+            if value > room and any(t.startswith(kind) for t in spec.types):
+                changes[field] = room
+                clamped.append(f"{flag} {value} -> {room}")
+        if "draft_n_max" in changes and spec.draft_n_min > room:
+            changes["draft_n_min"] = room
+        if "ngram_mod_n_max" in changes and spec.ngram_mod_n_min > room:
+            changes["ngram_mod_n_min"] = room
+        if changes:
+            spec = dataclasses.replace(spec, **changes)
+            notes.append(f"draft limits clamped to what is left ({why}): {', '.join(clamped)}")
+    if notes:
+        print(f"specjax: {'; '.join(notes)}", file=log)
+    return spec
+
+
+def _draft_room(model: Any, opts: dict[str, Any], prompt_lengths: list[int]) -> tuple[int, str]:
+    """(longest draft a round can still verify, why): the context after the shortest prompt,
+    and -n - 1 (llama.cpp's server drafts at most n_remaining - 1)."""
+    n_predict = int(opts["n_predict"])
+    ctx = int(opts["ctx_size"] or 0) or (int(model.config.max_position) if n_predict < 0 else 0)
+    shortest = min(prompt_lengths) if prompt_lengths else 1
+    rooms, why = [], []
+    if ctx:
+        rooms.append(ctx - shortest - 1)
+        why.append(f"context {ctx}, prompt of {shortest} tokens")
+    if n_predict > 0:
+        rooms.append(n_predict - 1)
+        why.append(f"-n {n_predict}")
+    return (min(rooms) if rooms else 1 << 30), ", ".join(why)
+
+
+def _write_records(path: str, records: list[dict[str, Any]]) -> None:
+    """All records to `path`, replacing it whole (a regular file: a temporary next to it,
+    then a rename, so a failed write leaves the old file as it was)."""
+    data = "".join(json.dumps(r) + "\n" for r in records).encode("utf-8")
+    if os.path.exists(path) and not os.path.isfile(path):  # a device or a pipe: as it is
+        with open(path, "wb") as fh:
+            fh.write(data)
+        return
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".specjax-out-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def _save_elsewhere(records: list[dict[str, Any]]) -> str | None:
+    """The records in a new file of the temporary directory (None if that fails too)."""
+    try:
+        fd, path = tempfile.mkstemp(prefix="specjax-out-", suffix=".jsonl")
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write("".join(json.dumps(r) + "\n" for r in records))
+        return path
+    except OSError:
+        return None
 
 
 def generate_main(argv: list[str]) -> int:
     opts = _load_options(argv)
     if not opts.get("model"):
         raise SystemExit("error: no model given (-m/--model or `model:` in --config)")
+    # where results go is checked before anything runs
+    if opts.get("out"):
+        check_writable(str(opts["out"]), "--out")
+    if opts.get("lookup_cache_dynamic"):
+        check_writable(str(opts["lookup_cache_dynamic"]), "--lookup-cache-dynamic")
+    spec = _spec_from_options(opts)
+    prompts = _read_prompts(opts)
     from specjax.api import generate, load
     from specjax.compile_cache import set_compile_cache
 
@@ -287,8 +508,6 @@ def generate_main(argv: list[str]) -> int:
         set_compile_cache(None)
     elif isinstance(cache_opt, str) and cache_opt:
         set_compile_cache(cache_opt)
-    spec = _spec_from_options(opts)
-    prompts = _read_prompts(opts)
     log = sys.stderr
     slot_kwargs = _slot_options(opts, len(prompts))
     model = load(opts["model"])
@@ -298,6 +517,10 @@ def generate_main(argv: list[str]) -> int:
     for needs in ("draft-simple", "draft-eagle3", "draft-dflash", "draft-dspark"):
         if spec is not None and needs in spec.types and draft is None:
             raise SystemExit(f"error: --spec-type {needs} needs -md/--spec-draft-model")
+    inputs = _prompt_inputs(model, prompts)
+    if spec is not None:
+        lengths = [len(p) if isinstance(p, list) else len(model.encode(p)) for p in inputs]
+        spec = fit_drafts(spec, *_draft_room(model, opts, lengths), log)
     print(
         f"specjax: model {opts['model']} ({model.config.num_params() / 1e6:.2f}M params), "
         f"{len(prompts)} prompt(s), speculative: {','.join(spec.types) if spec else 'off'}",
@@ -307,7 +530,7 @@ def generate_main(argv: list[str]) -> int:
     if opts.get("stream"):
         if len(prompts) != 1:
             raise SystemExit(f"error: --stream takes one prompt, got {len(prompts)}")
-        sys.stdout.write(prompts[0])
+        _write_stdout(prompts[0])
         sys.stdout.flush()
 
         def stream(row: int, text: str) -> None:
@@ -320,7 +543,7 @@ def generate_main(argv: list[str]) -> int:
     )
     result = generate(
         model,
-        prompts,
+        inputs,
         stream=stream,
         max_new_tokens=int(opts["n_predict"]),
         temperature=float(opts["temp"]),
@@ -340,7 +563,7 @@ def generate_main(argv: list[str]) -> int:
         if stream is not None:
             sys.stdout.write("\n")
             continue
-        sys.stdout.write(prompt + text + "\n")
+        _write_stdout(prompt, text + "\n")
         if len(prompts) > 1:
             sys.stdout.write("\n")
     sys.stdout.flush()
@@ -367,6 +590,7 @@ def generate_main(argv: list[str]) -> int:
     if result.stats is not None:
         for line in result.stats.lines():
             print(line, file=log)
+    status = 0
     if saves_dynamic_cache:
         # llama.cpp's lookup example: merge this run's context caches into the dynamic cache
         from specjax.drafters.ngram_cache import context_cache
@@ -374,26 +598,46 @@ def generate_main(argv: list[str]) -> int:
 
         state = result.drafter_states["ngram-cache"]
         contexts = [context_cache(state, row) for row in range(len(prompts))]
-        merged = update_dynamic_cache(opts["lookup_cache_dynamic"], *contexts)
-        print(
-            f"saved dynamic lookup cache {opts['lookup_cache_dynamic']} ({len(merged)} n-grams)",
-            file=log,
-        )
+        try:
+            merged = update_dynamic_cache(opts["lookup_cache_dynamic"], *contexts)
+            print(
+                f"saved dynamic lookup cache {opts['lookup_cache_dynamic']} "
+                f"({len(merged)} n-grams)",
+                file=log,
+            )
+        except OSError as err:
+            print(
+                f"error: could not save the dynamic lookup cache {opts['lookup_cache_dynamic']} "
+                f"({err.strerror or err}); the generated text is on stdout",
+                file=log,
+            )
+            status = 1
     if opts.get("out"):
-        with open(opts["out"], "w", encoding="utf-8") as fh:
-            for i, prompt in enumerate(prompts):
-                record = {
-                    "prompt": prompt,
-                    "prompt_tokens": result.prompt_tokens[i],
-                    "tokens": result.tokens[i],
-                    "text": result.text[i],
-                    "finish_reason": result.finish_reasons[i],
-                    "timings": {**t, "generated_tokens": len(result.tokens[i])},
-                }
-                if result.stats is not None:
-                    record["stats"] = result.stats.to_dict()
-                fh.write(json.dumps(record) + "\n")
-    return 0
+        records = []
+        for i, prompt in enumerate(prompts):
+            record = {
+                "prompt": _prompt_text(prompt),
+                "prompt_tokens": result.prompt_tokens[i],
+                "tokens": result.tokens[i],
+                "text": result.text[i],
+                "finish_reason": result.finish_reasons[i],
+                "timings": {**t, "generated_tokens": len(result.tokens[i])},
+            }
+            if result.stats is not None:
+                record["stats"] = result.stats.to_dict()
+            records.append(record)
+        try:
+            _write_records(str(opts["out"]), records)
+        except OSError as err:
+            elsewhere = _save_elsewhere(records)
+            where = f"; the records are in {elsewhere} instead" if elsewhere else ""
+            print(
+                f"error: could not write the records to --out {opts['out']} "
+                f"({err.strerror or err}); the generated text is on stdout{where}",
+                file=log,
+            )
+            status = 1
+    return status
 
 
 def _slot_options(opts: dict[str, Any], n_prompts: int) -> dict[str, Any]:
@@ -476,6 +720,10 @@ def main(argv: list[str] | None = None) -> int:
         return int(commands[argv[0]](argv[1:]) or 0)
     except ValueError as err:  # specjax errors are ValueErrors with a clear message
         print(f"error: {err}", file=sys.stderr)
+        return 1
+    except OSError as err:  # a path the user gave: one line, no traceback
+        where = f" {err.filename}" if getattr(err, "filename", None) else ""
+        print(f"error:{where} {err.strerror or err}", file=sys.stderr)
         return 1
 
 

@@ -674,14 +674,16 @@ class LookupStats:
             f"t_draft      = {_cfmt(self.t_draft_us * 1e-3, 2)} ms, {_cfmt(per_tok, 2)} us per "
             f"token, {_cfmt(tps, 2)} tokens per second",
             f"n_accept     = {self.n_accept}",
-            f"accept       = {_cfmt(self.accept_percent, 3)}%",
+            "accept       = "
+            + (f"{_cfmt(self.accept_percent, 3)}%" if self.n_drafted else "n/a (nothing drafted)"),
         ]
 
 
 def _cfmt(x: float, digits: int) -> str:
-    """printf `%.Nf` as glibc prints it (0/0 on x86 is a negative NaN: "-nan")."""
+    """printf `%.Nf` as glibc prints it, except a ratio without a denominator (0/0, where
+    llama.cpp prints "-nan"): `n/a`."""
     if np.isnan(x):
-        return "-nan"
+        return "n/a"
     if np.isinf(x):
         return "inf" if x > 0 else "-inf"
     return f"{x:.{digits}f}"

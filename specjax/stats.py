@@ -342,18 +342,45 @@ def format_server_lines(stats: SpecStats) -> list[str]:
     computed in float32 as upstream, then `     acc per pos = (...)` (upstream logs it at TRACE).
     """
     host = stats.to_host()
-    drafted = int(host.n_draft_tokens)
+    return format_acceptance_lines(
+        int(host.n_draft_accepted),
+        int(host.n_draft_tokens),
+        int(host.n_verif_steps),
+        [int(x) for x in host.n_accepted_per_pos],
+    )
+
+
+def format_acceptance_lines(
+    accepted: int, drafted: int, steps: int, per_pos: Sequence[int] = ()
+) -> list[str]:
+    """The acceptance lines of every target and drafter (`format_server_lines` from plain
+    counts): empty when nothing was drafted, else `draft acceptance = ...` and `acc per pos`,
+    the rate per draft position up to the longest accepted run (as the per-drafter lines:
+    not a column of zeros for the positions never reached; `none` when nothing was
+    accepted). No ratio is printed without its denominator, so never `nan`."""
     if drafted <= 0:
         return []
-    accepted = int(host.n_draft_accepted)
-    steps = int(host.n_verif_steps)
     ratio = float(np.float32(accepted) / np.float32(drafted))
     mean_len = 1.0 + accepted / steps if steps > 0 else 1.0
-    per_pos = ""
-    if steps > 0:
-        per_pos = ", ".join("%.3f" % (int(x) / steps) for x in host.n_accepted_per_pos)
+    grown = _grown([int(x) for x in per_pos]) if steps > 0 else []
+    shown = ", ".join("%.3f" % (x / steps) for x in grown) if grown else "none"
     return [
         "draft acceptance = %0.5f (%5d accepted / %5d generated), mean len = %5.2f"
         % (ratio, accepted, drafted, mean_len),
-        "     acc per pos = (%s)" % per_pos,
+        "     acc per pos = (%s)" % shown,
     ]
+
+
+def format_governor_lines(governor: dict[str, Any]) -> list[str]:
+    """The draft governor's lines (specjax only): its rounds, and each drafter it left out
+    of the run with why. Empty for a run without a governor record."""
+    if not governor:
+        return []
+    state = "on" if governor.get("enabled") else "off"
+    lines = [
+        f"draft governor: {state}, drafting shortened in {int(governor.get('throttled', 0))} "
+        f"and off in {int(governor.get('off', 0))} of {int(governor.get('rounds', 0))} rounds"
+    ]
+    for name, why in (governor.get("dropped") or {}).items():
+        lines.append(f"draft governor: {name} off for this run: {why}")
+    return lines

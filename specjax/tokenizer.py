@@ -127,6 +127,23 @@ EOG_TEXTS = frozenset(
 )
 
 
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's byte-level alphabet: the character byte-level BPE writes for each byte."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1)]
+    keep += range(ord("®"), ord("ÿ") + 1)
+    table, extra = {}, 0
+    for b in range(256):
+        if b in keep:
+            table[b] = chr(b)
+        else:
+            table[b] = chr(256 + extra)
+            extra += 1
+    return table
+
+
+_BYTE_TO_UNICODE = _bytes_to_unicode()
+
+
 def _byte_token(b: int) -> str:
     return f"<0x{b:02X}>"
 
@@ -440,6 +457,41 @@ class Tokenizer:
             self._tok.encode_special_tokens = previous
         bos = self._bos_id
         return [bos, *ids] if add_bos and bos is not None else list(ids)
+
+    def encode_bytes(self, data: bytes, *, parse_special: bool = True) -> list[int]:
+        """Token ids of raw bytes that need not be UTF-8 (a prompt file as it is). Runs of
+        valid UTF-8 are encoded as text (`encode`); every other byte becomes the byte-level
+        BPE token of that byte. Raises ValueError naming the first such byte where the
+        vocabulary cannot represent it (a SentencePiece vocabulary reads text only)."""
+        text = data.decode("utf-8", errors="surrogateescape")
+        if not any("\udc80" <= ch <= "\udcff" for ch in text):
+            return self.encode(text, parse_special=parse_special)
+        first = next(i for i, ch in enumerate(text) if "\udc80" <= ch <= "\udcff")
+        offset = len(text[:first].encode("utf-8"))
+        if self._vocab_type != "gpt2":
+            raise ValueError(
+                f"byte {offset} (0x{ord(text[first]) - 0xDC00:02X}) is not UTF-8, and a "
+                f"{self._vocab_type!r} (SentencePiece) vocabulary reads text only"
+            )
+        ids: list[int] = []
+        run: list[str] = []
+        for ch in text:
+            if "\udc80" <= ch <= "\udcff":
+                if run:
+                    ids += self.encode("".join(run), parse_special=parse_special)
+                    run = []
+                byte = ord(ch) - 0xDC00
+                tid = self._tok.token_to_id(_BYTE_TO_UNICODE[byte])
+                if tid is None:
+                    raise ValueError(
+                        f"byte 0x{byte:02X} is not UTF-8 and the vocabulary has no token for it"
+                    )
+                ids.append(int(tid))
+            else:
+                run.append(ch)
+        if run:
+            ids += self.encode("".join(run), parse_special=parse_special)
+        return ids
 
     def decode(self, ids: Iterable[int], *, skip_special: bool = False) -> str:
         ids = [int(i) for i in ids]

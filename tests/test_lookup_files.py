@@ -264,7 +264,8 @@ def test_lookup_stats_small_example_by_hand() -> None:
     assert (s.n_predict, s.n_drafted, s.n_accept) == (10, 4, 4)
     assert s.lines()[0] == "n_draft      = 2"
     assert s.lines()[-1] == "accept       = 100.000%"
-    assert lookup.LookupStats(3, 0, 0, 0).lines()[-1] == "accept       = -nan%"
+    assert lookup.LookupStats(3, 0, 0, 0).lines()[-1] == "accept       = n/a (nothing drafted)"
+    assert "nan" not in "".join(lookup.LookupStats(3, 0, 0, 0).lines())
     assert lookup.lookup_stats([1, 2] * 5, n_ctx=10).n_predict == 10  # last chunk not replayed
     assert lookup.lookup_stats([1, 2] * 5, n_ctx=10).n_drafted == 0
 

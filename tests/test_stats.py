@@ -76,7 +76,7 @@ def test_printed_lines_are_exact():
     ]
     assert format_server_lines(s) == [
         "draft acceptance = 0.60000 (    6 accepted /    10 generated), mean len =  2.50",
-        "     acc per pos = (0.750, 0.500, 0.250, 0.000)",
+        "     acc per pos = (0.750, 0.500, 0.250)",
     ]
     assert format_server_lines(SpecStats.create(3, 4)) == []
     with pytest.raises(ValueError):
