@@ -317,13 +317,16 @@ class GenerationResult:
     drafter_states: dict[str, Any] = dataclasses.field(default_factory=dict)
 
 
-#: Executables `generate` compiled, most recently used last. Bounded: every executable holds
-#: its machine code in its own memory mappings (~3 per kernel, hundreds of kernels per engine
-#: program), and a process that kept them all would eventually hit the kernel's map limit
-#: (vm.max_map_count, 65530 by default), after which XLA crashes while compiling. The least
-#: recently used are dropped above `_COMPILED_MAX` entries or `_MAX_MAPPED_REGIONS` mappings.
+#: Executables `generate` compiled, most recently used last, and how often each was asked
+#: for. Bounded by what they hold, not by a count: every executable holds its machine code in
+#: its own memory mappings (~3 per kernel, hundreds of kernels per engine program), and a
+#: process that kept them all would eventually hit the kernel's map limit (vm.max_map_count,
+#: 65530 by default), after which XLA crashes while compiling. Above `_MAX_MAPPED_REGIONS`
+#: mappings (or `_COMPILED_MAX` entries, a backstop for small programs) the entry used least
+#: goes first (fewest uses, then least recently used), so what a process runs most stays.
 _COMPILED: dict[Any, Any] = {}
-_COMPILED_MAX = 64
+_COMPILED_USES: dict[Any, int] = {}
+_COMPILED_MAX = 512
 _MAX_MAPPED_REGIONS = 32768
 _compiles_made = 0
 
@@ -444,8 +447,8 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
 
     Keeps compilation out of the measured prefill/decode time. Keyed like jit's own cache:
     static engine + pytree structure + leaf shapes/dtypes; values never enter the key. The
-    cache keeps the `_COMPILED_MAX` most recently used executables. With the compilation cache
-    on, an executable compiled by an earlier process is loaded from disk without tracing
+    cache keeps the executables used most (`_COMPILED`). With the compilation cache on, an
+    executable compiled by an earlier process is loaded from disk without tracing
     (`compile_cache.load_executable`).
     """
     global _compiles_made
@@ -453,17 +456,28 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
     # (dtypes as they are: str() of each of the ~270 leaves' was ~1.3 ms of a call)
     key = (fn, engine, treedef, tuple((tuple(x.shape), x.dtype) for x in leaves))
     exe = _COMPILED.pop(key, None)
+    _COMPILED_USES[key] = _COMPILED_USES.get(key, 0) + 1
     if exe is not None:
         _COMPILED[key] = exe  # most recently used
         return exe
     exe, compiled_here = compile_cache.compile_or_load(fn, engine, args, _compiler_options(fn))
     _compiles_made += compiled_here
-    _lru_put(
-        _COMPILED,
-        key,
-        exe,
-        lambda d: len(d) > _COMPILED_MAX or _mapped_regions() > _MAX_MAPPED_REGIONS,
-    )
+    _COMPILED[key] = exe
+    dropped = False
+    while len(_COMPILED) > 1 and (
+        len(_COMPILED) > _COMPILED_MAX or _mapped_regions() > _MAX_MAPPED_REGIONS
+    ):
+        # fewest uses first, the least recently used of them (dict order) before the others
+        order = [k for k in _COMPILED if k != key]
+        victim = min(enumerate(order), key=lambda e: (_COMPILED_USES.get(e[1], 0), e[0]))[1]
+        del _COMPILED[victim]
+        _COMPILED_USES.pop(victim, None)
+        dropped = True
+    if len(_COMPILED_USES) > 2 * len(_COMPILED) + 64:  # counts of entries cleared elsewhere
+        for k in [k for k in _COMPILED_USES if k not in _COMPILED]:
+            del _COMPILED_USES[k]
+    if dropped:
+        gc.collect()  # what an entry held goes when its last reference does
     return exe
 
 
@@ -479,6 +493,7 @@ def clear_compiled() -> None:
     The next call compiles again (or reads JAX's persistent compilation cache, when on).
     """
     _COMPILED.clear()
+    _COMPILED_USES.clear()
     _SPARES.clear()
     jax.clear_caches()
 

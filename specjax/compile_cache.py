@@ -25,8 +25,14 @@ that cannot be set up only means slower starts); while specjax's cache is on, ev
 compilation is eligible (`jax_persistent_cache_min_compile_time_secs = 0`, no minimum entry
 size), because the engine's executables take well under JAX's default 1 s threshold to compile
 on small models; `current()` is the directory in use or None. A stored executable that cannot
-be read is compiled again and rewritten (never trusted half-read); the store keeps the
-`MAX_STORED_EXECUTABLES` most recently written entries.
+be read is compiled again and rewritten (never trusted half-read).
+
+The store keeps what is used most, within a size: every load counts a use of its entry (a
+`.uses` file beside it: the count and the time of the last use), and when the entries take
+more than `MAX_STORED_BYTES` the ones of least value go first, value being the uses (halved
+for every `USE_HALF_LIFE_S` since the last one) per megabyte. A configuration run often (the
+demo) therefore stays after dozens of others run once, and a big executable used once goes
+before a small one used as often.
 """
 
 from __future__ import annotations
@@ -38,6 +44,7 @@ import os
 import pickle
 import sys
 import tempfile
+import time
 import types
 import warnings
 from pathlib import Path
@@ -51,8 +58,11 @@ _OFF_VALUES = frozenset({"", "0", "off", "false", "no", "none"})
 DEFAULT_MAX_BYTES = 2 * 2**30
 
 _state: dict[str, str | None] = {"dir": None}
-#: Bound on `specjax-executables/` (oldest written first out); an entry is ~1-2 MB of machine code.
-MAX_STORED_EXECUTABLES = 64
+#: Bound on the bytes of `specjax-executables/` (an entry is ~1-10 MB of machine code);
+#: `SPECJAX_EXECUTABLE_STORE_BYTES` overrides it.
+MAX_STORED_BYTES = 2 * 2**30
+#: Age after which a use counts half in an entry's value (a week).
+USE_HALF_LIFE_S = 7 * 24 * 3600.0
 _STORE = "specjax-executables"
 
 
@@ -251,7 +261,9 @@ def load_executable(key: str | None) -> Any | None:
 
         by_id = {d.id: d for d in jax.devices()}
         devices = [by_id[i] for i in device_ids]
-        return deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        exe = deserialize_and_load(payload, in_tree, out_tree, execution_devices=devices)
+        record_use(path)
+        return exe
     except FileNotFoundError:
         return None
     except Exception as err:  # a truncated or foreign file: compile again, then rewrite it
@@ -312,8 +324,79 @@ def save_executable(key: str | None, compiled: Any) -> None:
         with os.fdopen(fd, "wb") as f:
             f.write(blob)
         os.replace(tmp, store / f"{key}.exe")
-        entries = sorted(store.glob("*.exe"), key=lambda p: p.stat().st_mtime)
-        for old in entries[:-MAX_STORED_EXECUTABLES]:
-            old.unlink(missing_ok=True)
+        record_use(store / f"{key}.exe")
+        evict(store, keep=store / f"{key}.exe")
     except OSError as err:
         warnings.warn(f"specjax: could not store an executable ({err})", stacklevel=2)
+
+
+def _uses_path(exe: Path) -> Path:
+    return exe.with_suffix(".uses")
+
+
+def read_uses(exe: Path) -> tuple[float, float]:
+    """(decayed use count as of the last use, time of the last use) of a stored entry; an
+    entry without a readable record counts one use at its file's time."""
+    try:
+        count, last = _uses_path(exe).read_text().split()
+        return float(count), float(last)
+    except (OSError, ValueError):
+        try:
+            return 1.0, exe.stat().st_mtime
+        except OSError:
+            return 0.0, 0.0
+
+
+def record_use(exe: Path, now: float | None = None) -> None:
+    """Count a use of the stored entry `exe` (written atomically; a lost race between two
+    processes loses a count, nothing else)."""
+    now = time.time() if now is None else now
+    count, last = read_uses(exe) if _uses_path(exe).exists() else (0.0, now)
+    count = count * 0.5 ** (max(now - last, 0.0) / USE_HALF_LIFE_S) + 1.0
+    try:
+        fd, tmp = tempfile.mkstemp(dir=exe.parent, suffix=".tmp")
+        with os.fdopen(fd, "w") as f:
+            f.write(f"{count!r} {now!r}\n")
+        os.replace(tmp, _uses_path(exe))
+    except OSError:
+        pass
+
+
+def entry_value(exe: Path, now: float) -> float:
+    """Uses per megabyte, each use halved per `USE_HALF_LIFE_S` since the last one."""
+    count, last = read_uses(exe)
+    try:
+        size = exe.stat().st_size
+    except OSError:
+        return 0.0
+    return count * 0.5 ** (max(now - last, 0.0) / USE_HALF_LIFE_S) / max(size / 2**20, 1e-3)
+
+
+def store_budget() -> int:
+    env = os.environ.get("SPECJAX_EXECUTABLE_STORE_BYTES", "").strip()
+    return int(float(env)) if env else MAX_STORED_BYTES
+
+
+def evict(store: Path, keep: Path | None = None, budget: int | None = None) -> list[Path]:
+    """Remove the entries of least value (`entry_value`) until the store holds at most
+    `budget` bytes (default `store_budget()`), never `keep`; returns the removed entries."""
+    budget = store_budget() if budget is None else budget
+    now = time.time()
+    entries = []
+    for exe in store.glob("*.exe"):
+        try:
+            entries.append((entry_value(exe, now), exe.stat().st_size, exe))
+        except OSError:
+            continue
+    total = sum(size for _, size, _ in entries)
+    removed = []
+    for _value, size, exe in sorted(entries, key=lambda e: (e[0], -e[1])):
+        if total <= budget:
+            break
+        if keep is not None and exe == keep:
+            continue
+        exe.unlink(missing_ok=True)
+        _uses_path(exe).unlink(missing_ok=True)
+        total -= size
+        removed.append(exe)
+    return removed
