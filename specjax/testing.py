@@ -14,6 +14,7 @@ from specjax.api import Model, init_model
 from specjax.engine import RunParams
 from specjax.models import forward_fn, new_cache
 from specjax.models.config import ModelConfig
+from specjax.models.qwen35 import Qwen35Config
 
 #: Backend-compile event JAX records once per XLA compilation.
 COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"
@@ -29,6 +30,38 @@ def tiny_config(**overrides: object) -> ModelConfig:
 
 def tiny_model(seed: int = 0, **overrides: object) -> Model:
     return init_model(tiny_config(**overrides), seed)
+
+
+def tiny_draft_config(**overrides: object) -> ModelConfig:
+    """The tests' tiny Llama draft model for the tiny qwen35 targets (`tiny_qwen35_config`
+    with vocab_size 8): one layer, two heads sharing one KV head."""
+    fields: dict[str, object] = dict(vocab_size=8, n_layers=1, n_heads=2, n_kv_heads=1)
+    fields.update(overrides)
+    return tiny_config(**fields)
+
+
+def tiny_qwen35_config(**overrides: object) -> Qwen35Config:
+    """The tests' tiny qwen35 (hybrid) model: 4 layers, gated delta-net and attention in
+    turn (`full_attention_interval` 2), vocabulary 64. `overrides`: `Qwen35Config` fields
+    (the tests' variants: vocab_size 8, max_position 256, n_nextn 1)."""
+    fields: dict[str, object] = dict(
+        vocab_size=64,
+        dim=32,
+        n_layers=4,
+        n_heads=4,
+        n_kv_heads=2,
+        head_dim=16,
+        ffn_dim=48,
+        rope_dim=8,
+        rope_theta=10000.0,
+        ssm_state_size=8,
+        ssm_k_heads=2,
+        ssm_v_heads=4,
+        ssm_conv_kernel=4,
+        full_attention_interval=2,
+    )
+    fields.update(overrides)
+    return Qwen35Config(**fields)  # type: ignore[arg-type]
 
 
 def jittered_params(config: ModelConfig, seed: int = 0) -> dict:

@@ -28,6 +28,7 @@ from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
 from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS, DraftSimpleRecurrent
 from specjax.drafters.registry import build_drafters
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_draft_config
 
 #: the test target's shape (tests/test_hybrid_spec.py), smaller: 2 layers (one delta-net, one
 #: attention), 2 query heads, 1 KV head, 2 value heads
@@ -140,11 +141,8 @@ def test_drafts_follow_the_accepted_history_on_every_rollback_path(n_rs_seq: int
 
 def test_the_registry_builds_a_full_recurrent_draft_for_a_qwen35_draft_model() -> None:
     from specjax.drafters.draft_simple import DraftSimple
-    from specjax.models.config import ModelConfig
 
-    target = api.init_model(
-        ModelConfig(vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=1
-    )
+    target = api.init_model(tiny_draft_config(), seed=1)
     spec = SpecConfig(types=("draft-simple",), draft_n_max=4, k_max=4)
     (rec,), _ = build_drafters(spec, target, api.Model(config=DRAFT, params=_draft_params()))
     assert type(rec) is DraftSimpleRecurrent and rec.n_rs_seq == 0  # FULL, as upstream
@@ -178,11 +176,8 @@ def test_a_llama_target_drafts_with_a_recurrent_draft_model() -> None:
     """`specjax.generate` on an attention-only target with a qwen35 draft (the CLI's `-md`):
     the draft's parameters stay as they are (only Llama-family pytrees take the CPU kernels'
     decode form), and greedy speculation equals plain greedy with drafts made and rejected."""
-    from specjax.models.config import ModelConfig
-
-    target = api.init_model(  # seed 6: the two random models agree now and then
-        ModelConfig(vocab_size=8, dim=32, n_layers=2, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=6
-    )
+    # seed 6: the two random models agree now and then
+    target = api.init_model(tiny_draft_config(n_layers=2), seed=6)
     draft = api.Model(config=DRAFT, params=_draft_params())
     rng = np.random.RandomState(4)
     prompts = [[int(t) for t in rng.randint(0, 8, size=n)] for n in (9, 5)]

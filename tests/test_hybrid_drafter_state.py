@@ -25,34 +25,18 @@ import pytest
 from specjax import api
 from specjax import hybrid_spec as hs
 from specjax.config import SpecConfig
-from specjax.drafters.base import DraftInput, DraftOutput, TargetBatch, TokenHistory
+from specjax.drafters.base import Drafter, DraftInput, DraftOutput, TargetBatch, TokenHistory
 from specjax.drafters.registry import build_drafters
 from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
-from specjax.models.config import ModelConfig
 from specjax.pytree import pytree_dataclass, replace
+from specjax.testing import tiny_draft_config, tiny_qwen35_config
 from specjax.types import Array
 
 N_NEW = 24
 
 
-CFG = q.Qwen35Config(
-    vocab_size=8,
-    dim=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=4,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-    max_position=256,
-)
+CFG = tiny_qwen35_config(vocab_size=8, max_position=256)
 
 
 def _model() -> api.Model:  # test_hybrid_spec's target: an 8-token vocabulary, std 0.2
@@ -72,9 +56,8 @@ class BoundaryState:
 
 
 @dataclasses.dataclass(frozen=True)
-class BoundaryDrafter:
+class BoundaryDrafter(Drafter):
     name: ClassVar[str] = "test-boundary"
-    hidden_layers: ClassVar[tuple[int, ...]] = ()
     max_draft_len: int = 4
 
     def init(self, batch: int, capacity: int) -> BoundaryState:
@@ -128,9 +111,7 @@ class BoundaryDrafter:
 
 @functools.lru_cache(maxsize=1)
 def _draft() -> api.Model:
-    return api.init_model(
-        ModelConfig(vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=3
-    )
+    return api.init_model(tiny_draft_config(), seed=3)
 
 
 @pytest.mark.slow  # 40-70 s on 2 shared cores (a host-stepped loop, two drafters)

@@ -18,24 +18,9 @@ from specjax import api, sampling
 from specjax.config import SpecConfig
 from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_qwen35_config
 
-CFG = q.Qwen35Config(
-    vocab_size=8,
-    dim=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=4,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-    max_position=256,
-)
+CFG = tiny_qwen35_config(vocab_size=8, max_position=256)
 N_NEW = 24
 SEEDS = [11, 12, 13, 14]
 TEMP = 0.8

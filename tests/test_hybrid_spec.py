@@ -22,24 +22,9 @@ from specjax import api
 from specjax.config import SpecConfig
 from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_draft_config, tiny_qwen35_config
 
-CFG = q.Qwen35Config(
-    vocab_size=8,
-    dim=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=4,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-    max_position=256,
-)
+CFG = tiny_qwen35_config(vocab_size=8, max_position=256)
 N_NEW = 64
 SIMPLE = SpecConfig(types=("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=8, k_max=8)
 
@@ -149,11 +134,7 @@ def test_target_of_type_no_disables_speculation_with_a_warning(monkeypatch) -> N
 def test_draft_simple_equals_plain_greedy_on_both_paths(n_rs_seq: int) -> None:
     """draft-simple with a random llama draft sharing the 8-token vocabulary (drafts of up to
     6 tokens: RS rounds roll back by planes or, beyond 4, by checkpoint)."""
-    from specjax.models.config import ModelConfig
-
-    draft = api.init_model(
-        ModelConfig(vocab_size=8, dim=32, n_layers=1, n_heads=2, n_kv_heads=1, ffn_dim=64), seed=3
-    )
+    draft = api.init_model(tiny_draft_config(), seed=3)
     spec = SpecConfig(types=("draft-simple",), draft_n_max=6, k_max=6)
     res = generate_hybrid(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, draft=draft,

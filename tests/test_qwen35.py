@@ -15,23 +15,9 @@ from oracles.qwen35_reference import Reference
 
 from specjax.models import llama
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_qwen35_config
 
-CFG = q.Qwen35Config(
-    vocab_size=64,
-    dim=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=4,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-)
+CFG = tiny_qwen35_config()
 T = 13
 
 

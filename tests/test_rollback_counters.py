@@ -14,9 +14,8 @@ import pytest
 
 from specjax import api
 from specjax.config import SpecConfig
-from specjax.models.config import ModelConfig
 from specjax.stats import ROLLBACK_PATHS, SpecStats, record_rollback
-from specjax.testing import noisy_copy
+from specjax.testing import noisy_copy, tiny_config
 
 
 def test_record_rollback_counts_rows_as_the_spec_says() -> None:
@@ -35,9 +34,7 @@ def test_record_rollback_counts_rows_as_the_spec_says() -> None:
 
 
 def test_attention_target_rolls_back_by_seq_rm() -> None:
-    model = api.init_model(
-        ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64), seed=2
-    )
+    model = api.init_model(tiny_config(vocab_size=16), seed=2)
     rng = np.random.RandomState(1)
     prompts = [[int(t) for t in np.tile(rng.randint(0, 16, size=4), 4)] for _ in range(3)]
     spec = SpecConfig(types=("ngram-simple",), ngram_simple_size_n=2, ngram_simple_size_m=6,
@@ -71,9 +68,7 @@ PART_N_NEW = 40
 @functools.lru_cache(maxsize=1)
 def _part_target() -> api.Model:
     # seed 3: its greedy text repeats with breaks, so both n-gram drafters have drafts rejected
-    return api.init_model(
-        ModelConfig(vocab_size=16, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64), seed=3
-    )
+    return api.init_model(tiny_config(vocab_size=16), seed=3)
 
 
 def _part_prompts() -> list[list[int]]:

@@ -25,23 +25,9 @@ from specjax import slot_checkpoint as sc
 from specjax.hybrid_memory import HybridMemory
 from specjax.hybrid_memory import forward_memory as _forward_memory
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_qwen35_config
 
-CFG = q.Qwen35Config(
-    vocab_size=64,
-    dim=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=4,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-)
+CFG = tiny_qwen35_config()
 forward_memory = jax.jit(_forward_memory, static_argnames=("config", "cache_empty"))
 
 

@@ -27,25 +27,10 @@ from specjax.config import SpecConfig
 from specjax.models import qwen35 as q
 from specjax.models.config import ModelConfig
 from specjax.slot_checkpoint import CheckpointError
+from specjax.testing import tiny_config, tiny_qwen35_config
 
-LLAMA = ModelConfig(vocab_size=64, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
-HYBRID = q.Qwen35Config(
-    vocab_size=8,
-    dim=32,
-    n_layers=4,
-    n_heads=4,
-    n_kv_heads=2,
-    head_dim=16,
-    ffn_dim=48,
-    rope_dim=8,
-    rope_theta=10000.0,
-    ssm_state_size=8,
-    ssm_k_heads=2,
-    ssm_v_heads=4,
-    ssm_conv_kernel=4,
-    full_attention_interval=2,
-    max_position=256,
-)
+LLAMA = tiny_config(vocab_size=64)
+HYBRID = tiny_qwen35_config(vocab_size=8, max_position=256)
 N = 24
 
 

@@ -12,13 +12,10 @@ from oracles.qwen35_mtp_reference import MtpReference, random_norms
 from oracles.qwen35_reference import Reference
 
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_qwen35_config
 from specjax.train_mtp import OBJECTIVES, LoopConfig, mtp_loss, trunk_outputs
 
-CFG = q.Qwen35Config(
-    vocab_size=64, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=48,
-    rope_dim=8, rope_theta=10000.0, ssm_state_size=8, ssm_k_heads=2, ssm_v_heads=4,
-    full_attention_interval=2, n_nextn=1,
-)  # fmt: skip
+CFG = tiny_qwen35_config(n_nextn=1)
 
 
 def _softmax(x: np.ndarray) -> np.ndarray:
