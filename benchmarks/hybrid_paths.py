@@ -16,7 +16,7 @@ B = 2 real code prompts (benchmarks/prompts), drafters draft-mtp, ngram-mod and 
 n_rs_seq = 0 (FULL). `--random`: the random-init 8-token-vocabulary target of
 tests/test_hybrid_spec.py with ngram-simple and ngram-mod. One compile run per configuration,
 then --repeats rounds that run every configuration in turn; medians of the wall time of the
-whole `generate_hybrid` call. Every configuration's tokens are checked against plain greedy
+whole `generate` call. Every configuration's tokens are checked against plain greedy
 decoding; `forwards_per_token` (target forwards / generated tokens of the longest row) is the
 hardware-independent measure.
 """
@@ -39,8 +39,8 @@ from _common import DEFAULT_DRAFT, ROOT, emit, refuse_overwrite
 
 import specjax
 from specjax import api, slot_checkpoint
+from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.hybrid import generate_hybrid
 from specjax.hybrid_memory import HybridMemory
 from specjax.models import qwen35 as q
 
@@ -125,7 +125,7 @@ def speed(
     results: dict[str, Any] = {}
 
     def go(kw: dict[str, Any]) -> Any:
-        return generate_hybrid(model, prompts, max_new_tokens=n_new, n_ctx=n_ctx, **kw)
+        return generate(model, prompts, max_new_tokens=n_new, n_ctx=n_ctx, **kw)
 
     for name, kw in runs.items():  # compile
         results[name] = go(kw)

@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 import specjax
+from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.hybrid import generate_hybrid
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = ROOT / "models" / "code-hybrid" / "code-hybrid-f16.gguf"
@@ -88,10 +88,10 @@ def specjax_mtp(
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=n_max)
 
     def spec_run() -> Any:
-        return generate_hybrid(model, [ids], max_new_tokens=n_new, n_ctx=n_ctx, spec=spec)
+        return generate(model, [ids], max_new_tokens=n_new, n_ctx=n_ctx, spec=spec)
 
     def plain_run() -> Any:
-        return generate_hybrid(model, [ids], max_new_tokens=n_new, n_ctx=n_ctx)
+        return generate(model, [ids], max_new_tokens=n_new, n_ctx=n_ctx)
 
     res, plain = spec_run(), plain_run()  # compile
     best = {"spec": float("inf"), "plain": float("inf")}

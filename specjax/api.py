@@ -19,13 +19,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, compile_cache, cpu_kernels, lookup_index, sampling
+from specjax import adaptive, compile_cache, cpu_kernels, hybrid_memory, lookup_index, sampling
 from specjax import engine as eng
 from specjax.adaptive import CostModel
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
 from specjax.drafters.base import Drafter, chain_width
 from specjax.drafters.registry import drafter_class, price_terms
+from specjax.hybrid_memory import SeqRmType
 from specjax.models.config import ModelConfig
 from specjax.models.llama import (
     LINEAR_WEIGHTS,
@@ -36,6 +37,7 @@ from specjax.models.llama import (
     kernel_weights,
     new_cache,
 )
+from specjax.models.qwen35 import Qwen35Config
 from specjax.types import Array, Params
 
 
@@ -265,13 +267,25 @@ class SpecReport:
     #: it drafted shorter than the budget, rounds it did not draft; whether it was on; and
     #: `dropped`, the drafters left out of the run with why (`unpaying_drafters`).
     governor: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: The target memory's rollback level (`seq_rm_type`: PART, FULL or RS) and `n_rs_seq`.
+    target_memory: dict[str, Any] = dataclasses.field(default_factory=dict)
+    #: Rounds of the loop (target forwards after the prefill, all rows at once).
+    n_rounds: int = 0
+    #: A recurrent draft context's row-rounds per rollback path, else None.
+    draft_context: dict[str, int] | None = None
 
     def lines(self) -> list[str]:
-        """llama.cpp's per-implementation lines, the server's acceptance lines, then the
-        governor's line (specjax only)."""
+        """The target memory's line (hybrid targets), llama.cpp's per-implementation lines,
+        the server's acceptance lines, then the governor's line (specjax only)."""
         from specjax.stats import format_impl_lines, format_server_lines
 
-        lines = format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
+        lines = []
+        memory = self.target_memory
+        if memory and memory["seq_rm_type"] != "PART":
+            lines.append(
+                f"target memory: {memory['seq_rm_type']} (n_rs_seq = {memory['n_rs_seq']})"
+            )
+        lines += format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
         if self.stats.n_rollback is not None:
             from specjax.stats import format_rollback_line, rollback_dict
 
@@ -285,14 +299,24 @@ class SpecReport:
             )
             lines += [f"draft governor: {name} off for this run: {why}"
                       for name, why in g.get("dropped", {}).items()]  # fmt: skip
+        if self.draft_context is not None:
+            c = self.draft_context
+            lines.append(
+                f"draft context: {c['rs_plane']} rounds rolled back by RS plane, "
+                f"{c['checkpoint']} by checkpoint"
+            )
         return lines
 
     def to_dict(self) -> dict[str, Any]:
         """vLLM-style names (num_drafts, num_draft_tokens, num_accepted_tokens, ...), plus
         `governor` (rounds / throttled / off / enabled)."""
         out = dict(self.stats.to_dict(self.names))
+        out.update(self.target_memory)
+        out["target_forwards"] = self.n_rounds
         if self.governor:
             out["governor"] = dict(self.governor)
+        if self.draft_context is not None:
+            out["draft_context"] = dict(self.draft_context)
         return out
 
     def __str__(self) -> str:
@@ -920,6 +944,7 @@ def generate(
     slot_restore: str | Sequence[str | None] | None = None,
     slot_overwrite: bool = False,
     return_drafter_states: bool = False,
+    n_rs_seq: int | None = None,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -954,30 +979,35 @@ def generate(
     reads the state after `stream_rounds` rounds, then about every STREAM_INTERVAL_S seconds
     when rounds are fast, never less than `stream_rounds` rounds apart; the tokens are the
     same as without it; `stop` strings apply to the returned result only).
+
+    A qwen35 (hybrid recurrent) model runs through the same engine over its hybrid memory:
+    rejected drafts leave the recurrent state by `n_rs_seq` snapshot planes (RS) or by
+    restoring the round's checkpoint and replaying the accepted tokens (FULL, n_rs_seq 0);
+    `n_rs_seq=None` takes upstream's `need_n_rs_seq`. A target the rollback probe calls NO
+    decodes without drafts, with a warning. Its KV cache keeps the model's dtype, the draft
+    governor is off (its prices are measured for attention targets only) and repeat
+    penalties are refused.
     """
     from specjax.drafters.registry import build_drafters
 
     if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
         raise ValueError(f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}")
-    if getattr(model.config, "arch", None) == "qwen35":  # hybrid recurrent target
-        from specjax.hybrid import generate_hybrid
-
-        return generate_hybrid(  # type: ignore[no-any-return]
-            model,
-            prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            seed=seed,
-            repeat_penalty=repeat_penalty,
-            n_ctx=n_ctx,
-            spec=spec,
-            draft=draft,
-            stop=stop,
-            **_slot_kwargs(slot_save_path, slot_save, slot_restore, slot_overwrite),
+    hybrid = isinstance(model.config, Qwen35Config)
+    if hybrid and repeat_penalty != 1.0:
+        raise ValueError(
+            f"repeat_penalty {repeat_penalty} is not supported on {model.config.arch} yet"
         )
+    spec = spec if spec is not None and spec.enabled else None
+    if draft is not None and spec is None and hybrid:
+        raise ValueError("a draft model was given without a speculative type (spec)")
+    rs_planes, seq_rm_type = _target_rollback(model, spec, n_rs_seq)
+    if seq_rm_type == SeqRmType.NO and spec is not None:
+        warnings.warn(
+            f"the target ({model.config.arch}) failed the rollback probe (seq_rm type NO): "
+            "speculative decoding is disabled, decoding without drafts",
+            stacklevel=2,
+        )
+        spec, draft = None, None
     prompt_ids = _tokenize_prompts(model, prompts)
     slot_states, slot_report = None, None
     if slot_save_path is not None or slot_save is not None or slot_restore is not None:
@@ -987,7 +1017,8 @@ def generate(
             raise ValueError("slot save / restore prefill the prompt in one batch: n_ubatch 0")
         slot_states, slot_report = slots_mod.prepare(
             model, prompt_ids, directory=slot_save_path, save=slot_save, restore=slot_restore,
-            overwrite=slot_overwrite, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+            overwrite=slot_overwrite, cache_type_k=None if hybrid else cache_type_k,
+            cache_type_v=None if hybrid else cache_type_v,
         )  # fmt: skip
     n_prompts = len(prompt_ids)
     B = n_prompts if _slots is None else _slots.batch
@@ -1001,15 +1032,21 @@ def generate(
         max_new = np.where(max_new < 0, n_ctx + 1, max_new)  # the context stop comes first
     seeds = _per_row(seed, n_prompts, "seed")
     sampling_args = _sampling_args(n_prompts, temperature, top_k, top_p, min_p, repeat_penalty)
-    spec = spec if spec is not None and spec.enabled else None
     if _slots is None:
         drafters, drafter_params = build_drafters(spec, model, draft)
     else:
         drafters, drafter_params = _slots.drafters, _slots.drafter_params
     # the draft model's K one-token steps per round are matrix-vector products too
     drafter_params = tuple(
-        drafter_decode_params(d.name, p) for d, p in zip(drafters, drafter_params, strict=True)
+        drafter_decode_params(d, p) for d, p in zip(drafters, drafter_params, strict=True)
     )
+    if hybrid:
+        for d in drafters:
+            if d.hidden_layers:
+                raise ValueError(
+                    f"{d.name} reads target hidden states, which the {model.config.arch} target "
+                    "does not export yet; use n-gram drafters or draft-simple"
+                )
     n_idle = B - n_prompts
     if n_idle:  # idle Generator slots: a 1-token prompt, done after prefill, never drafting
         prompt_ids = prompt_ids + [[0]] * n_idle
@@ -1044,12 +1081,13 @@ def generate(
         out_capacity=out_cap,
         eog_ids=model.eog_ids,
         synthetic=synth is not None,
-        cache_type_k=cache_dtype(cache_type_k),
-        cache_type_v=cache_dtype(cache_type_v),
+        cache_type_k=None if hybrid else cache_dtype(cache_type_k),
+        cache_type_v=None if hybrid else cache_dtype(cache_type_v),
         n_ubatch=int(n_ubatch),
+        n_rs_seq=rs_planes,
     )
     cost = cost_model(
-        spec,
+        None if hybrid else spec,
         model,
         draft,
         synthetic=synth is not None,
@@ -1087,21 +1125,23 @@ def generate(
         from specjax import slots as slots_mod
 
         for d in drafters:
-            if d.hidden_layers:
+            if d.hidden_layers or d.reads_nextn:
                 raise ValueError(f"{d.name} reads the target's hidden states of the prompt, "
                                  "which a restored slot does not hold")  # fmt: skip
-        start = slots_mod.attention_start(
-            model, slot_states + [None] * n_idle, S, engine.cache_type_k or model.config.dtype,
-            engine.cache_type_v or engine.cache_type_k or model.config.dtype,
-        )  # fmt: skip
+        if hybrid:
+            start = slots_mod.hybrid_start(model, slot_states + [None] * n_idle, S, rs_planes)
+        else:
+            start = slots_mod.attention_start(
+                model, slot_states + [None] * n_idle, S,
+                engine.cache_type_k or model.config.dtype,
+                engine.cache_type_v or engine.cache_type_k or model.config.dtype,
+            )  # fmt: skip
     tc = time.perf_counter()
     params = decode_params(model.params)
     # one-shot calls of a chain that can renew its state take the last such call's states
     # (`_SPARES`) instead of allocating them again (ngram-mod's 32 MB pool)
     recycle = (
-        _slots is None
-        and not return_drafter_states
-        and any(hasattr(d, "renew") for d in engine.drafters)
+        _slots is None and not return_drafter_states and any(d.can_renew for d in engine.drafters)
     )
     spare_key = (engine.drafters, B, S)
     spare = _SPARES.pop(spare_key, None) if recycle else None
@@ -1145,7 +1185,7 @@ def generate(
         _lru_put(_SPARES, spare_key, state.drafter_states, lambda d: len(d) > _SPARES_MAX)
     if table_key is not None and _slots is not None:
         _slots.carry["lookup_seen"] = (table_key, state.lookup_seen)
-    check_overflow(state.cache)
+    check_overflow(engine.memory.kv(state.cache))
     if n_idle:  # idle slots did not begin a request
         st = state.stats
         state = dataclasses.replace(
@@ -1168,7 +1208,7 @@ def generate(
         texts.append(text)
         reasons.append(reason)
     generated = int(np.sum(out_len[:n_prompts]))
-    timings = {
+    timings: dict[str, Any] = {
         "prompt_tokens": int(lengths[:n_prompts].sum()),
         "generated_tokens": generated,
         "prefill_seconds": t1 - t0,
@@ -1176,7 +1216,7 @@ def generate(
         "tokens_per_second": generated / max(t2 - t1, 1e-9),
         "n_rounds": int(n_rounds),
         "compile_seconds": t0 - tc,
-        "kv_cache_bytes": state.cache.nbytes,
+        "kv_cache_bytes": engine.memory.kv(state.cache).nbytes,
     }
     if slot_report:
         timings["slots"] = slot_report
@@ -1186,6 +1226,9 @@ def generate(
         stats = SpecReport(
             stats=state.stats.to_host(),
             names=tuple(d.name for d in drafters),
+            target_memory={"seq_rm_type": engine.memory.seq_rm_type, "n_rs_seq": rs_planes},
+            n_rounds=int(n_rounds),
+            draft_context=_draft_context_counts(state.drafter_states),
             governor={
                 "enabled": bool(run.cost.enabled),
                 "rounds": int(gov.n_rounds),
@@ -1210,6 +1253,40 @@ def generate(
         if return_drafter_states or _slots is not None
         else {},
     )
+
+
+def _target_rollback(
+    model: Model, spec: SpecConfig | None, n_rs_seq: int | None
+) -> tuple[int, SeqRmType]:
+    """(n_rs_seq, rollback level) of the target's memory for a run of `spec`. An attention
+    target is PART (no planes); a qwen35 target takes `n_rs_seq`, None meaning upstream's
+    `need_n_rs_seq` (the draft n_max when a drafter runs on the target's hidden states, else
+    0), and asks the probe (`can_seq_rm`: RS, FULL, or NO when it fails to decode)."""
+    if not isinstance(model.config, Qwen35Config):
+        return 0, SeqRmType.PART
+    if spec is None:
+        return 0, SeqRmType.FULL
+    from specjax.drafters.registry import reads_target_hidden
+
+    if n_rs_seq is None:
+        n_rs_seq = int(spec.draft_n_max) if reads_target_hidden(spec.types) else 0
+    if n_rs_seq < 0:
+        raise ValueError(f"n_rs_seq must be >= 0, got {n_rs_seq}")
+    kind = hybrid_memory.can_seq_rm(model, n_rs_seq)
+    return (n_rs_seq if kind != SeqRmType.NO else 0), kind
+
+
+def _draft_context_counts(states: tuple[Any, ...]) -> dict[str, int] | None:
+    """Row-rounds per rollback path of the recurrent draft contexts (None: there is none)."""
+    from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS, RecurrentDraftState
+
+    counts = [
+        np.asarray(s.rollbacks).sum(axis=0) for s in states if isinstance(s, RecurrentDraftState)
+    ]
+    if not counts:
+        return None
+    total = np.sum(counts, axis=0)
+    return {name: int(x) for name, x in zip(DRAFT_ROLLBACK_PATHS, total)}
 
 
 def _host_leaf(value: Any, dtype: Any) -> Array:
@@ -1288,7 +1365,7 @@ def _streaming_loop(
                 if text.startswith(shown[b]) and len(text) > len(shown[b]):
                     stream(b, text[len(shown[b]) :])
                     shown[b] = text
-            if done.all() or int(n_rounds) >= engine.out_capacity:
+            if done.all() or int(n_rounds) >= engine.max_rounds:
                 return state
 
     return loop

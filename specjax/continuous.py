@@ -52,9 +52,7 @@ import jax.numpy as jnp
 from specjax import adaptive, lookup_index, sampling
 from specjax import engine as eng
 from specjax import stats as stats_mod
-from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import TargetBatch, TokenHistory, hidden_by_layer, per_row_leaves
-from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
 
@@ -95,7 +93,7 @@ def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]
     B, S, out_cap = batch, engine.capacity, engine.out_capacity
     zeros = jnp.zeros((B,), jnp.int32)
     state = eng.GenState(
-        cache=new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v),
+        cache=engine.memory.init(B, S),
         history=jnp.zeros((B, S), jnp.int32),
         length=zeros,
         last_token=zeros,
@@ -113,6 +111,7 @@ def init_slots(engine: eng.Engine, batch: int) -> tuple[eng.GenState, SlotStats]
         if engine.lookup_n is None
         else jnp.zeros(lookup_index.table_shape(B, S, engine.lookup_shared), bool),
         lookup_next=None if engine.lookup_n is None else jnp.zeros((B,), bool),
+        replay=eng.Replay.create(B, engine.k_max) if engine.memory.checkpoints else None,
     )
     return state, SlotStats(rounds=zeros, accepted=zeros, drafted=zeros)
 
@@ -139,42 +138,27 @@ def prefill_chunk(
     """
     (C,) = tokens_C.shape
     S = engine.capacity
+    zero_1 = jnp.zeros((1,), jnp.int32)
     slot = slot.astype(jnp.int32)
     start = start.astype(jnp.int32)
     n_valid = n_valid.astype(jnp.int32)
     length = start + n_valid
 
-    # the slot's row of the target cache, minus cells at positions >= start
-    c = state.cache
-    cache_1 = KVCache(
-        k=tuple(_row(x, slot) for x in c.k),
-        v=tuple(_row(x, slot) for x in c.v),
-        pos=_row(c.pos, slot),
-        overflow=_row(c.overflow, slot) & (start > 0),
-        inv_freq=c.inv_freq,
-    )
-    cache_1 = keep_prefix(cache_1, start[None])
+    # the slot's row of the target memory, minus cells at positions >= start
+    memory = engine.memory
+    row = memory.drop_from(memory.take_row(state.cache, slot), start[None])
     idx_C = jnp.arange(C, dtype=jnp.int32)
     positions_1C = jnp.where(idx_C < n_valid, start + idx_C, -1)[None, :]
     tokens_1C = tokens_C[None, :].astype(jnp.int32)
-    out = forward_compute(
-        engine.target,
+    out = memory.forward(
         target_params,
         tokens_1C,
         positions_1C,
-        cache_1,
+        row,
         engine.hidden_layers,
         logit_index=jnp.maximum(n_valid - 1, 0)[None],
     )
-    assert out.logits is not None
-    cache_1 = commit_kv(cache_1, positions_1C, out.k, out.v, after=out.logits)
-    cache = KVCache(
-        k=tuple(_set_row(x, slot, y) for x, y in zip(c.k, cache_1.k)),
-        v=tuple(_set_row(x, slot, y) for x, y in zip(c.v, cache_1.v)),
-        pos=_set_row(c.pos, slot, cache_1.pos),
-        overflow=_set_row(c.overflow, slot, cache_1.overflow),
-        inv_freq=c.inv_freq,
-    )
+    cache = memory.put_row(state.cache, slot, out.memory)
 
     # the slot's token history: cleared at start 0, the chunk written at its positions
     hist_1S = _row(state.history, slot)
@@ -198,7 +182,7 @@ def prefill_chunk(
         flags = per_row_leaves(d, S)
         s1 = _take(s, flags, slot)
         s1 = d.rollback(s1, start[None])
-        if not getattr(d, "lazy_prompt", False):  # else the drafter catches up when it drafts
+        if not d.lazy_prompt:  # else the drafter catches up when it drafts
             s1 = d.process(p, s1, batch_1)
         # `begin` only with the final chunk (a cond: ngram-mod's ingestion is not cheap)
         s1 = jax.lax.cond(final, lambda s, d=d: d.begin(s, hist_1), lambda s: s, s1)
@@ -257,6 +241,9 @@ def prefill_chunk(
         stats=stats_mod.record_begin(state.stats, final[None]) if engine.drafters else state.stats,
         governor=governor,
         **_index_chunk(engine, state, hist_1S, slot, start, n_valid, first, C),
+        replay=None
+        if state.replay is None  # (a new request replays nothing)
+        else replace(state.replay, length=_set_row(state.replay.length, slot, zero_1)),
     )
     zero = jnp.zeros((1,), jnp.int32)
     slot_stats = SlotStats(
@@ -436,7 +423,7 @@ def run_rounds(
     stop = state.n_rounds + n_rounds
 
     def cond(s: eng.GenState) -> Array:
-        return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity) & (s.n_rounds < stop)
+        return jnp.any(~s.done) & (s.n_rounds < engine.max_rounds) & (s.n_rounds < stop)
 
     def body(s: eng.GenState) -> eng.GenState:
         return eng.spec_step(engine, target_params, drafter_params, s, run)

@@ -1,5 +1,11 @@
 """The speculative engine: prefill, one speculative step, and the on-device generation loop.
 
+One engine for every target: what differs between targets is their memory, reached only
+through `Engine.memory` (`specjax.target_memory`: an attention-only model's KV cache, PART;
+a qwen35 hybrid's KV cache + recurrent state, RS or FULL). Plain decoding, speculative
+decoding, streaming, continuous batching (`specjax.continuous`) and batch jobs all run this
+prefill and this round.
+
 One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of the spec):
 
     history[b, :length[b]]   tokens in target memory (positions 0..length-1)
@@ -23,13 +29,18 @@ One round, for every row b at once (llama.cpp's server flow, sections 4 and 7 of
                (1-token verify, no K-wide arrays; of step 6 only the relay's statistics and
                the governor's estimates move), and a round with drafts never compiles the
                width-1 verify
-    4 accept   per row: synthetic -> rejection (temp > 0, q present) -> match (the replay
-               branch of specjax.verify is not taken: there are no checkpoints yet)
-    5 commit   keep positions < length + n_acc + 1 (seq_rm on target and drafter memory),
-               emit d_1..d_nacc + next token, stop at EOG / n_predict / context end (the last
+    4 accept   per row: synthetic -> replay -> rejection (temp > 0, q present) -> match;
+               a replay row (below) accepts its replayed tokens untested
+    5 commit   the memory keeps positions < length + n_acc + 1 (`TargetMemory.settle`:
+               seq_rm on a KV cache, an RS plane, or, for a hybrid row whose draft was
+               longer than its planes, the pre-round checkpoint restored: that row commits
+               nothing and its accepted tokens [d_1..d_nacc, c] are its next round's draft,
+               the replay, for which it does not draft); seq_rm on drafter memory, emit
+               d_1..d_nacc + next token, stop at EOG / n_predict / context end (the last
                emitted token sits at position S - 1, as in llama.cpp)
-    6 feedback drafter.process(verify batch), accept(n_acc, is_other), rollback,
-               statistics and the governor's estimates; in a round no row may draft, for
+    6 feedback drafter.process(verify batch), accept(n_acc, is_other), rollback (a
+               restored row's drafter checkpoint data set back, no accept), statistics
+               and the governor's estimates; in a round no row may draft, for
                an idle chain only `record(verify batch)` of the drafters that declare
                `idle_record` (they apply it at their next process or draft)
 
@@ -52,7 +63,6 @@ import jax.numpy as jnp
 
 from specjax import adaptive, lookup_index, sampling, verify
 from specjax import stats as stats_mod
-from specjax.cache import KVCache, keep_prefix, row_high_water
 from specjax.control import run_once
 from specjax.drafters.base import (
     DraftInput,
@@ -60,10 +70,18 @@ from specjax.drafters.base import (
     TargetBatch,
     TokenHistory,
     hidden_by_layer,
+    load_spec_state,
+    take_spec_state,
 )
 from specjax.models.config import ModelConfig
-from specjax.models.llama import commit_kv, forward_compute, new_cache
+from specjax.models.qwen35 import Qwen35Config
 from specjax.pytree import pytree_dataclass, replace
+from specjax.target_memory import (
+    H_NEXTN,
+    HybridTargetMemory,
+    KVTargetMemory,
+    TargetMemory,
+)
 from specjax.types import Array, Params
 
 FINISH_NONE, FINISH_EOG, FINISH_LENGTH, FINISH_CONTEXT = 0, 1, 2, 3
@@ -79,7 +97,9 @@ FINISH_NAMES = {
 class Engine:
     """Everything static about a generation run (a jit static argument: hashable)."""
 
-    target: ModelConfig
+    #: The target model's config: a llama-family `ModelConfig` (attention-only memory) or a
+    #: `Qwen35Config` (hybrid recurrent memory); `memory` is the interface the round uses.
+    target: ModelConfig | Qwen35Config
     drafters: tuple[Any, ...] = ()  # in relay priority order
     k_max: int = 0
     capacity: int  # S: cache cells per row
@@ -96,17 +116,37 @@ class Engine:
     n_ubatch: int = 0
     #: The caps of `draft_caps` when given (None: from this engine's widths and drafters).
     reach_caps: tuple[int, ...] | None = None
+    #: Recurrent snapshot planes of a hybrid target (llama.cpp's n_rs_seq): > 0 is the RS
+    #: rollback level, 0 FULL. Unused by attention-only targets.
+    n_rs_seq: int = 0
+
+    @property
+    def memory(self) -> TargetMemory:
+        """The target's memory: what differs between targets (`specjax.target_memory`)."""
+        if isinstance(self.target, Qwen35Config):
+            return HybridTargetMemory(self.target, self.n_rs_seq, self.cache_type_k)
+        return KVTargetMemory(self.target, self.cache_type_k, self.cache_type_v)
+
+    @property
+    def max_rounds(self) -> int:
+        """Rounds the loop runs at most: one token emitted each, or, for a memory that may
+        restore a checkpoint, one round more per replay."""
+        return self.out_capacity * (2 if self.memory.checkpoints else 1)
 
     @property
     def hidden_layers(self) -> tuple[int, ...]:
+        """The target's hidden states the chain reads (layer ids; `H_NEXTN`: a qwen35
+        target's h_nextn, for drafters that declare `reads_nextn`)."""
         layers: set[int] = set()
         for d in self.drafters:
             layers.update(d.hidden_layers)
+            if d.reads_nextn:
+                layers.add(H_NEXTN)
         return tuple(sorted(layers))
 
     @property
     def probabilistic(self) -> bool:
-        return any(getattr(d, "probabilistic", False) for d in self.drafters)
+        return any(d.probabilistic for d in self.drafters)
 
     @property
     def lookup_n(self) -> int | None:
@@ -133,7 +173,7 @@ class Engine:
         if self.reach_caps is not None:
             return self.reach_caps
         caps = tuple(w - 1 for w in self.verify_widths() if w > 1) or (0,)
-        shortest = min((int(getattr(d, "min_draft_len", 1)) for d in self.drafters), default=1)
+        shortest = min((d.min_draft_len for d in self.drafters), default=1)
         return tuple(c for c in caps if c >= shortest) or caps[-1:]
 
     def verify_widths(self) -> tuple[int, ...]:
@@ -162,8 +202,28 @@ class RunParams:
 
 
 @pytree_dataclass
+class Replay:
+    """Rows whose last round restored the checkpoint (`TargetMemory.checkpoints`): the
+    accepted tokens [d_1..d_n, c] they replay as the next round's draft, accepted untested
+    (llama.cpp's `server_accept_replay`)."""
+
+    tokens: Array  # [B, K] int32
+    length: Array  # [B] int32, 0 = nothing to replay
+    winner: Array  # [B] int32, the drafter whose draft is replayed
+
+    @staticmethod
+    def create(batch: int, k: int) -> Replay:
+        return Replay(
+            tokens=jnp.zeros((batch, k), jnp.int32),
+            length=jnp.zeros((batch,), jnp.int32),
+            winner=jnp.full((batch,), -1, jnp.int32),
+        )
+
+
+@pytree_dataclass
 class GenState:
-    cache: KVCache
+    #: The target's memory (`Engine.memory`): a `KVCache`, or a qwen35 `HybridMemory`.
+    cache: Any
     history: Array  # [B, S] int32
     length: Array  # [B] int32
     last_token: Array  # [B] int32
@@ -186,6 +246,8 @@ class GenState:
     #: read for the n-gram ending at last_token; False is exact): kept by whatever moves
     #: history or last_token. None with lookup_seen
     lookup_next: Array | None = None
+    #: Rows to replay after a checkpoint restore; None: the memory never restores one
+    replay: Replay | None = None
 
 
 # ----------------------------------------------------------------------------------------
@@ -200,7 +262,7 @@ def prefill(
     lengths_B: Array,
     run: RunParams,
     states: tuple[Any, ...] | None = None,
-    start: tuple[KVCache, Array] | None = None,
+    start: tuple[Any, Array] | None = None,
     spare: tuple[Any, ...] | None = None,
     lookup_seen: Array | None = None,
 ) -> GenState:
@@ -231,7 +293,8 @@ def prefill(
     positions_BT = jnp.where(
         jnp.arange(T)[None, :] < lengths_B[:, None], jnp.arange(T)[None, :], -1
     )
-    cache = new_cache(engine.target, B, S, engine.cache_type_k, engine.cache_type_v)
+    memory = engine.memory
+    cache = memory.init(B, S)
     last_idx = jnp.maximum(lengths_B - 1, 0)
     carried = states is not None
     if states is None and spare is not None:
@@ -242,35 +305,27 @@ def prefill(
         no_cells = jnp.zeros((B,), jnp.int32)
         states = tuple(d.rollback(s, no_cells) for d, s in zip(engine.drafters, states))
     chunked = 0 < engine.n_ubatch < T and start is None
+    hidden: tuple[Array, ...] = ()
     if start is not None:  # restored slots: evaluate the prompt after the cached prefix
-        from specjax.slots import suffix
-
         cache, n_cached = start
         s_tokens, s_pos, s_last = suffix(tokens_BT, lengths_B, n_cached)
-        out = forward_compute(
-            engine.target, target_params, s_tokens, s_pos, cache, logit_index=s_last
-        )
-        cache = commit_kv(cache, s_pos, out.k, out.v, after=out.logits)
-        assert out.logits is not None
-        logits_BV = out.logits[:, 0]
+        out = memory.forward(target_params, s_tokens, s_pos, cache, logit_index=s_last)
+        cache, logits_BV = out.memory, out.logits[:, 0]
     elif chunked:
         cache, logits_BV, states = _prefill_chunked(
             engine, target_params, drafter_params, tokens_BT, positions_BT, lengths_B, cache, states
         )
     else:
-        out = forward_compute(
-            engine.target,
+        out = memory.forward(
             target_params,
             tokens_BT,
             positions_BT,
             cache,
             engine.hidden_layers,
-            cache_empty=True,
+            fresh=True,
             logit_index=last_idx,
         )
-        cache = commit_kv(cache, positions_BT, out.k, out.v)
-        assert out.logits is not None
-        logits_BV = out.logits[:, 0]
+        cache, logits_BV, hidden = out.memory, out.logits[:, 0], out.hidden
     history = jnp.zeros((B, S), jnp.int32).at[:, :T].set(jnp.where(positions_BT >= 0, tokens_BT, 0))
     window = _history_window(history, lengths_B, engine.penalty_window)
     logits_BV = jax.vmap(sampling.apply_penalties)(
@@ -285,7 +340,7 @@ def prefill(
         batch = TargetBatch(
             tokens=tokens_BT,
             positions=positions_BT,
-            hidden=hidden_by_layer(engine.hidden_layers, out.hidden) if start is None else {},
+            hidden=hidden_by_layer(engine.hidden_layers, hidden) if start is None else {},
             is_prompt=True,
         )
         states = tuple(
@@ -324,7 +379,18 @@ def prefill(
         lookup_next=None
         if seen is None or engine.lookup_n is None
         else lookup_index.query(seen, history, lengths_B, first, engine.lookup_n),
+        replay=Replay.create(B, engine.k_max) if memory.checkpoints else None,
     )
+
+
+def suffix(tokens_BT: Array, lengths_B: Array, n_cached_B: Array) -> tuple[Array, Array, Array]:
+    """The tokens a restored prefill still evaluates, shifted to the left: (tokens [B, T],
+    positions [B, T] (-1 = padding), index of each row's last prompt token in them [B])."""
+    T = tokens_BT.shape[1]
+    idx = n_cached_B[:, None] + jnp.arange(T)[None]
+    toks = jnp.take_along_axis(tokens_BT, jnp.clip(idx, 0, T - 1), axis=1)
+    pos = jnp.where(idx < lengths_B[:, None], idx, -1)
+    return jnp.where(pos >= 0, toks, 0), pos, lengths_B - n_cached_B - 1
 
 
 def init_states(engine: Engine, lengths_B: Array) -> tuple[Any, ...]:
@@ -337,7 +403,7 @@ def renewed(engine: Engine, spare: tuple[Any, ...], batch: int) -> tuple[Any, ..
     """Fresh drafter states (what `init(batch, S)` gives) from states of those shapes: a
     drafter with `renew(state)` makes them in the old state's buffers, the others anew."""
     return tuple(
-        d.renew(s) if hasattr(d, "renew") else d.init(batch, engine.capacity)
+        d.renew(s) if d.can_renew else d.init(batch, engine.capacity)
         for d, s in zip(engine.drafters, spare, strict=True)
     )
 
@@ -371,9 +437,9 @@ def _prefill_chunked(
     tokens_BT: Array,
     positions_BT: Array,
     lengths_B: Array,
-    cache: KVCache,
+    cache: Any,
     states: tuple[Any, ...],
-) -> tuple[KVCache, Array, tuple[Any, ...]]:
+) -> tuple[Any, Array, tuple[Any, ...]]:
     """The prompt in chunks of `engine.n_ubatch` tokens (a scan): each chunk's forward reads
     the cache the earlier chunks wrote, and each chunk is `process`ed by every drafter, as
     llama.cpp's server processes a prompt batch by batch. Returns the cache, the logits of
@@ -391,17 +457,10 @@ def _prefill_chunked(
         cache, logits_BV, states = carry
         c, tok_BU, pos_BU = xs
         idx = jnp.clip(last - c * U, 0, U - 1)
-        out = forward_compute(
-            engine.target,
-            target_params,
-            tok_BU,
-            pos_BU,
-            cache,
-            engine.hidden_layers,
-            logit_index=idx,
+        out = engine.memory.forward(
+            target_params, tok_BU, pos_BU, cache, engine.hidden_layers, logit_index=idx
         )
-        assert out.logits is not None
-        cache = commit_kv(cache, pos_BU, out.k, out.v, after=out.logits)
+        cache = out.memory
         here = (last >= c * U) & (last < (c + 1) * U)
         logits_BV = jnp.where(here[:, None], out.logits[:, 0], logits_BV)
         batch = TargetBatch(
@@ -501,7 +560,7 @@ def _relay(engine: Engine, drafter_params, state: GenState, budget_B: Array, run
 def _verify_round(
     engine: Engine,
     target_params: Params,
-    cache: KVCache,
+    cache: Any,
     v_tokens: Array,
     v_pos: Array,
     draft: DraftOutput,
@@ -511,7 +570,8 @@ def _verify_round(
     run: RunParams,
     narrowest: bool = False,
     drafted: bool = False,
-) -> tuple[KVCache, Array, Array, tuple[Array, ...]]:
+    replay_B: Array | None = None,
+) -> tuple[Any, Array, Array, tuple[Array, ...]]:
     """Steps 3-4: target forward over the verify batch and acceptance, at the narrowest
     compiled width (`engine.verify_widths()`) that holds every row's draft (`narrowest`,
     static: the caller knows no row drafted, so width 1 runs without a loop around it;
@@ -522,7 +582,8 @@ def _verify_round(
     nothing of width K + 1 (with ngram-mod's K = 64, padding logits and K/V to 65 columns
     cost ~25% of a plain round). Returns (cache with the verify batch written, n_accepted [B],
     next_token [B], hidden: one [B, K + 1, D] per `engine.hidden_layers`, zero past the
-    width).
+    width). `replay_B` [B]: rows replaying a checkpointed round's accepted tokens, which are
+    accepted untested (None: the memory never restores a checkpoint).
     """
     B, T = v_tokens.shape
     K = T - 1
@@ -533,18 +594,10 @@ def _verify_round(
         @jax.named_scope(f"verify{width}")
         def run_width(carry: Any) -> Any:
             cache, _, _, hidden0 = carry
-            high_water = row_high_water(cache.pos)  # (read and write share one pass)
-            out = forward_compute(
-                engine.target,
-                target_params,
-                v_tokens[:, :width],
-                v_pos[:, :width],
-                cache,
-                engine.hidden_layers,
-                high_water_B=high_water,
+            out = engine.memory.forward(
+                target_params, v_tokens[:, :width], v_pos[:, :width], cache, engine.hidden_layers
             )
             logits = out.logits
-            assert logits is not None
             k = width - 1
             narrow = DraftOutput(
                 tokens=draft.tokens[:, :k],
@@ -563,6 +616,7 @@ def _verify_round(
                     eog_V=_eog_mask(engine) if engine.synthetic else None,
                     recent_BW=recent,
                     recent_valid_BW=recent >= 0,
+                    replay_B=replay_B,
                 )
 
             if engine.synthetic:
@@ -576,11 +630,12 @@ def _verify_round(
                 with jax.named_scope("accept"):
                     greedy = verify.first_argmax(logits)
                     result = jax.lax.cond(
-                        all_greedy, lambda _: verify.verify_greedy(greedy, narrow), sampled, logits
+                        all_greedy,
+                        lambda _: _replayed(verify.verify_greedy(greedy, narrow), greedy),
+                        sampled,
+                        logits,
                     )
-            cache = commit_kv(
-                cache, v_pos[:, :width], out.k, out.v, after=logits, high_water_B=high_water
-            )
+            cache = out.memory
             hidden = tuple(
                 jax.lax.dynamic_update_slice(h0, h.astype(h0.dtype), (0, 0, 0))
                 for h0, h in zip(hidden0, out.hidden)
@@ -589,6 +644,14 @@ def _verify_round(
             return cache, n_acc, result.next_token.astype(jnp.int32), hidden
 
         return run_width
+
+    def _replayed(result: verify.VerifyResult, greedy_BT: Array) -> verify.VerifyResult:
+        """A greedy batch's replay rows: every replayed token accepted untested."""
+        if replay_B is None:
+            return result
+        n_acc = jnp.where(replay_B, draft_len_B, result.n_accepted)
+        next_token = jnp.take_along_axis(greedy_BT, n_acc[:, None], axis=1)[:, 0]
+        return replace(result, n_accepted=n_acc, next_token=next_token)
 
     widths = engine.verify_widths()
     zeros_B = jnp.zeros((B,), jnp.int32)
@@ -718,6 +781,16 @@ def spec_round(
     active = ~state.done
     with jax.named_scope("plan"):
         budget, governor = draft_budget(engine, state, run) if plan is None else plan
+    replaying = None
+    if state.replay is not None:  # rows replaying a checkpointed round do not draft
+        replaying = active & (state.replay.length > 0)
+        budget = jnp.where(replaying, 0, budget)
+    # the drafters' per-row checkpoint data as the round starts (restored with the target's)
+    saved = (
+        tuple(take_spec_state(d, s) for d, s in zip(engine.drafters, state.drafter_states))
+        if engine.memory.checkpoints
+        else None
+    )
 
     # A chain of `idle_noop` / `idle_record` drafters is not asked in a round in which no
     # row may draft (the governor turned it off, or every row is at its end): the round then
@@ -760,11 +833,21 @@ def spec_round(
             (),
             state.stats,
         )
+    if replaying is not None and state.replay is not None:  # the replay is the row's draft
+        replay = state.replay
+        d_tokens = jnp.where(replaying[:, None], replay.tokens, d_tokens)
+        d_valid = jnp.where(
+            replaying[:, None], jnp.arange(K)[None, :] < replay.length[:, None], d_valid
+        )
+        winner = jnp.where(replaying, replay.winner, winner)
+        has_q = has_q & ~replaying
     relay_out = _Relayed(
         draft=DraftOutput(tokens=d_tokens, valid=d_valid, q=q),
         has_q=has_q,
         winner=winner,
         budget=budget,
+        replaying=replaying,
+        saved=saved,
     )
     state = replace(state, drafter_states=dstates, stats=stats, governor=governor)
     if off or not empty_rounds_are_plain(engine):
@@ -796,6 +879,10 @@ class _Relayed:
     has_q: Array  # [B] bool
     winner: Array  # [B] int32, chain index of the row's drafter, -1 = none
     budget: Array  # [B] int32, the round's draft budget (some row > 0: the chain was called)
+    #: [B] bool, rows whose draft is a replay (None: the memory never restores a checkpoint)
+    replaying: Array | None = None
+    #: the drafters' per-row checkpoint data at the round's start (`take_spec_state`), or None
+    saved: tuple[Any, ...] | None = None
 
 
 def _finish_round(
@@ -817,6 +904,7 @@ def _finish_round(
     active = ~state.done
     remaining_new = run.max_new - state.out_len
     draft, has_q, winner, budget = relayed.draft, relayed.has_q, relayed.winner, relayed.budget
+    replaying = relayed.replaying
     d_tokens, d_valid = draft.tokens, draft.valid
     dstates, stats, governor = state.drafter_states, state.stats, state.governor
     skip_idle = idle_rounds_are_plain(engine)
@@ -829,21 +917,26 @@ def _finish_round(
     v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
     cache, n_acc, next_token, hidden = _verify_round(
         engine, target_params, state.cache, v_tokens, v_pos, draft, draft_len, has_q, state, run,
-        narrowest=off, drafted=drafted,
+        narrowest=off, drafted=drafted, replay_B=replaying,
     )  # fmt: skip
     n_acc = jnp.where(active, n_acc, 0)
 
     with jax.named_scope("commit"):
-        # commit: keep id_last + accepted drafts in memory, drop the rejected cells
+        # commit: keep id_last + accepted drafts in memory, drop the rejected cells (or, for
+        # a row whose memory restored its checkpoint, commit nothing: it replays)
         keep = state.length + n_acc + 1
+        checkpoint, paths = None, None
         if K > 0:  # (static) a 1-token round wrote only position `length`, which it keeps:
             # before a round no cell holds a position >= length (prefill, restored slots and
             # every commit leave none), so there is nothing to drop, and an O(S) pass over
             # every row's cells is saved in each plain and off round
-            cache = keep_prefix(cache, jnp.where(active, keep, state.length))
+            cache, checkpoint, paths = engine.memory.settle(
+                state.cache, cache, state.length, draft_len, n_acc, active, replaying
+            )
+        commit = active if checkpoint is None else active & ~checkpoint
         rows_BT = jnp.arange(B)[:, None] + jnp.zeros((1, K + 1), jnp.int32)
         hist_pos = state.length[:, None] + jnp.arange(K + 1)[None, :]
-        write_ok = active[:, None] & (jnp.arange(K + 1)[None, :] <= n_acc[:, None])
+        write_ok = commit[:, None] & (jnp.arange(K + 1)[None, :] <= n_acc[:, None])
         history = state.history.at[rows_BT, jnp.where(write_ok, hist_pos, S)].set(
             v_tokens, mode="drop"
         )
@@ -853,7 +946,7 @@ def _finish_round(
         emitted = jnp.where(
             jnp.arange(K + 1)[None, :] == n_acc[:, None], next_token[:, None], emitted
         )
-        n_emit = jnp.where(active, n_acc + 1, 0)
+        n_emit = jnp.where(commit, n_acc + 1, 0)
         eog = _is_eog(engine, emitted) & (jnp.arange(K + 1)[None, :] < n_emit[:, None])
         first_eog = jnp.argmax(eog, axis=1)
         hit_eog = jnp.any(eog, axis=1)
@@ -865,12 +958,12 @@ def _finish_round(
             emitted, mode="drop"
         )
         out_len = state.out_len + n_emit
-        new_length = jnp.where(active, keep, state.length)
+        new_length = jnp.where(commit, keep, state.length)
         eog_stop = hit_eog & (first_eog < n_emit)
         len_stop = out_len >= run.max_new
         ctx_stop = new_length >= S - 1  # the emitted next token sits at position S - 1
-        newly_done = active & (eog_stop | len_stop | ctx_stop)
-        last_token = jnp.where(active, next_token, state.last_token)
+        newly_done = commit & (eog_stop | len_stop | ctx_stop)
+        last_token = jnp.where(commit, next_token, state.last_token)
         lookup_seen, lookup_next = state.lookup_seen, state.lookup_next
         if lookup_seen is not None and engine.lookup_n is not None:
             # the n-grams a lookup may now use, and the index's answer for the next round
@@ -878,7 +971,7 @@ def _finish_round(
                 lookup_seen,
                 history,
                 state.length - engine.lookup_gap,
-                jnp.where(active, n_acc + 1, 0),
+                jnp.where(commit, n_acc + 1, 0),
                 new_length,
                 last_token,
                 engine.lookup_n,
@@ -901,8 +994,11 @@ def _finish_round(
             new_states = []
             for i, (d, p, s) in enumerate(zip(engine.drafters, drafter_params, dstates)):
                 s = d.process(p, s, batch)
-                s = d.accept(s, n_acc, winner != i, had_draft & active)
-                s = d.rollback(s, jnp.where(active, keep, state.length))
+                s = d.accept(s, n_acc, winner != i, had_draft & commit)
+                s = d.rollback(s, new_length)
+                if checkpoint is not None and relayed.saved is not None:
+                    # a restored row's drafter data goes back with the target's checkpoint
+                    s = load_spec_state(d, s, relayed.saved[i], checkpoint)
                 new_states.append(s)
             return tuple(new_states)
 
@@ -911,11 +1007,11 @@ def _finish_round(
             """An idle round's feedback: the recorders keep the verify batch for later (its
             rows have no draft), the others' states would not move."""
             return tuple(
-                d.record(p, s, batch) if getattr(d, "idle_record", False) else s
+                d.record(p, s, batch) if d.idle_record else s
                 for d, p, s in zip(engine.drafters, drafter_params, dstates)
             )
 
-        recorders = any(getattr(d, "idle_record", False) for d in engine.drafters)
+        recorders = any(d.idle_record for d in engine.drafters)
         if drafted or not skip_idle:
             dstates = feedback(dstates)
         elif off:  # (an off round verifies no draft: only a recorder's state moves)
@@ -928,14 +1024,26 @@ def _finish_round(
         # (nor would the counters; the caller of an off round advances the governor)
         with jax.named_scope("bookkeeping"):
             if not off:
-                stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & active)
-                stats = stats_mod.record_rollback(stats, had_draft & active, draft_len - n_acc)
+                stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & commit, replaying)
+                if paths is not None:
+                    stats = replace(stats, n_rollback=stats.n_rollback + paths)
                 governor = adaptive.observe(
                     governor, active & (budget > 0), draft_len, n_acc, engine.draft_caps()
                 )
         impl_last = jnp.where(had_draft, winner, state.impl_last)
     else:
         impl_last = state.impl_last
+
+    replay = state.replay
+    if replay is not None and checkpoint is not None and replaying is not None:
+        # a restored row's accepted list [d_1..d_nacc, c] is its next round's draft
+        replay = Replay(
+            tokens=jnp.where(checkpoint[:, None], emitted[:, :K], replay.tokens),
+            length=jnp.where(checkpoint, n_acc + 1, jnp.where(replaying, 0, replay.length)).astype(
+                jnp.int32
+            ),
+            winner=jnp.where(checkpoint, winner, replay.winner),
+        )
 
     return GenState(
         cache=cache,
@@ -954,6 +1062,7 @@ def _finish_round(
         drafted=None if state.drafted is None else state.drafted + draft_len,
         lookup_seen=lookup_seen,
         lookup_next=lookup_next,
+        replay=replay,
     )
 
 
@@ -962,9 +1071,7 @@ def empty_rounds_are_plain(engine: Engine) -> bool:
     round: the chain's idle calls may be skipped (`idle_rounds_are_plain`) and every drafter
     declares `quiet_without_draft` (its `process`, `accept` and `rollback` leave its state as
     it is in a round in which no row got a draft)."""
-    return idle_rounds_are_plain(engine) and all(
-        getattr(d, "quiet_without_draft", False) for d in engine.drafters
-    )
+    return idle_rounds_are_plain(engine) and all(d.quiet_without_draft for d in engine.drafters)
 
 
 def idle_rounds_are_plain(engine: Engine) -> bool:
@@ -972,9 +1079,9 @@ def idle_rounds_are_plain(engine: Engine) -> bool:
     every drafter of the chain declares `idle_noop` (a round in which it drafts nothing
     leaves its state as it is) or `idle_record` (it only keeps the verify batch for later:
     `record`, the one call such a round makes; see `specjax.drafters.base`)."""
-    return bool(engine.drafters) and all(
-        getattr(d, "idle_noop", False) or getattr(d, "idle_record", False) for d in engine.drafters
-    )
+    if engine.memory.checkpoints:  # (a replaying row verifies though nobody drafts)
+        return False
+    return bool(engine.drafters) and all(d.idle_noop or d.idle_record for d in engine.drafters)
 
 
 def generate_loop(
@@ -997,7 +1104,7 @@ def generate_loop(
     step): one copy of the 1-token round in the compiled program (why: `spec_round`)."""
 
     def cond(s: GenState) -> Array:
-        return jnp.any(~s.done) & (s.n_rounds < engine.out_capacity)
+        return jnp.any(~s.done) & (s.n_rounds < engine.max_rounds)
 
     def body(s: GenState) -> GenState:
         return spec_step(engine, target_params, drafter_params, s, run)

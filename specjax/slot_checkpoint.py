@@ -6,7 +6,7 @@ three data pytrees: `data_tgt` (the target's PARTIAL_ONLY state: for a hybrid ta
 recurrent state only, `{"conv": (...), "ssm": (...)}` of the row's current plane; the attention
 KV is rolled back with `seq_rm` instead), `data_dft` and `data_spec` (draft context and drafter
 state; `{}` when there is none). Inside the jitted loop a checkpoint is simply the pre-round
-pytree (specjax.hybrid_spec); `take` / `restore` are the per-row versions.
+pytree (specjax.engine); `take` / `restore` are the per-row versions.
 
 On disk (`save` / `load`) a checkpoint is an orbax `CheckpointManager` directory: every save is a
 new step, written to a temporary directory and renamed when complete (orbax's atomic

@@ -9,7 +9,7 @@ prefix: the target's memory of one row after the prompt's first n - 1 tokens,
 * hybrid targets (qwen35): the attention layers' KV cells as above AND the recurrent state
   (`"conv"`, `"ssm"` per delta-net layer) after token n - 2.
 
-It differs from the in-loop PARTIAL_ONLY checkpoint of `specjax.hybrid_spec` (the pre-round
+It differs from the in-loop PARTIAL_ONLY checkpoint of `specjax.target_memory` (the pre-round
 recurrent state only, the attention KV being rolled back with `seq_rm`): a slot file starts a
 new memory, so it must hold the attention KV too. The state stops one token short of the
 prompt, as upstream re-evaluates at least one prompt token after a restore to get its logits:
@@ -383,7 +383,7 @@ def _fill_kv(cache: Any, states: Sequence[SlotState | None]) -> Any:
 def hybrid_start(
     model: Any, states: Sequence[SlotState | None], capacity: int, n_rs_seq: int
 ) -> tuple[Any, Array]:
-    """(HybridMemory, n_cached [B]) for `specjax.hybrid_spec.prefill(start=...)`: each row's
+    """(HybridMemory, n_cached [B]) for `specjax.engine.prefill(start=...)`: each row's
     KV cells and recurrent state (in every plane, no pending rollback)."""
     from specjax.hybrid_memory import HybridMemory
     from specjax.pytree import replace
@@ -407,16 +407,6 @@ def hybrid_start(
     )
     n = jnp.asarray([0 if s is None else s.n_cached for s in states], jnp.int32)
     return replace(mem, kv=kv, rec=rec), n
-
-
-def suffix(tokens_BT: Array, lengths_B: Array, n_cached_B: Array) -> tuple[Array, Array, Array]:
-    """The tokens a restored prefill still evaluates, shifted to the left: (tokens [B, T],
-    positions [B, T] (-1 = padding), index of each row's last prompt token in them [B])."""
-    T = tokens_BT.shape[1]
-    idx = n_cached_B[:, None] + jnp.arange(T)[None]
-    toks = jnp.take_along_axis(tokens_BT, jnp.clip(idx, 0, T - 1), axis=1)
-    pos = jnp.where(idx < lengths_B[:, None], idx, -1)
-    return jnp.where(pos >= 0, toks, 0), pos, lengths_B - n_cached_B - 1
 
 
 # ----------------------------------------------------------------------------- generate

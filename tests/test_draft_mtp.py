@@ -24,11 +24,11 @@ from oracles.qwen35_mtp_reference import MtpReference, draft_chain, draft_standa
 from oracles.qwen35_reference import Reference
 
 from specjax import api
+from specjax.api import generate
 from specjax.config import SpecConfig
 from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
 from specjax.drafters.draft_mtp import H_NEXTN, MtpDrafter
 from specjax.drafters.registry import build_drafters
-from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
 from specjax.models import qwen35_mtp as mtp
 from specjax.testing import tiny_qwen35_config
@@ -315,7 +315,7 @@ def _prompts() -> list[list[int]]:
 
 @functools.lru_cache(maxsize=1)
 def _plain() -> list[list[int]]:
-    return generate_hybrid(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128).tokens
+    return generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128).tokens
 
 
 def _check_drafted(d: dict) -> None:
@@ -329,7 +329,7 @@ def test_rs_path_equals_plain_greedy() -> None:
     """n_rs_seq = 4, draft n_max 6: full drafts roll back by checkpoint + replay; drafts the
     budget cuts to <= 4 near a row's end roll back by an RS plane."""
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=6)
-    res = generate_hybrid(
+    res = generate(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=4
     )
     assert res.tokens == _plain()
@@ -344,7 +344,7 @@ def test_rs_path_equals_plain_greedy() -> None:
 @pytest.mark.slow  # the RS test takes checkpoint + replay too; this one only them
 def test_full_path_equals_plain_greedy() -> None:
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=3)
-    res = generate_hybrid(
+    res = generate(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=0
     )
     assert res.tokens == _plain()
@@ -359,8 +359,8 @@ def test_full_path_equals_plain_greedy() -> None:
 def test_chain_heads_engine_equals_plain_greedy_with_drafts_of_two() -> None:
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=6)
     model = _model(2)
-    plain = generate_hybrid(model, _prompts(), max_new_tokens=N_NEW, n_ctx=128).tokens
-    res = generate_hybrid(model, _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec,
+    plain = generate(model, _prompts(), max_new_tokens=N_NEW, n_ctx=128).tokens
+    res = generate(model, _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec,
                           n_rs_seq=4)  # fmt: skip
     assert res.tokens == plain
     d = res.stats.to_dict()

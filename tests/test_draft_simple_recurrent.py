@@ -156,11 +156,11 @@ def test_the_registry_builds_a_full_recurrent_draft_for_a_qwen35_draft_model() -
 def test_engine_greedy_with_a_recurrent_draft_equals_plain_greedy() -> None:
     from test_hybrid_spec import N_NEW, _model, _plain, _prompts
 
-    from specjax.hybrid import generate_hybrid
+    from specjax.api import generate
 
     draft = api.Model(config=DRAFT, params=_draft_params())
     spec = SpecConfig(types=("draft-simple",), draft_n_max=4, k_max=4)
-    res = generate_hybrid(
+    res = generate(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, draft=draft, n_rs_seq=0
     )
     assert res.tokens == _plain()

@@ -1,5 +1,5 @@
 """Drafter state through checkpoint + replay on the qwen35 hybrid target (FULL path,
-specjax.hybrid_spec): a checkpointed round restores the drafters with the target (their
+specjax.engine over the hybrid memory): a checkpointed round restores the drafters with the target (their
 memory trimmed by rollback, their per-row `data_spec` set back by `set_spec_state`, no
 `accept`), as upstream's server (spec 7.5).
 
@@ -22,14 +22,14 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import api
-from specjax import hybrid_spec as hs
+from specjax import api, testing
+from specjax import engine as eng
 from specjax.config import SpecConfig
 from specjax.drafters.base import Drafter, DraftInput, DraftOutput, TargetBatch, TokenHistory
 from specjax.drafters.registry import build_drafters
-from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
 from specjax.pytree import pytree_dataclass, replace
+from specjax.stats import rollback_dict
 from specjax.testing import tiny_draft_config, tiny_qwen35_config
 from specjax.types import Array
 
@@ -125,8 +125,8 @@ def test_full_path_restores_drafter_state_and_equals_plain_greedy() -> None:
     for b, p in enumerate(prompts):
         tokens[b, : len(p)] = p
     lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-    max_new = jnp.full((B,), N_NEW, jnp.int32)
-    engine = hs.HybridEngine(
+    run = testing.run_params([N_NEW] * B, n_max=4, k_max=4)
+    engine = eng.Engine(
         target=model.config,
         drafters=(BoundaryDrafter(), simple),
         k_max=4,
@@ -135,12 +135,12 @@ def test_full_path_restores_drafter_state_and_equals_plain_greedy() -> None:
         out_capacity=32,
     )
     dp = (None, dparams[0])
-    prefill = jax.jit(hs.prefill, static_argnames=("engine",))
-    step = jax.jit(hs.spec_step, static_argnames=("engine",))
-    st = prefill(engine, model.params, dp, jnp.asarray(tokens), lengths, max_new)
+    prefill = jax.jit(eng.prefill, static_argnames=("engine",))
+    step = jax.jit(eng.spec_step, static_argnames=("engine",))
+    st = prefill(engine, model.params, dp, jnp.asarray(tokens), lengths, run)
     n_steps = 0
     while not bool(jnp.all(st.done)) and n_steps < 2 * 64:
-        st = step(engine, model.params, dp, st, max_new)
+        st = step(engine, model.params, dp, st, run)
         n_steps += 1
         host = jax.device_get(st)
         live = ~host.done
@@ -149,10 +149,10 @@ def test_full_path_restores_drafter_state_and_equals_plain_greedy() -> None:
         np.testing.assert_array_equal(boundary[live], host.length[live] - 1)
         # draft-simple's cache holds nothing beyond the committed prefix
         assert np.all(host.drafter_states[1].n_past <= host.length)
-    plain = generate_hybrid(model, prompts, max_new_tokens=N_NEW, n_ctx=128).tokens
+    plain = api.generate(model, prompts, max_new_tokens=N_NEW, n_ctx=128).tokens
     host = jax.device_get(st)
     got = [[int(t) for t in host.out_tokens[b, : host.out_len[b]]] for b in range(B)]
     assert got == plain
-    paths = dict(zip(hs.PATHS, host.paths.tolist()))
+    paths = rollback_dict(host.stats.n_rollback)
     assert paths["checkpoint"] > 0 and paths["rs_plane"] == 0
-    assert int(host.n_accepted) > 0
+    assert int(host.stats.n_draft_accepted) > 0

@@ -1,4 +1,4 @@
-"""Sampling at temperature > 0 on the qwen35 hybrid target (specjax.hybrid_spec): plain
+"""Sampling at temperature > 0 on the qwen35 hybrid target (specjax.engine over the hybrid memory): plain
 sampling equals an independent host loop (the whole sequence re-evaluated from scratch each
 step, the token at position p drawn with `make_key(seed, p, ROLE_SAMPLE)`), and speculative
 sampling equals plain sampling token for token with the same per-row seeds on the FULL path
@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 from specjax import api, sampling
+from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
 from specjax.testing import tiny_qwen35_config
 
@@ -39,7 +39,7 @@ def _prompts() -> list[list[int]]:
 
 @functools.lru_cache(maxsize=1)
 def _plain() -> list[list[int]]:
-    res = generate_hybrid(
+    res = generate(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, temperature=TEMP, seed=SEEDS
     )
     return res.tokens
@@ -67,7 +67,7 @@ def test_plain_sampling_equals_a_host_loop_from_scratch() -> None:
             key = sampling.make_key(SEEDS[b], len(seq), sampling.ROLE_SAMPLE)
             seq.append(int(sampling.sample_token(last_logits(toks, len(seq)), params, key)))
         assert _plain()[b] == seq[len(_prompts()[b]) :]
-    greedy = generate_hybrid(model, _prompts()[:1], max_new_tokens=N_NEW, n_ctx=128).tokens
+    greedy = generate(model, _prompts()[:1], max_new_tokens=N_NEW, n_ctx=128).tokens
     assert greedy[0] != _plain()[0]  # the draws are not argmax
 
 
@@ -75,7 +75,7 @@ def test_plain_sampling_equals_a_host_loop_from_scratch() -> None:
     "n_rs_seq", [0, pytest.param(4, marks=pytest.mark.slow)], ids=["FULL", "RS"]
 )
 def test_speculative_sampling_equals_plain_sampling(n_rs_seq: int) -> None:
-    res = generate_hybrid(
+    res = generate(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, temperature=TEMP, seed=SEEDS,
         spec=SIMPLE, n_rs_seq=n_rs_seq,
     )  # fmt: skip

@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 
 import specjax
+from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.hybrid import generate_hybrid
 
 ROOT = Path(__file__).resolve().parents[1]
 HYBRID = ROOT / "models" / "code-hybrid" / "code-hybrid-f16.gguf"
@@ -55,7 +55,7 @@ def _prompts() -> list[list[int]]:
 
 @functools.lru_cache(maxsize=1)
 def _plain() -> list[list[int]]:
-    return generate_hybrid(_hybrid(), _prompts(), max_new_tokens=N_NEW, n_ctx=N_CTX).tokens
+    return generate(_hybrid(), _prompts(), max_new_tokens=N_NEW, n_ctx=N_CTX).tokens
 
 
 def _spec(kind: str) -> tuple[SpecConfig, specjax.Model | None]:
@@ -73,7 +73,7 @@ def _check(kind: str, n_rs_seq: int) -> None:
     prompts = _prompts()
     assert len({len(p) for p in prompts}) == 4
     spec, draft = _spec(kind)
-    res = generate_hybrid(_hybrid(), prompts, max_new_tokens=N_NEW, n_ctx=N_CTX, spec=spec,
+    res = generate(_hybrid(), prompts, max_new_tokens=N_NEW, n_ctx=N_CTX, spec=spec,
                           draft=draft, n_rs_seq=n_rs_seq)  # fmt: skip
     assert res.tokens == _plain()
     d = res.stats.to_dict()

@@ -1,4 +1,4 @@
-"""Greedy speculative decoding on the qwen35 hybrid target (specjax.hybrid_spec) equals plain
+"""Greedy speculative decoding on the qwen35 hybrid target (specjax.engine over the hybrid memory) equals plain
 greedy decoding (specjax.hybrid's one-token loop) token for token, for B = 4 rows of different
 prompt lengths, on each rollback path; the per-path counters show the path was taken:
 
@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from specjax import api
+from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.hybrid import generate_hybrid
 from specjax.models import qwen35 as q
 from specjax.testing import tiny_draft_config, tiny_qwen35_config
 
@@ -41,15 +41,13 @@ def _prompts() -> list[list[int]]:
 
 @functools.lru_cache(maxsize=1)
 def _plain() -> list[list[int]]:
-    return generate_hybrid(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128).tokens
+    return generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128).tokens
 
 
 def test_rs_path_equals_plain_greedy_with_drafts_shorter_and_longer_than_planes() -> None:
-    from specjax.hybrid_spec import run
+    from specjax import api
 
-    res = generate_hybrid(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE, n_rs_seq=4
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE, n_rs_seq=4)
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     paths = d["rollback"]
@@ -60,18 +58,16 @@ def test_rs_path_equals_plain_greedy_with_drafts_shorter_and_longer_than_planes(
     assert paths["full_accept"] > 0 and d["num_accepted_tokens"] > 0
     assert paths["seq_rm_failed"] == 0
     # max_new_tokens is traced: another value in the same bucket does not recompile
-    size = run._cache_size()
-    short = generate_hybrid(
+    size = api.compile_count()
+    short = generate(
         _model(), _prompts(), max_new_tokens=N_NEW - 4, n_ctx=128, spec=SIMPLE, n_rs_seq=4
     )
-    assert run._cache_size() == size
+    assert api.compile_count() == size
     assert short.tokens == [t[: N_NEW - 4] for t in _plain()]
 
 
 def test_full_path_rolls_back_by_checkpoint_and_replay_only() -> None:
-    res = generate_hybrid(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE, n_rs_seq=0
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE, n_rs_seq=0)
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     assert d["seq_rm_type"] == "FULL"
@@ -94,9 +90,7 @@ MOD = SpecConfig(
 
 @pytest.mark.slow
 def test_ngram_mod_rs_path_equals_plain_greedy() -> None:
-    res = generate_hybrid(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=MOD, n_rs_seq=4
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=MOD, n_rs_seq=4)
     assert res.tokens == _plain()
     paths = res.stats.to_dict()["rollback"]
     assert paths["rs_plane"] > 0 and paths["checkpoint"] > 0
@@ -106,9 +100,7 @@ def test_ngram_mod_rs_path_equals_plain_greedy() -> None:
 def test_ngram_mod_full_path_equals_plain_greedy() -> None:
     """ngram-mod with n_rs_seq = 0 (FULL): every rejection restores the checkpoint and replays
     the accepted list; no RS plane is used."""
-    res = generate_hybrid(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=MOD, n_rs_seq=0
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=MOD, n_rs_seq=0)
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     paths = d["rollback"]
@@ -124,7 +116,7 @@ def test_target_of_type_no_disables_speculation_with_a_warning(monkeypatch) -> N
     monkeypatch.setattr(hm, "can_seq_rm", lambda model, n_rs_seq=0: hm.SeqRmType.NO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        res = generate_hybrid(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE)
+        res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=SIMPLE)
     assert any("seq_rm type NO" in str(w.message) for w in caught)
     assert res.stats is None and res.tokens == _plain()
 
@@ -136,7 +128,7 @@ def test_draft_simple_equals_plain_greedy_on_both_paths(n_rs_seq: int) -> None:
     6 tokens: RS rounds roll back by planes or, beyond 4, by checkpoint)."""
     draft = api.init_model(tiny_draft_config(), seed=3)
     spec = SpecConfig(types=("draft-simple",), draft_n_max=6, k_max=6)
-    res = generate_hybrid(
+    res = generate(
         _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, draft=draft,
         n_rs_seq=n_rs_seq,
     )  # fmt: skip
@@ -150,10 +142,8 @@ def test_draft_simple_equals_plain_greedy_on_both_paths(n_rs_seq: int) -> None:
 def test_context_end_is_the_same_for_plain_and_speculative() -> None:
     """max_new_tokens = -1: rows stop at a full context of 32, the last token at position 31
     (llama.cpp's rule, as specjax.engine), plain and speculative alike."""
-    plain = generate_hybrid(_model(), _prompts(), max_new_tokens=-1, n_ctx=32)
+    plain = generate(_model(), _prompts(), max_new_tokens=-1, n_ctx=32)
     assert plain.finish_reasons == ["context"] * 4
     assert [len(p) + len(t) for p, t in zip(_prompts(), plain.tokens)] == [32] * 4
-    res = generate_hybrid(
-        _model(), _prompts(), max_new_tokens=-1, n_ctx=32, spec=SIMPLE, n_rs_seq=4
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=-1, n_ctx=32, spec=SIMPLE, n_rs_seq=4)
     assert res.tokens == plain.tokens and res.finish_reasons == plain.finish_reasons

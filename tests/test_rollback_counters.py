@@ -5,6 +5,7 @@ report has the same keys (`to_dict()["rollback"]`, what `specjax generate --out`
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -50,14 +51,19 @@ def test_attention_target_rolls_back_by_seq_rm() -> None:
 
 
 def test_hybrid_report_uses_the_same_schema() -> None:
-    from specjax.hybrid_spec import PATHS, HybridSpecReport
-
-    paths = {name: i + 1 for i, name in enumerate(PATHS)}
-    rep = HybridSpecReport("RS", 4, paths, 10, 5, 3, ("ngram-simple",))
-    rb = rep.to_dict()["rollback"]
+    stats = SpecStats.create(1, 4).to_host()
+    counts = np.arange(1, len(ROLLBACK_PATHS) + 1)
+    counts[ROLLBACK_PATHS.index("seq_rm")] = 0
+    stats = dataclasses.replace(stats, n_rollback=counts)
+    rep = api.SpecReport(
+        stats=stats, names=("ngram-simple",), target_memory={"seq_rm_type": "RS", "n_rs_seq": 4}
+    )
+    d = rep.to_dict()
+    rb = d["rollback"]
     assert list(rb) == list(ROLLBACK_PATHS) and rb["seq_rm"] == 0
-    assert all(rb[name] == paths[name] for name in PATHS)
-    assert rep.lines()[-1].startswith("rollback: 0 by seq_rm, 2 by RS plane, 3 by checkpoint")
+    assert d["seq_rm_type"] == "RS" and d["n_rs_seq"] == 4
+    assert rep.lines()[0] == "target memory: RS (n_rs_seq = 4)"
+    assert rep.lines()[-1].startswith("rollback: 0 by seq_rm, 3 by RS plane, 4 by checkpoint")
 
 
 # ------------------------------------------------ PART: speculative == plain greedy, B = 4
