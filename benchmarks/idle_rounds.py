@@ -58,7 +58,7 @@ from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, profiled, refuse_ove
 from peers import DEFAULT_DFLASH, DEFAULT_EAGLE3, NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
-from specjax import api
+from specjax import api, executables
 
 DRAFTERS: dict[str, dict[str, Any]] = {
     "ngram-simple": {"ngram_simple_size_n": NO_MATCH_N},
@@ -110,7 +110,9 @@ def kernels_per_round(run: Any) -> tuple[float, dict[str, float], dict[str, Any]
     spans = [e for e in events if e.get("ph") == "X"]
     start = max(e["ts"] for e in spans if e["name"].startswith("PjitFunction(jit(generate_loop"))
     kernels = [e for e in spans if e["ts"] >= start and not e["name"].startswith(_NOT_KERNELS)]
-    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    loops = [
+        exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+    ]
     op_names = dict(re.findall(r"%?([\w.\-]+) = [^\n]*?op_name=\"([^\"]*)\"", loops[-1].as_text()))
     rounds = max(int(result.timings.get("n_rounds", 0)), 1)
     scope_of = [_scope(op_names.get(e["name"], "")) for e in kernels]

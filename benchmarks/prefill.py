@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_TARGET, ROOT, emit, machine, refuse_overwrite
 
 import specjax
-from specjax import api, engine
+from specjax import api, engine, executables
 from specjax.models import llama
 
 
@@ -65,7 +65,7 @@ def forward_seconds(model: specjax.Model, length: int, repeats: int) -> tuple[fl
     positions = jnp.where(jnp.arange(T) < length, jnp.arange(T), -1)[None].astype(jnp.int32)
     cache = llama.new_cache(cfg, 1, T, jnp.float16, jnp.float16)
     last = jnp.asarray([length - 1], jnp.int32)
-    options = api._compiler_options(engine.prefill_jit)  # the prefill's, as generate's
+    options = executables._compiler_options(engine.prefill_jit)  # the prefill's, as generate's
 
     def compile_prefill() -> Any:
         # a new function each time: jit caches traces by function, and the ablation differs

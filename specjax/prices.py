@@ -35,6 +35,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from specjax.executables import _lru_put
 from specjax.models.llama import LINEAR_WEIGHTS, forward_fn
 
 #: Highest price of an extra token (a forward that grows faster than linearly in tokens).
@@ -142,5 +143,5 @@ def measure(
         best = [min(times) for times in zip(*([t() for t in timers] for _ in range(LOOPS)))]
         t_draft = best[2] if draft is not None else None
         hit = (leaves, fit(best[0], best[1], t_draft, batch, width))
-    api._lru_put(_MEASURED, key, hit, lambda d: len(d) > _MEASURED_MAX)
+    _lru_put(_MEASURED, key, hit, lambda d: len(d) > _MEASURED_MAX)
     return dict(hit[1])

@@ -186,7 +186,7 @@ def test_executable_keys_follow_constants_and_functions_not_state(monkeypatch):
     caches) do not enter it."""
     import jax.numpy as jnp
 
-    from specjax import adaptive, api, compile_cache
+    from specjax import adaptive, compile_cache, executables
     from specjax import engine as eng
     from specjax.engine import prefill_jit
 
@@ -205,7 +205,7 @@ def test_executable_keys_follow_constants_and_functions_not_state(monkeypatch):
         assert key() != shipped
     assert key() == shipped
     with monkeypatch.context() as m:
-        m.setattr(api, "_compiles_made", api._compiles_made + 7)
+        m.setattr(executables, "_compiles_made", executables._compiles_made + 7)
         assert key() == shipped
 
 
@@ -228,15 +228,15 @@ def test_cli_options_are_exclusive():
 
 
 def test_stored_executables_are_keyed_by_their_compiler_options():
-    """The prefill is compiled with its own XLA options on CPU (`api._CPU_PREFILL_OPTIONS`):
+    """The prefill is compiled with its own XLA options on CPU (`executables._CPU_PREFILL_OPTIONS`):
     an executable stored with other options must never be loaded in its place."""
     import jax.numpy as jnp
 
-    from specjax import api, compile_cache
+    from specjax import compile_cache, executables
     from specjax.engine import prefill_jit
 
     args = (jnp.zeros((2, 3), jnp.float32),)
-    options = api._CPU_PREFILL_OPTIONS
+    options = executables._CPU_PREFILL_OPTIONS
     plain = compile_cache.executable_key(prefill_jit, "static", args)
     with_options = compile_cache.executable_key(prefill_jit, "static", args, options)
     assert plain is not None and with_options is not None

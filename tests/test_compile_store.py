@@ -1,6 +1,6 @@
 """The executable store keeps what is used most, within a size (issue 52, item 8): a
 configuration run again and again (the demo) stays after dozens of others run once, on disk
-(`compile_cache.evict`, bounded in bytes, not a count) and in a process (`api._compiled`)."""
+(`compile_cache.evict`, bounded in bytes, not a count) and in a process (`executables._compiled`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from specjax import api, compile_cache
+from specjax import compile_cache, executables
 
 
 def fake_entry(store, name: str, size: int, uses: int, age_s: float = 0.0) -> object:
@@ -66,20 +66,20 @@ def test_in_process_executables_kept_by_use(monkeypatch):
         return object(), True
 
     monkeypatch.setattr(compile_cache, "compile_or_load", fake_compile)
-    monkeypatch.setattr(api, "_COMPILED_MAX", 3)
-    saved = dict(api._COMPILED)
-    api._COMPILED.clear()
-    api._COMPILED_USES.clear()
+    monkeypatch.setattr(executables, "_COMPILED_MAX", 3)
+    saved = dict(executables._COMPILED)
+    executables._COMPILED.clear()
+    executables._COMPILED_USES.clear()
     try:
         x = np.zeros(2, np.float32)
-        demo = api._compiled(api._compiled, "demo", x)
+        demo = executables._compiled(executables._compiled, "demo", x)
         for _ in range(3):
-            assert api._compiled(api._compiled, "demo", x) is demo
+            assert executables._compiled(executables._compiled, "demo", x) is demo
         for i in range(10):  # ten other configurations, each once
-            api._compiled(api._compiled, f"other{i}", x)
-        assert api._compiled(api._compiled, "demo", x) is demo  # still there
-        assert made.count("demo") == 1 and len(api._COMPILED) == 3
+            executables._compiled(executables._compiled, f"other{i}", x)
+        assert executables._compiled(executables._compiled, "demo", x) is demo  # still there
+        assert made.count("demo") == 1 and len(executables._COMPILED) == 3
     finally:
-        api._COMPILED.clear()
-        api._COMPILED.update(saved)
-        api._COMPILED_USES.clear()
+        executables._COMPILED.clear()
+        executables._COMPILED.update(saved)
+        executables._COMPILED_USES.clear()

@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import api, cpu_kernels
+from specjax import api, cpu_kernels, executables
 from specjax.api import generate
 from specjax.config import SpecConfig
 from specjax.models import llama
@@ -153,10 +153,12 @@ def test_generation_on_the_kernel_matches_xla_dot_and_the_loop_calls_it():
     draft = noisy_copy(target, 0.6)
     prompts = [[1, 2, 3, 4, 5], [7, 8, 9]]
     spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=3)
-    api._COMPILED.clear()
+    executables._COMPILED.clear()
     kernel_plain = generate(target, prompts, max_new_tokens=12, n_ctx=64)
     kernel_spec = generate(target, prompts, max_new_tokens=12, n_ctx=64, spec=spec, draft=draft)
-    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    loops = [
+        exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+    ]
     assert len(loops) == 2
     for exe in loops:
         assert cpu_kernels.TARGET in exe.as_text() and cpu_kernels.ATTEND_TARGET in exe.as_text()
@@ -164,9 +166,11 @@ def test_generation_on_the_kernel_matches_xla_dot_and_the_loop_calls_it():
     stats = kernel_spec.stats.to_dict()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
     with cpu_kernels.disabled():
-        api._COMPILED.clear()
+        executables._COMPILED.clear()
         xla_plain = generate(target, prompts, max_new_tokens=12, n_ctx=64)
-        loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+        loops = [
+            exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+        ]
         assert len(loops) == 1 and "specjax_" not in loops[0].as_text()
         assert isinstance(api.decode_params(target.params)["layers"][0]["wqkv"], llama.InputMajor)
     assert kernel_plain.tokens == xla_plain.tokens == kernel_spec.tokens

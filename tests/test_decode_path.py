@@ -18,7 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, api, cpu_kernels
+from specjax import adaptive, api, cpu_kernels, executables
 from specjax.api import generate
 from specjax.config import SpecConfig
 from specjax.models import llama
@@ -180,9 +180,11 @@ def test_generation_loop_copies_no_kv_buffer(types):
     target = tiny_model(4)
     draft = noisy_copy(target, 0.3)
     spec = SpecConfig(types=types, draft_n_max=3) if types else None
-    api._COMPILED.clear()
+    executables._COMPILED.clear()
     generate(target, [[1, 2, 3]], max_new_tokens=8, n_ctx=capacity, spec=spec, draft=draft)
-    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    loops = [
+        exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+    ]
     assert len(loops) == 1
     hlo = loops[0].as_text()
     assert f",{capacity}," in hlo  # the cache buffers are in the program ...
@@ -199,9 +201,11 @@ def test_plain_decode_passes_over_the_cells_only_where_it_must():
     second high-water mark and the occupancy mask of the branch not taken."""
     capacity = 320
     target = tiny_model(4)
-    api._COMPILED.clear()
+    executables._COMPILED.clear()
     generate(target, [[1, 2, 3]], max_new_tokens=8, n_ctx=capacity)
-    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    loops = [
+        exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+    ]
     hlo = loops[0].as_text()
     passes = re.findall(r"= \w+\[1," + str(capacity) + r"\]\{[0-9,]+\} fusion\(", hlo)
     assert 0 < len(passes) <= 5, passes
@@ -215,9 +219,11 @@ def test_round_without_a_draft_pads_nothing_to_the_widest_verify():
     capacity = 320
     target = tiny_model(4)
     spec = SpecConfig(types=("ngram-mod",))
-    api._COMPILED.clear()
+    executables._COMPILED.clear()
     generate(target, [[1, 2, 3]], max_new_tokens=8, n_ctx=capacity, spec=spec)
-    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    loops = [
+        exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+    ]
     assert len(loops) == 1
     hlo = loops[0].as_text()
     V = target.config.V
@@ -251,12 +257,12 @@ def test_round_without_drafts_ends_as_an_off_round(monkeypatch, adaptive, temper
     )
 
     def run():
-        api._COMPILED.clear()  # (the shortcut is static: a program of its own, traced anew)
+        executables._COMPILED.clear()  # (the shortcut is static: a program of its own, traced anew)
         jax.clear_caches()
         out = generate(
             target, prompts, max_new_tokens=40, spec=spec, temperature=temperature, seed=[3, 4]
         )
-        (loop,) = [e for k, e in api._COMPILED.items() if k[0] is api.eng.generate_loop_jit]
+        (loop,) = [e for k, e in executables._COMPILED.items() if k[0] is api.eng.generate_loop_jit]
         return (out.tokens, out.stats.to_dict(), out.timings["n_rounds"]), loop.as_text()
 
     shortcut, with_shortcut = run()
@@ -267,7 +273,7 @@ def test_round_without_drafts_ends_as_an_off_round(monkeypatch, adaptive, temper
         full, without = run()
     finally:
         compile_cache.set_compile_cache(kept_dir)
-        api._COMPILED.clear()
+        executables._COMPILED.clear()
         jax.clear_caches()
     assert with_shortcut != without  # two programs ...
     assert shortcut == full  # ... one result
@@ -321,11 +327,13 @@ def test_generate_runs_the_loop_on_decode_weights_made_once(kernel):
 
 def _loop_on_decode_weights(kernel):
     model = tiny_model(4)
-    api._COMPILED.clear()
+    executables._COMPILED.clear()
     first = generate(model, [[1, 2, 3]], max_new_tokens=4, n_ctx=64)
     params = api.decode_params(model.params)
     assert params is api.decode_params(model.params)
-    loops = [exe for key, exe in api._COMPILED.items() if key[0] is api.eng.generate_loop_jit]
+    loops = [
+        exe for key, exe in executables._COMPILED.items() if key[0] is api.eng.generate_loop_jit
+    ]
     shapes = loops[0].as_text().split("ENTRY", 1)[1].split("\n", 1)[0]
     if kernel:
         assert isinstance(params["layers"][0]["w_gate_up"], llama.KernelWeight)

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, api, engine, sampling
+from specjax import adaptive, api, engine, executables, sampling
 from specjax.api import generate
 from specjax.config import SpecConfig
 from specjax.testing import count_compiles, noisy_copy, tiny_model
@@ -110,16 +110,18 @@ def test_executable_cache_is_bounded_and_keeps_the_recently_used(
 ):
     """Executables pin machine-code mappings; the cache keeps the most recently used few, and
     a shape evicted from it is compiled again (compile_count counts every compile)."""
-    monkeypatch.setattr(api, "_COMPILED", {})
-    monkeypatch.setattr(api, "_COMPILED_MAX", 2)  # one generate = prefill + loop executables
+    monkeypatch.setattr(executables, "_COMPILED", {})
+    monkeypatch.setattr(
+        executables, "_COMPILED_MAX", 2
+    )  # one generate = prefill + loop executables
     before = api.compile_count()
     generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=64)
     generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=64)  # both hits
-    assert api.compile_count() == before + 2 and len(api._COMPILED) == 2
+    assert api.compile_count() == before + 2 and len(executables._COMPILED) == 2
     generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=96)  # evicts the n_ctx=64 pair
-    assert api.compile_count() == before + 4 and len(api._COMPILED) == 2
+    assert api.compile_count() == before + 4 and len(executables._COMPILED) == 2
     generate(target, PROMPTS[:1], max_new_tokens=4, n_ctx=64)
-    assert api.compile_count() == before + 6 and len(api._COMPILED) == 2
+    assert api.compile_count() == before + 6 and len(executables._COMPILED) == 2
 
 
 def test_plain_sampling_replays_exactly_and_batch_independent(target):
@@ -300,7 +302,7 @@ def test_rejection_sampling_engine_preserves_the_joint_of_drafted_positions(monk
         return jax.tree.map(lambda b, g: jnp.where(seed >= broken_seed, b, g), bad, good)
 
     monkeypatch.setattr(verify, "_rejection", rejection_broken_for_marked_rows)
-    monkeypatch.setattr(api, "_COMPILED", {})
+    monkeypatch.setattr(executables, "_COMPILED", {})
     jax.clear_caches()
     try:
         out = generate(

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import api
+from specjax import api, executables
 from specjax.config import SpecConfig
 from specjax.testing import count_compiles, noisy_copy, tiny_model
 
@@ -176,7 +176,7 @@ def test_one_shot_results_pin_no_drafter_state_unless_asked(target, prompts):
 
 def test_one_shot_calls_reuse_the_last_calls_pool_as_fresh(target, prompts):
     """One-shot `generate` calls of a chain with ngram-mod hand their final states to the next
-    call of the same chain, B and S (`api._SPARES`), which renews them: the pool's buffer is
+    call of the same chain, B and S (`executables._SPARES`), which renews them: the pool's buffer is
     reused (no 32 MB allocated and filled per call), and nothing it held leaks. The first
     call's prompt P + C fills the pool with the continuation C that a Generator would then
     draft for P; a one-shot call on P after it drafts nothing, as a fresh run does, and its
@@ -189,17 +189,17 @@ def test_one_shot_calls_reuse_the_last_calls_pool_as_fresh(target, prompts):
     fresh = specjax.generate(target, [p, q], **kw)
     api.clear_compiled()
     specjax.generate(target, [p + c, q], **kw)
-    ((spare,),) = api._SPARES.values()
+    ((spare,),) = executables._SPARES.values()
     where = spare.pool.unsafe_buffer_pointer()
     again = specjax.generate(target, [p, q], **kw)
-    ((spare,),) = api._SPARES.values()
+    ((spare,),) = executables._SPARES.values()
     assert spare.pool.unsafe_buffer_pointer() == where
     assert again.tokens == fresh.tokens
     assert again.stats.to_dict() == fresh.stats.to_dict()
     assert fresh.stats.to_dict()["num_draft_tokens"] == 0
     # a call that returns its states neither takes the spare nor leaves its own
     kept = specjax.generate(target, [p, q], **kw, return_drafter_states=True)
-    ((spare,),) = api._SPARES.values()
+    ((spare,),) = executables._SPARES.values()
     assert spare.pool.unsafe_buffer_pointer() == where
     assert kept.drafter_states["ngram-mod"].pool.unsafe_buffer_pointer() != where
 
