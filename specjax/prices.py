@@ -37,6 +37,7 @@ import jax.numpy as jnp
 
 from specjax.executables import _lru_put
 from specjax.models.llama import LINEAR_WEIGHTS, forward_fn
+from specjax.weights import decode_params
 
 #: Highest price of an extra token (a forward that grows faster than linearly in tokens).
 MAX_VERIFY_TOKEN = 1.0
@@ -117,12 +118,10 @@ def measure(
     """Measured `verify_token` (and `draft_step` when `draft` is given) at `batch` rows and
     verify width `width`, on the weights the engine decodes with; None when the models are
     not Llama-family pytrees. Kept per set of weights and shapes (`_MEASURED`)."""
-    from specjax import api
-
     if not timeable(model.params) or (draft is not None and not timeable(draft.params)):
         return None
-    params = api.decode_params(model.params)
-    draft_params = None if draft is None else api.decode_params(draft.params)
+    params = decode_params(model.params)
+    draft_params = None if draft is None else decode_params(draft.params)
     leaves = jax.tree.leaves((params, draft_params))
     key = (id(params), id(draft_params), batch, width, capacity)
     hit = _MEASURED.pop(key, None)

@@ -208,8 +208,8 @@ class Drafter:
     #: size); "catch_up", the model skips the rounds it is not asked in and catches up
     #: before it drafts.
     prices: ClassVar[frozenset[str]] = frozenset()
-    #: The form of its parameters it drafts fastest with (`api.drafter_decode_params`):
-    #: "as_is"; "model", a draft model's (the target's decode form, `api.decode_params`);
+    #: The form of its parameters it drafts fastest with (`weights.drafter_decode_params`):
+    #: "as_is"; "model", a draft model's (the target's decode form, `weights.decode_params`);
     #: "head", `{"head", "shared"}` with the head in `head_kernel_params`'s form and the
     #: shared LM head as a `KernelWeight` (CPU with the native kernel only).
     params_form: ClassVar[str] = "as_is"

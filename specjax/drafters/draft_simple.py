@@ -82,7 +82,7 @@ class DraftSimple(Drafter):
     idle_noop: ClassVar[bool] = True
     #: a draft-model step per drafted token, and the catch-up of the rounds it was not asked in
     prices: ClassVar[frozenset[str]] = frozenset({"draft_step", "catch_up"})
-    #: a draft model's parameters: the target's decode form (`api.decode_params`)
+    #: a draft model's parameters: the target's decode form (`weights.decode_params`)
     params_form: ClassVar[str] = "model"
 
     config: ModelConfig
