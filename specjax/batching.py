@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import api, sampling
+from specjax import api, inputs, sampling, weights
 from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.cache import cache_dtype
@@ -208,8 +208,8 @@ def _parse_line(
     for key in ("n_predict", "top_k", "seed"):
         if float(values[key]) != int(values[key]):
             raise ValueError(f"{key} must be an integer, got {values[key]!r}")
-    n_predict = int(api._n_predict(int(values["n_predict"]), 1)[0])
-    s = api._sampling_args(
+    n_predict = int(inputs._n_predict(int(values["n_predict"]), 1)[0])
+    s = inputs._sampling_args(
         1,
         values["temperature"],
         values["top_k"],
@@ -516,9 +516,9 @@ def _sizes(
             n_ctx = int(model.config.max_position)
         else:
             need = max(len(r.tokens) + r.n_predict for r in requests)
-            n_ctx = api._bucket(need + k_max + 2, 128)
+            n_ctx = inputs._bucket(need + k_max + 2, 128)
     longest_out = max([r.n_predict if r.n_predict > 0 else n_ctx for r in requests] or [1])
-    out_cap = api._bucket(min(longest_out, n_ctx) + k_max + 1, 32)
+    out_cap = inputs._bucket(min(longest_out, n_ctx) + k_max + 1, 32)
     return n_ctx, out_cap
 
 
@@ -746,7 +746,8 @@ class _Runner:
             self.drafter_params = tuple(self.drafter_params[i] for i in keep)
         self.stats_host: Any = None
         self.compile_seconds = 0.0
-        self.params = api.decode_params(model.params)  # the mesh path below keeps the stored form
+        # the mesh path below keeps the stored form
+        self.params = weights.decode_params(model.params)
         self.init_fn: Any = cont.init_slots_jit
         self.prefill_fn: Any = cont.prefill_chunk_jit
         self.segment_fn: Any = cont.run_segment_jit
