@@ -20,7 +20,7 @@ what it costs on this CPU, in plain rounds of the shipped target:
 `modeled_speed` = tokens after the first / total cost: a plain run scores 1. It leaves out
 what is not per round (a run's fixed ~1 ms) and the noise. `aggregate` pools the prompts; `below_0.97` counts prompts the
 issue's goal 4 would fail. `--cost-call`: the governor's price of an ask for each run, a
-number or `chain` (None: `api.chain_call_price`, the measured prices).
+number or `chain` (None: `prices.chain_call_price`, the measured prices).
 
 The round's draft length comes from a host callback in the verify (`jax.debug.callback`),
 which the persistent compilation cache cannot store: this script turns that cache off for

@@ -25,7 +25,7 @@ Deterministic counts (no timing), for comparing governor settings at two commits
 
 `--cost-call` sets `SpecConfig.cost_call` (the governor's price of asking the chain, in
 target forwards) for every run: the trade-off between the two lists above. Without it each
-chain has its own price (`api.chain_call_price`, in `chain_call_price`).
+chain has its own price (`prices.chain_call_price`, in `chain_call_price`).
 """
 
 from __future__ import annotations
@@ -139,7 +139,7 @@ def main() -> None:
         {
             "benchmark": "governor_rounds",
             "tokens": args.tokens,
-            # None: each chain's own price (`api.chain_call_price`), listed per drafter
+            # None: each chain's own price (`prices.chain_call_price`), listed per drafter
             "cost_call": args.cost_call,
             "chain_call_price": {
                 d: api.chain_call_price(

@@ -20,14 +20,14 @@ loops inside one process, which cancels more of that drift.
   proposes nothing costs at most 3%).
 * `never/<drafter>`: a cost model under which drafting never pays, so every round is an off
   round: what carrying a chain the governor has turned off costs. `generate` would leave
-  such a chain out of the run (`api.unpaying_drafters`: the governor never asks it from its
+  such a chain out of the run (`prices.unpaying_drafters`: the governor never asks it from its
   prior); here it is kept in, as a chain the governor turned off after measuring it is.
 * `never/draft-eagle3`, `never/draft-dflash` (with `--heads`, the shipped heads): the same
   for the feature drafters, which must see every verify batch: in an off round they only
   `record` it (`specjax.drafters.base`, `idle_record`) and apply their log when next asked
   or when it is full. `governed/<head>`: the default governor (it asks now and then: these
   heads always draft when asked, so the ratio also holds its probes' cost; at B = 1 on CPU
-  it leaves EAGLE-3 out of the run, `api.unpaying_drafters`, whose ask no draft pays for).
+  it leaves EAGLE-3 out of the run, `prices.unpaying_drafters`, whose ask no draft pays for).
 
 `kernels_per_round`: XLA kernels (thunks) the generation loop runs per round, counted in one
 profiled run (`jax.profiler`): the noise-free companion of the times (on a shared machine,
@@ -58,7 +58,7 @@ from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, profiled, refuse_ove
 from peers import DEFAULT_DFLASH, DEFAULT_EAGLE3, NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
-from specjax import api, executables
+from specjax import api, executables, prices
 
 DRAFTERS: dict[str, dict[str, Any]] = {
     "ngram-simple": {"ngram_simple_size_n": NO_MATCH_N},
@@ -168,7 +168,7 @@ def main() -> None:
 
     def generate(name: str) -> Any:
         # `never/`: in the run although never asked (see the module docstring)
-        kept = mock.patch.object(api, "unpaying_drafters", lambda *a, **k: {})
+        kept = mock.patch.object(prices, "unpaying_drafters", lambda *a, **k: {})
         with kept if name.startswith("never/") else contextlib.nullcontext():
             return specjax.generate(model, [ids], spec=configs[name], draft=heads.get(name), **kw)
 

@@ -16,7 +16,7 @@ simple cost model, from what it measured on earlier rounds:
     fwd(n)    = 1 + (n - 1) * verify_token        (a forward of n tokens, in 1-token steps)
     m_r       = rounds since row r was last asked (`idle`): tokens a draft model that skips
                 the rounds it is not asked in (draft-simple) evaluates before it drafts
-    call      = the price of asking the chain (`api.chain_call_price` unless
+    call      = the price of asking the chain (`prices.chain_call_price` unless
                 `SpecConfig.cost_call` is given: the engine's part, 0.08, plus each
                 drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.13 for
                 ngram-mod, 1.25 for draft-dflash's block and 2.15 for draft-eagle3 beyond
@@ -80,7 +80,7 @@ its rounds carry no governor work (`advance` adds them up afterwards), leaving t
 that planning every round leaves, bit for bit.
 
 A chain the governor would never ask is left out of the run (`never_asks`, used by
-`api.unpaying_drafters` before anything is compiled): from the prior, only an asked row moves
+`prices.unpaying_drafters` before anything is compiled): from the prior, only an asked row moves
 the estimates or opens its reach, so if no draft within the first cap pays at the prior for
 any number of active rows, no round of the run drafts, whatever the prompt. Such a drafter
 would still cost its per-round bookkeeping (an EAGLE-3 head's `record` of every round, its

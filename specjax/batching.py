@@ -43,7 +43,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import api, inputs, sampling, weights
+from specjax import api, inputs, prices, sampling, weights
 from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.cache import cache_dtype
@@ -727,7 +727,7 @@ class _Runner:
             "seed": np.zeros(B, np.uint32),
             "max_new": np.ones(B, np.int32),
         }
-        self.cost = api.cost_model(
+        self.cost = prices.cost_model(
             spec,
             model,
             draft,
@@ -739,7 +739,7 @@ class _Runner:
         # drafters the governor would never ask at this batch size: left out of the job
         self.dropped: dict[str, str] = {}
         if spec is not None:
-            keep, self.engine, self.cost, self.dropped = api.leave_out_unpaying(
+            keep, self.engine, self.cost, self.dropped = prices.leave_out_unpaying(
                 spec, model, self.engine, self.cost, n_parallel, k_max=k_max
             )
             self.drafters = self.engine.drafters

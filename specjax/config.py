@@ -112,7 +112,7 @@ class SpecConfig:
     #: target's layers, at least its share of parameters).
     cost_draft_step: float | None = None
     #: Fixed cost of a round in which the drafters are asked, in 1-token target steps. None =
-    #: the chain's price (`api.chain_call_price`): on CPU the engine's own part of an asked
+    #: the chain's price (`prices.chain_call_price`): on CPU the engine's own part of an asked
     #: round plus each drafter's measured `ask_steps` (benchmarks/ask_cost.py); elsewhere
     #: the engine's part alone.
     cost_call: float | None = None

@@ -1,11 +1,16 @@
-"""The draft governor's prices, measured on the device that decodes.
+"""The draft governor's prices: its cost model for a run, and the prices measured on the device.
 
 `specjax.adaptive` weighs expected tokens against a cost model in units of a 1-token target
 forward: `fwd(n) = 1 + (n - 1) * verify_token` for a forward of n tokens (all rows of the
-batch), `draft_step * fwd(B)` for one draft-model step at B rows. On CPU the defaults are
-medians measured on the shipped models (`api.CPU_VERIFY_TOKEN`); on an accelerator the
-guesses (0.01 per extra token, the draft's share of the target's layers or parameters) were
-far off: on an H200 a step of benchmarks/gpu.py's 2-layer draft cost 0.4 of its 16-layer
+batch), `draft_step * fwd(B)` for one draft-model step at B rows, `call` for asking the chain
+(`chain_call_price`: the engine's part, `ASK_OVERHEAD`, plus each drafter's `ask_steps`).
+`cost_model` builds it for a run; `unpaying_drafters` / `leave_out_unpaying` find the drafters
+the governor would never ask at the run's batch size, which `generate` and batch jobs leave
+out of the run. These names are public (re-exported by `specjax.api`).
+
+On CPU the default prices are medians measured on the shipped models (`CPU_VERIFY_TOKEN`);
+on an accelerator the guesses (0.01 per extra token, the draft's share of the target's layers
+or parameters) were far off: on an H200 a step of benchmarks/gpu.py's 2-layer draft cost 0.4 of its 16-layer
 target's step, three times its layer share (benchmarks/results/gpu-h200.json), and with the
 shipped pair speculation ran at 0.69-0.90x of plain continuous batching while the governor
 drafted in nearly every round (benchmarks/results/batch-gpu-h200.json).
@@ -29,15 +34,262 @@ defaults.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import time
+from collections.abc import Sequence
 from typing import Any
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from specjax import adaptive
+from specjax import engine as eng
+from specjax.adaptive import CostModel
+from specjax.config import SpecConfig
+from specjax.drafters.base import Drafter, chain_width
+from specjax.drafters.registry import price_terms
 from specjax.executables import _lru_put
+from specjax.inputs import _host_leaf
 from specjax.models.llama import LINEAR_WEIGHTS, forward_fn
 from specjax.weights import decode_params
+
+#: The governor's CPU price of each token past the first of a forward, in 1-token forwards:
+#: ~1 + 0.4 (n - 1) for the shipped target on the native kernels (benchmarks/peers.py's
+#: `draft_simple_round.verify_token`: median 0.41, 0.16-0.58, over the eleven runs in
+#: benchmarks/results/peers-avx2*.json, peers-empty-off*.json and peers-prices.json; 0.12
+#: predated the kernels).
+CPU_VERIFY_TOKEN = 0.4
+#: Longest draft whose verify `cost_model` times when it measures the prices.
+CALIBRATION_K = 8
+#: The engine's own part of a round in which the chain is asked (plan, relay, statistics), in
+#: 1-token target steps: what `SpecConfig.cost_call` charged every chain before the drafters
+#: had prices of their own.
+ASK_OVERHEAD = 0.08
+#: Parameters of the target the drafters' `ask_steps` were measured against (the shipped
+#: code-target, `models/code-target`).
+ASK_REFERENCE_PARAMS = 7_344_384
+
+
+def chain_call_price(
+    drafters: Sequence[Drafter], on_cpu: bool = True, target_params: int | None = None
+) -> float:
+    """The governor's price `call` of asking the chain `drafters` for drafts (when
+    `SpecConfig.cost_call` is None): `ASK_OVERHEAD` plus, on CPU, every drafter's
+    `ask_steps` (the relay may ask each of them). Those were measured on CPU against the
+    shipped target's plain round (benchmarks/ask_cost.py: an ngram-mod ask cost 0.12 of a
+    round, an ngram-cache ask 0.07 on its native kernel, an ngram-simple ask 0.07; with
+    `--heads`, a draft-eagle3 ask 2.6 rounds and a draft-dflash block 1.25); on
+    accelerators asks have not been timed, so the engine's part stands alone there.
+
+    `target_params`: the target's parameter count. An ask's time is about fixed (lookups, a
+    head's small kernels), while a plain round of the shipped target already costs about its
+    products on CPU (~150 us for 7.3M parameters), so for a larger target the measured asks
+    are scaled down by ASK_REFERENCE_PARAMS / target_params (never up: a smaller target's
+    round is launch-bound, as the reference's is). None = the reference target."""
+    if not on_cpu:
+        return ASK_OVERHEAD
+    asks = sum(float(d.ask_steps) for d in drafters)
+    if target_params is not None:
+        asks *= min(1.0, ASK_REFERENCE_PARAMS / max(int(target_params), 1))
+    return ASK_OVERHEAD + asks
+
+
+def cost_model(
+    spec: SpecConfig | None,
+    model: Any,
+    draft: Any | None,
+    *,
+    synthetic: bool = False,
+    batch: int = 1,
+    k_max: int = 0,
+    capacity: int = 0,
+    drafters: Sequence[Any] = (),
+) -> CostModel:
+    """The draft governor's cost model for a run (see specjax.adaptive): traced values, built
+    as NumPy leaves (an entry point takes them in with its other arguments).
+
+    `drafters`: the chain as built (`registry.build_drafters`), priced by `chain_call_price`
+    unless `spec.cost_call` is given.
+
+    With `spec.cost_calibrate` (None: on accelerators) and the run's shapes (`batch` rows,
+    static draft width `k_max`, cache `capacity`), the verify and draft-simple prices are
+    measured on this device (`specjax.prices`) instead of the defaults, at the verify width
+    of the longest draft the chain's n_max lets through, at most CALIBRATION_K + 1."""
+    on_cpu = jax.default_backend() == "cpu"
+    verify = CPU_VERIFY_TOKEN if on_cpu else 0.01
+    draft_step, call, enabled, simple = 0.0, 0.0, False, False
+    if spec is not None:
+        enabled = spec.adaptive and not synthetic
+        call = _call_price(spec, model, drafters)
+        terms = price_terms(spec.types)  # (`Drafter.prices` of the chain's types)
+        simple = draft is not None and "catch_up" in terms
+        if draft is not None and "draft_step" in terms:
+            t, d = model.config, draft.config
+            draft_step = max(d.L / t.L, d.num_params() / t.num_params())
+        calibrate = (not on_cpu) if spec.cost_calibrate is None else spec.cost_calibrate
+        # the line through 1- and W-token forwards prices the widths drafts usually take
+        width = min(k_max, spec.n_max() if spec.n_max() > 0 else k_max, CALIBRATION_K) + 1
+        if enabled and calibrate and width >= 2 and capacity > width:
+            measured = measure(model, draft if simple else None, batch, width, capacity)
+            if measured is not None:
+                verify = measured["verify_token"]
+                draft_step = measured.get("draft_step", draft_step)
+        if spec.cost_verify_token is not None:
+            verify = spec.cost_verify_token
+        if spec.cost_draft_step is not None:
+            draft_step = spec.cost_draft_step
+    # a "catch_up" drafter's model (draft-simple's) skips the rounds it is not asked in and
+    # catches up before it drafts (None for other chains: no catch-up term in their programs)
+    return _priced(enabled, verify, draft_step, call, draft_step if simple else None)
+
+
+def _priced(
+    enabled: bool, verify_token: float, draft_step: float, call: float, catch_up: float | None
+) -> CostModel:
+    """A `CostModel` of these prices (NumPy leaves, as `generate`'s other run parameters)."""
+    f32 = np.float32
+    return CostModel(
+        enabled=_host_leaf(enabled, np.bool_),
+        verify_token=_host_leaf(verify_token, f32),
+        draft_step=_host_leaf(draft_step, f32),
+        call=_host_leaf(call, f32),
+        catch_up=None if catch_up is None else _host_leaf(catch_up, f32),
+    )
+
+
+def _call_price(spec: SpecConfig, model: Any, drafters: Sequence[Drafter]) -> float:
+    """The governor's price of asking `drafters`: `spec.cost_call`, else `chain_call_price`
+    on this backend against `model`."""
+    if spec.cost_call is not None:
+        return float(spec.cost_call)
+    on_cpu = jax.default_backend() == "cpu"
+    return chain_call_price(drafters, on_cpu, target_params=model.config.num_params())
+
+
+def chain_cost(
+    cost: CostModel, spec: SpecConfig, model: Any, drafters: Sequence[Drafter]
+) -> CostModel:
+    """`cost` (the whole chain's, from `cost_model`) as it prices the part `drafters` of the
+    chain: their own asks (`chain_call_price`, unless `spec.cost_call` is given), a draft
+    step only with a draft-model drafter in it (or `spec.cost_draft_step` given), a catch-up
+    only with draft-simple. The measured verify price is kept (no new calibration)."""
+    terms = frozenset().union(*(d.prices for d in drafters))  # (`Drafter.prices`)
+    call = _call_price(spec, model, drafters)
+    stepped = "draft_step" in terms or spec.cost_draft_step is not None
+    return dataclasses.replace(
+        cost,
+        call=_host_leaf(call, np.float32),
+        draft_step=cost.draft_step if stepped else _host_leaf(0.0, np.float32),
+        catch_up=cost.catch_up if "catch_up" in terms else None,
+    )
+
+
+def chain_k_max(spec: SpecConfig, drafters: Sequence[Drafter]) -> int:
+    """The static draft width K of the chain `drafters`: `spec.k_max` when given, else the
+    maximum over the chain's drafters (`drafters.base.chain_width`)."""
+    k_max = spec.resolved_k_max()
+    return k_max if spec.k_max is not None else chain_width(drafters, k_max)
+
+
+def unpaying_drafters(
+    spec: SpecConfig, model: Any, engine: eng.Engine, cost: CostModel, batch: int
+) -> dict[str, str]:
+    """The drafters of `engine`'s chain that the draft governor would never ask in a run of
+    `batch` rows (`adaptive.never_asks`), each with the reason, in words: `generate` and batch
+    jobs leave them out of the run, so they cost nothing, not even their per-round
+    bookkeeping.
+
+    Each drafter is weighed alone, at its own price (`chain_cost`) and its own caps, so a
+    drafter that never pays does not keep the rest of the chain from being asked (the chain's
+    price is the sum of its asks); then the drafters left, as the chain they form. Empty with
+    the governor off (`spec.adaptive` False, synthetic runs): llama.cpp drafts whatever it
+    costs."""
+    if not bool(cost.enabled) or not engine.drafters:
+        return {}
+
+    def never(drafters: Sequence[Any]) -> tuple[bool, CostModel, eng.Engine]:
+        part = dataclasses.replace(
+            engine, drafters=tuple(drafters), k_max=chain_k_max(spec, drafters)
+        )
+        priced = chain_cost(cost, spec, model, drafters)
+        prices = (priced.verify_token, priced.draft_step, priced.call, priced.catch_up)
+        off = _never_asks(
+            *(None if x is None else float(x) for x in prices),
+            batch,
+            part.k_max,
+            part.verify_widths(),
+            part.draft_caps(),
+        )
+        return off, priced, part
+
+    def why(priced: CostModel, part: eng.Engine) -> str:
+        longest = min(part.k_max, part.draft_caps()[0], spec.n_max() or part.k_max)
+        return (
+            f"an ask is priced at {float(priced.call):.2f} target steps (+ "
+            f"{float(priced.draft_step):.2f} a drafted token), and no draft of up to {longest} "
+            f"tokens pays for it at B <= {batch}, even accepted as the governor's prior expects "
+            "(`--spec-governor off` drafts anyway)"
+        )
+
+    dropped: dict[str, str] = {}
+    for d in engine.drafters:
+        off, priced, part = never([d])
+        if off:
+            dropped[d.name] = why(priced, part)
+    kept = [d for d in engine.drafters if d.name not in dropped]
+    if len(kept) > 1:
+        off, priced, part = never(kept)
+        if off:
+            dropped.update(
+                {d.name: "with the rest of the chain: " + why(priced, part) for d in kept}
+            )
+    return dropped
+
+
+def leave_out_unpaying(
+    spec: SpecConfig,
+    model: Any,
+    engine: eng.Engine,
+    cost: CostModel,
+    batch: int,
+    k_max: int | None = None,
+) -> tuple[list[int], eng.Engine, CostModel, dict[str, str]]:
+    """The run without the drafters `unpaying_drafters` finds: (indices of the drafters kept,
+    for the callers' per-drafter parameters and states; the engine and the cost model of the
+    chain they form; the drafters left out, with why). `k_max`: the kept chain's static
+    width (None: its own, `chain_k_max`; 0 when nothing is kept)."""
+    dropped = unpaying_drafters(spec, model, engine, cost, batch)
+    keep = [i for i, d in enumerate(engine.drafters) if d.name not in dropped]
+    if not dropped:
+        return keep, engine, cost, dropped
+    kept = tuple(engine.drafters[i] for i in keep)
+    width = 0 if not kept else chain_k_max(spec, kept) if k_max is None else k_max
+    engine = dataclasses.replace(engine, drafters=kept, k_max=width)
+    return keep, engine, chain_cost(cost, spec, model, kept), dropped
+
+
+@functools.lru_cache(maxsize=256)
+def _never_asks(
+    verify_token: float,
+    draft_step: float,
+    call: float,
+    catch_up: float | None,
+    batch: int,
+    k_max: int,
+    widths: tuple[int, ...],
+    caps: tuple[int, ...],
+) -> bool:
+    """`adaptive.never_asks` of an enabled cost model, by value: it runs ~10 ms of small
+    eager ops, about half of a short `generate` call's own time, so each price is weighed
+    once per process."""
+    cost = _priced(True, verify_token, draft_step, call, catch_up)
+    return adaptive.never_asks(cost, batch, k_max, widths, caps)
+
+
+# --------------------------------------------------------------------------------------------
+# Prices measured on this device
 
 #: Highest price of an extra token (a forward that grows faster than linearly in tokens).
 MAX_VERIFY_TOKEN = 1.0

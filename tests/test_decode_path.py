@@ -586,7 +586,7 @@ def test_off_rounds_planned_ahead_are_the_rounds_the_rule_turns_off():
 
 def test_governor_turns_off_a_draft_that_cannot_pay_and_output_is_unchanged():
     """A draft model as costly as the target (a self-draft) never pays, not even at the
-    governor's prior: the run leaves it out (`api.unpaying_drafters`; before, it carried it
+    governor's prior: the run leaves it out (`prices.unpaying_drafters`; before, it carried it
     through 22 rounds all off), says so, and the tokens stay those of plain decoding; with
     the governor off every round drafts (llama.cpp's behaviour)."""
     target = tiny_model(5)

@@ -1,4 +1,4 @@
-"""The governor's prices measured on the device (`specjax.prices`, `api.cost_model`)."""
+"""The governor's prices measured on the device (`specjax.prices`: `cost_model`, `measure`)."""
 
 from __future__ import annotations
 
@@ -161,7 +161,7 @@ def test_generate_prices_the_chain_it_built(shipped, monkeypatch):
         seen.append(tuple(d.name for d in drafters))
         return real(drafters, on_cpu, **kw)
 
-    monkeypatch.setattr(api, "chain_call_price", spy)
+    monkeypatch.setattr(prices, "chain_call_price", spy)
     spec = SpecConfig(types=("ngram-simple",), draft_n_max=4)
     specjax.generate(target, [[1, 2, 3, 4]], max_new_tokens=4, n_ctx=64, spec=spec)
     assert seen and set(seen) == {("ngram-simple",)}  # (again when it weighs each drafter)

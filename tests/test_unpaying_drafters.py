@@ -1,5 +1,5 @@
 """Drafters the draft governor would never ask are left out of the run (`adaptive.never_asks`,
-`api.unpaying_drafters`): the same tokens, statistics that say why, and the rest of the chain
+`prices.unpaying_drafters`): the same tokens, statistics that say why, and the rest of the chain
 asked at its own price."""
 
 from __future__ import annotations

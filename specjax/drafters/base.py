@@ -201,9 +201,9 @@ class Drafter:
     can_renew: ClassVar[bool] = False
     #: What one ask for a draft costs on CPU, in plain rounds of the shipped target
     #: (benchmarks/ask_cost.py): the draft governor's price of asking this drafter
-    #: (`api.chain_call_price`, used when `SpecConfig.cost_call` is None).
+    #: (`prices.chain_call_price`, used when `SpecConfig.cost_call` is None).
     ask_steps: ClassVar[float] = 0.0
-    #: The governor's price terms beyond an ask (`api.cost_model`, `api.chain_cost`):
+    #: The governor's price terms beyond an ask (`prices.cost_model`, `prices.chain_cost`):
     #: "draft_step", a draft-model step per drafted token (priced from the draft model's
     #: size); "catch_up", the model skips the rounds it is not asked in and catches up
     #: before it drafts.

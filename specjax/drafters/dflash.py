@@ -103,7 +103,7 @@ class DFlashDrafter(Drafter):
     #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
     idle_record: ClassVar[bool] = True
     #: What one ask (one block forward) costs on CPU, in plain rounds of the shipped target:
-    #: the governor's price (`api.chain_call_price`; the cost model has no per-token draft
+    #: the governor's price (`prices.chain_call_price`; the cost model has no per-token draft
     #: step for block drafters). benchmarks/ask_cost.py --heads at gap 8, n_max 4, the
     #: shipped DFlash head (block 8): 1.25 rounds (benchmarks/results/ask-cost-heads.json).
     ask_steps: ClassVar[float] = 1.25

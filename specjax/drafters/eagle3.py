@@ -134,7 +134,7 @@ class Eagle3Drafter(Drafter):
     idle_record: ClassVar[bool] = True
     #: What one ask costs on CPU beyond the cost model's per-token `draft_step` (0.125 of a
     #: target step for code-eagle3), in plain rounds of the shipped target: the governor's
-    #: price (`api.chain_call_price`). benchmarks/ask_cost.py --heads at gap 8 and n_max 4:
+    #: price (`prices.chain_call_price`). benchmarks/ask_cost.py --heads at gap 8 and n_max 4:
     #: 2.64 rounds an ask (benchmarks/results/ask-cost-heads.json), less 4 x 0.125. A head
     #: step is ~100 small kernels (its decoder, the shared LM head, the top-k), each launch
     #: a few us on XLA CPU: on this target the ask outweighs what even accepted drafts win,
