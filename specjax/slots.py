@@ -50,6 +50,7 @@ import numpy as np
 
 from specjax import slot_checkpoint as sc
 from specjax.errors import SpecjaxError
+from specjax.inputs import _tokenize_prompts
 from specjax.types import Array
 
 #: Bytes of each weight leaf hashed into the model fingerprint (first elements of each leaf).
@@ -246,8 +247,6 @@ def save_slot(
     The KV cache types must be those of the generations that restore it (`generate`'s
     default f16 for attention targets; pass None for the model's dtype, as a qwen35 target
     decodes). Returns the saved state (`path` = the checkpoint step directory)."""
-    from specjax.api import _tokenize_prompts
-
     if _is_hybrid(model) and cache_type_k == "f16" and cache_type_v == "f16":
         cache_type_k = cache_type_v = None  # a qwen35 target keeps KV in its own dtype
     (ids,) = _tokenize_prompts(model, [prompt])
