@@ -745,7 +745,7 @@ def _target_rollback(
 
 def _draft_context_counts(states: tuple[Any, ...]) -> dict[str, int] | None:
     """Row-rounds per rollback path of the recurrent draft contexts (None: there is none)."""
-    from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS, RecurrentDraftState
+    from specjax.drafters.draft_simple import DRAFT_ROLLBACK_PATHS, RecurrentDraftState
 
     counts = [
         np.asarray(s.rollbacks).sum(axis=0) for s in states if isinstance(s, RecurrentDraftState)

@@ -25,7 +25,7 @@ from test_hybrid_spec import CFG as TARGET
 from specjax import api
 from specjax.config import SpecConfig
 from specjax.drafters.base import DraftInput, TargetBatch, TokenHistory
-from specjax.drafters.draft_simple_recurrent import DRAFT_ROLLBACK_PATHS, DraftSimpleRecurrent
+from specjax.drafters.draft_simple import DRAFT_ROLLBACK_PATHS, DraftSimpleRecurrent
 from specjax.drafters.registry import build_drafters
 from specjax.models import qwen35 as q
 from specjax.testing import tiny_draft_config
