@@ -29,7 +29,7 @@ from oracles.ngram_cache_reference import (
 from specjax import cpu_kernels
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache, NgramCacheTables, context_cache
-from specjax.lookup import build_lookup_table, make_tables
+from specjax.lookup_file import build_lookup_table, make_tables
 
 B, S, K = 2, 40, 8
 PAD = (256, 256, 8, 16)  # read-only table shape: n-grams, entries, longest part, probes

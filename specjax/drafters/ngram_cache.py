@@ -16,12 +16,13 @@ Three caches map an n-gram (up to 4 tokens, -1 padded) to counts of the tokens t
   Nothing in a round scales with `table_size`, except the context part of drafting WITH a static
   cache (weights depend on the query, so the part's members are scanned: O(table_size)).
 * **dynamic** and **static** (shared by all rows, read-only while generating): `LookupTable`s
-  built on the host from llama.cpp cache files (`specjax.lookup.make_tables`), passed as the
+  built on the host from llama.cpp cache files (`specjax.lookup_file.make_tables`), passed as the
   drafter's `params` (`NgramCacheTables`, or None when no file is used). Their parts are stored
   contiguously in libstdc++ iteration order, with per-n-gram sums and the count-only best token
   precomputed. The dynamic cache is updated on the host after a run (see
-  `specjax.lookup.update_dynamic_cache` / `context_cache`), as llama.cpp's lookup example does;
-  this module reads no files and imports no host tooling.
+  `specjax.lookup.update_dynamic_cache` / `context_cache`), as llama.cpp's lookup example does.
+  Of the host side this module imports only `specjax.lookup_file` (the tables' types, and
+  `from_spec` loads the files it names), never `specjax.lookup`.
 
 Invariants (`draft`, per drafting row, exactly upstream's `common_speculative_impl_ngram_cache`):
 * The stream is `history[0:length] + [last_token]`. Positions `[cache_size, length+1)` not yet
@@ -77,7 +78,8 @@ from jax import lax
 
 from specjax import cpu_kernels
 from specjax.drafters.base import Drafter, DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
-from specjax.pytree import pytree_dataclass, replace, static_field
+from specjax.lookup_file import HASH_MULT, HASH_SEED, LookupTable, NgramCacheTables, load_tables
+from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
 if TYPE_CHECKING:
@@ -100,11 +102,8 @@ _INT_MIN = np.iinfo(np.int32).min
 _INT_MAX = np.iinfo(np.int32).max
 
 # ---------------------------------------------------------------------------------------------
-# hashing (`specjax.lookup.hash_words_np` is the host twin)
+# hashing (`specjax.lookup_file.hash_words_np` is the host twin)
 # ---------------------------------------------------------------------------------------------
-
-HASH_SEED = 0x811C9DC5
-HASH_MULT = 0x9E3779B1
 
 
 def hash_words(words: Array) -> Array:
@@ -131,43 +130,6 @@ def _next_pow2(n: int) -> int:
 # ---------------------------------------------------------------------------------------------
 # read-only tables (static / dynamic caches)
 # ---------------------------------------------------------------------------------------------
-
-
-@pytree_dataclass
-class LookupTable:
-    """A read-only n-gram cache on device (built by `specjax.lookup.build_lookup_table`).
-
-    N-gram `g` owns entries `[off[g], off[g] + len[g])` in libstdc++ iteration order.
-    `ng_slots` / `pair_slots` are linear-probing hash tables (-1 = empty) over the n-gram keys
-    and over `(g, token)`; a key is always found within `ng_probe` / `pair_probe` probes.
-    """
-
-    ng_keys: Array  # [G, 4] int32
-    ng_off: Array  # [G] int32
-    ng_len: Array  # [G] int32
-    ng_sum: Array  # [G] int32, sum of counts (int32 wrap, as upstream)
-    ng_best_tok: Array  # [G] int32, first max count in iteration order
-    ng_best_count: Array  # [G] int32
-    ng_slots: Array  # [Hg] int32 -> n-gram index
-    ent_ng: Array  # [E] int32
-    ent_tok: Array  # [E] int32
-    ent_count: Array  # [E] int32
-    pair_slots: Array  # [Hp] int32 -> entry index
-    ng_probe: int = static_field(default=1)
-    pair_probe: int = static_field(default=1)
-    max_len: int = static_field(default=1)
-
-    @property
-    def n_ngrams(self) -> int:
-        return int(self.ng_keys.shape[0])
-
-
-@pytree_dataclass
-class NgramCacheTables:
-    """The drafter's params: shared read-only caches (None = no such file)."""
-
-    static: LookupTable | None = None
-    dynamic: LookupTable | None = None
 
 
 def _find_ngram(table: LookupTable, key_4: Array) -> Array:
@@ -294,9 +256,7 @@ class NgramCache(ModelFreeDrafter):
     @classmethod
     def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
         """`--spec-ngram-cache-n-draft`; its parameters are the lookup files' device tables
-        (`lookup.load_tables`: the registry does the IO, the drafter receives the tables)."""
-        from specjax.lookup import load_tables
-
+        (`lookup_file.load_tables` of the files the SpecConfig names)."""
         drafter = cls(n_draft=spec.ngram_cache_n_draft)
         return drafter, load_tables(spec.lookup_cache_static, spec.lookup_cache_dynamic)
 
@@ -771,7 +731,7 @@ def _draft_rows(
 
 
 # ---------------------------------------------------------------------------------------------
-# host helper (no IO: `specjax.lookup` reads and writes files)
+# host helper (no IO: `specjax.lookup_file` reads and writes files)
 # ---------------------------------------------------------------------------------------------
 
 

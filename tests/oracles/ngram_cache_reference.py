@@ -34,7 +34,6 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from specjax.lookup import (  # noqa: F401  (re-exported for the tests)
-    BUCKET_CHAIN,
     MIN_PERCENT_LAX,
     MIN_PERCENT_STRICT,
     MIN_SAMPLE_LAX,
@@ -43,17 +42,20 @@ from specjax.lookup import (  # noqa: F401  (re-exported for the tests)
     NGRAM_MIN,
     NGRAM_STATIC,
     TOKEN_NULL,
-    Cache,
-    Ngram,
-    Part,
     build_cache,
-    cache_keys,
     copy_cache,
-    i32,
     make_ngram,
     ngram_cache_draft,
     ngram_cache_merge,
     ngram_cache_update,
+)
+from specjax.lookup_file import (  # noqa: F401  (re-exported for the tests)
+    BUCKET_CHAIN,
+    Cache,
+    Ngram,
+    Part,
+    cache_keys,
+    i32,
     ngram_hash,
     part_items,
     stl_iteration_order,
