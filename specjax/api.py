@@ -1,8 +1,11 @@
 """Public API: load/init a model, run a forward, generate (plain or speculative).
 
-Everything here is host-side glue: it validates input (raising ValueError/specjax errors
-that name the numbers) before anything is traced, picks static sizes from a few buckets so
-repeated calls reuse compiled code, and calls the jitted entry points of `specjax.engine`.
+Everything here is host-side glue: `generate` checks the request before anything is traced
+(`specjax.inputs`: ValueErrors that name the numbers, static sizes from a few buckets so
+repeated calls reuse compiled code), builds the drafter chain and the governor's prices
+(`specjax.prices`), puts the weights in the form the decode steps read (`specjax.weights`),
+and runs the jitted entry points of `specjax.engine` through the process's executables
+(`specjax.executables`). The public names of those modules are re-exported here (`__all__`).
 """
 
 from __future__ import annotations
@@ -17,10 +20,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import continuous as cont
 from specjax import engine as eng
 from specjax import hybrid_memory, lookup_index, sampling
+from specjax import slots as slots_mod
 from specjax.cache import KVCache, cache_dtype, check_overflow
 from specjax.config import SpecConfig
+from specjax.drafters.registry import build_drafters, reads_target_hidden
 from specjax.executables import (
     _SPARES,
     _SPARES_MAX,
@@ -57,7 +63,14 @@ from specjax.prices import (
     leave_out_unpaying,
     unpaying_drafters,
 )
+from specjax.stats import (
+    format_impl_lines,
+    format_rollback_line,
+    format_server_lines,
+    rollback_dict,
+)
 from specjax.types import Params
+from specjax.verify import resolve_synthetic_rates
 from specjax.weights import decode_params, drafter_decode_params
 
 __all__ = [
@@ -193,6 +206,7 @@ def load(path: str, dtype: str | None = None) -> Model:
     `dtype` ("float32" / "float16" / "bfloat16") is the parameter and compute dtype; default:
     `default_compute_dtype` of the file's dtype (float32 on CPU).
     """
+    # (the file readers, and the tokenizers package they import, load when a file is read)
     from specjax.io import load_model_files
 
     hybrid = _load_hybrid(path, dtype)
@@ -304,8 +318,6 @@ class SpecReport:
     def lines(self) -> list[str]:
         """The target memory's line (hybrid targets), llama.cpp's per-implementation lines,
         the server's acceptance lines, then the governor's line (specjax only)."""
-        from specjax.stats import format_impl_lines, format_server_lines
-
         lines = []
         memory = self.target_memory
         if memory and memory["seq_rm_type"] != "PART":
@@ -314,8 +326,6 @@ class SpecReport:
             )
         lines += format_impl_lines(self.stats, self.names) + format_server_lines(self.stats)
         if self.stats.n_rollback is not None:
-            from specjax.stats import format_rollback_line, rollback_dict
-
             lines.append(format_rollback_line(rollback_dict(self.stats.n_rollback)))
         g = self.governor
         if g:
@@ -455,8 +465,6 @@ def generate(
     governor is off (its prices are measured for attention targets only) and repeat
     penalties are refused.
     """
-    from specjax.drafters.registry import build_drafters
-
     if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
         raise ValueError(f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}")
     hybrid = isinstance(model.config, Qwen35Config)
@@ -478,8 +486,6 @@ def generate(
     prompt_ids = _tokenize_prompts(model, prompts)
     slot_states, slot_report = None, None
     if slot_save_path is not None or slot_save is not None or slot_restore is not None:
-        from specjax import slots as slots_mod
-
         if n_ubatch:
             raise ValueError("slot save / restore prefill the prompt in one batch: n_ubatch 0")
         slot_states, slot_report = slots_mod.prepare(
@@ -529,8 +535,6 @@ def generate(
     )
     synth = None
     if spec is not None and spec.synthetic:
-        from specjax.verify import resolve_synthetic_rates
-
         # upstream sizes the rates by its n_max; the static K may be wider (never drafted)
         n_rates = min(max(1, spec.n_max()), k_max)
         synth = resolve_synthetic_rates(
@@ -589,8 +593,6 @@ def generate(
     )
     start = None
     if slot_states is not None and any(st is not None for st in slot_states):
-        from specjax import slots as slots_mod
-
         for d in drafters:
             if d.hidden_layers or d.reads_nextn:
                 raise ValueError(f"{d.name} reads the target's hidden states of the prompt, "
@@ -733,8 +735,6 @@ def _target_rollback(
         return 0, SeqRmType.PART
     if spec is None:
         return 0, SeqRmType.FULL
-    from specjax.drafters.registry import reads_target_hidden
-
     if n_rs_seq is None:
         n_rs_seq = int(spec.draft_n_max) if reads_target_hidden(spec.types) else 0
     if n_rs_seq < 0:
@@ -745,6 +745,7 @@ def _target_rollback(
 
 def _draft_context_counts(states: tuple[Any, ...]) -> dict[str, int] | None:
     """Row-rounds per rollback path of the recurrent draft contexts (None: there is none)."""
+    # (a drafter's module loads only when its type is used: `registry.drafter_class`)
     from specjax.drafters.draft_simple import DRAFT_ROLLBACK_PATHS, RecurrentDraftState
 
     counts = [
@@ -784,8 +785,6 @@ def _streaming_loop(
 ) -> Any:
     """The generation loop in calls of `rounds` rounds (`continuous.run_rounds`, compiled
     once), handing each prompt's new text to `stream(row, text)` between calls."""
-    from specjax import continuous as cont
-
     if rounds < 1:
         raise ValueError(f"stream_rounds must be >= 1, got {rounds}")
     exe = _compiled(
@@ -863,8 +862,6 @@ class Generator:
         cache_type_v: str = "f16",
         n_ubatch: int = 0,
     ) -> None:
-        from specjax.drafters.registry import build_drafters
-
         if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
             raise ValueError(
                 f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}"

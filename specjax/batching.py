@@ -44,11 +44,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import api, inputs, prices, sampling, weights
+from specjax import batch_sharding as bs
 from specjax import continuous as cont
 from specjax import engine as eng
 from specjax.cache import cache_dtype
 from specjax.cli import check_writable
 from specjax.config import SpecConfig
+from specjax.drafters.registry import build_drafters
 from specjax.errors import CacheOverflowError
 
 #: Keys a request line may hold.
@@ -701,8 +703,6 @@ class _Runner:
         segment_rounds: int,
         mesh: dict[str, int] | None = None,
     ) -> None:
-        from specjax.drafters.registry import build_drafters
-
         self.model, self.spec, self.B = model, spec, n_parallel
         self.drafters, self.drafter_params = build_drafters(spec, model, draft)
         self.engine = eng.Engine(
@@ -756,8 +756,6 @@ class _Runner:
 
     def _place(self, axes: dict[str, int]) -> None:
         """Shard params and slots over a ("data", "model") mesh (specjax.batch_sharding)."""
-        from specjax import batch_sharding as bs
-
         mesh = bs.make_mesh(axes, self.B, self.model.config)
         stored = self.model.params
         self.params = jax.device_put(stored, bs.param_shardings(mesh, stored))

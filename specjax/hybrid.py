@@ -9,11 +9,11 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+from specjax.api import generate
+
 
 def generate_hybrid(model: Any, prompts: Any, **kwargs: Any) -> Any:
     """`specjax.generate(model, prompts, **kwargs)` (deprecated name)."""
-    from specjax.api import generate
-
     warnings.warn(
         "specjax.hybrid.generate_hybrid is deprecated: call specjax.generate",
         DeprecationWarning,

@@ -51,6 +51,7 @@ import numpy as np
 from specjax import memory as kv_memory
 from specjax.cache import KVCache
 from specjax.models import qwen35
+from specjax.models.llama import forward_fn, new_cache
 from specjax.pytree import pytree_dataclass, replace, static_field
 from specjax.types import EMPTY_POS, Array, Params
 
@@ -440,8 +441,6 @@ def forward_memory_hidden(
 
 # ----------------------------------------------------------------------------- the probe
 def _probe_attention(model: Any) -> SeqRmType:
-    from specjax.models.llama import forward_fn, new_cache
-
     cache = new_cache(model.config, 1, 2)
     tokens = jnp.zeros((1, 2), jnp.int32)
     positions = jnp.arange(2, dtype=jnp.int32)[None]

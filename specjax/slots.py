@@ -49,8 +49,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import slot_checkpoint as sc
+from specjax.cache import cache_dtype
 from specjax.errors import SpecjaxError
+from specjax.hybrid_memory import HybridMemory
 from specjax.inputs import _tokenize_prompts
+from specjax.models import qwen35
+from specjax.models.llama import commit_kv, forward_compute, new_cache
+from specjax.pytree import replace
 from specjax.types import Array
 
 #: Bytes of each weight leaf hashed into the model fingerprint (first elements of each leaf).
@@ -116,8 +121,6 @@ def model_identity(model: Any) -> dict[str, Any]:
 
 
 def _cache_types(model: Any, cache_type_k: str | None, cache_type_v: str | None) -> tuple[str, str]:
-    from specjax.cache import cache_dtype
-
     k = cache_dtype(cache_type_k) if cache_type_k else str(model.config.dtype)
     v = cache_dtype(cache_type_v) if cache_type_v else k
     return k, v
@@ -129,8 +132,6 @@ def _prefill_attention(
     config: Any, params: Any, tokens_BT: Array, n_B: Array, capacity: int, k_dtype: str,
     v_dtype: str,
 ) -> Any:  # fmt: skip
-    from specjax.models.llama import commit_kv, forward_compute, new_cache
-
     B, T = tokens_BT.shape
     pos = jnp.where(jnp.arange(T)[None] < n_B[:, None], jnp.arange(T)[None], -1)
     cache = new_cache(config, B, capacity, k_dtype, v_dtype)
@@ -143,8 +144,6 @@ def _prefill_hybrid(
     config: Any, params: Any, tokens_BT: Array, n_B: Array, capacity: int, k_dtype: str,
     v_dtype: str,
 ) -> Any:  # fmt: skip
-    from specjax.models import qwen35
-
     B, T = tokens_BT.shape
     pos = jnp.where(jnp.arange(T)[None] < n_B[:, None], jnp.arange(T)[None], -1)
     state = qwen35.new_state(config, B, capacity, k_dtype, v_dtype)
@@ -346,8 +345,6 @@ def attention_start(
 ) -> tuple[Any, Array]:
     """(KVCache [B rows, capacity], n_cached [B]) holding each row's slot cells (rows
     without a slot: empty) for `specjax.engine.prefill(start=...)`."""
-    from specjax.models.llama import new_cache
-
     cache = new_cache(model.config, len(states), capacity, k_dtype, v_dtype)
     return _fill_kv(cache, states), jnp.asarray(
         [0 if s is None else s.n_cached for s in states], jnp.int32
@@ -355,8 +352,6 @@ def attention_start(
 
 
 def _fill_kv(cache: Any, states: Sequence[SlotState | None]) -> Any:
-    from specjax.pytree import replace
-
     B, _, S, _ = cache.k[0].shape
     pos = np.full((B, S), -1, np.int32)
     ks = [np.array(jax.device_get(k)) for k in cache.k]
@@ -384,9 +379,6 @@ def hybrid_start(
 ) -> tuple[Any, Array]:
     """(HybridMemory, n_cached [B]) for `specjax.engine.prefill(start=...)`: each row's
     KV cells and recurrent state (in every plane, no pending rollback)."""
-    from specjax.hybrid_memory import HybridMemory
-    from specjax.pytree import replace
-
     mem = HybridMemory.init(model.config, len(states), capacity, n_rs_seq)
     kv = _fill_kv(mem.kv, states)
     rec = mem.rec

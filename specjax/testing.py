@@ -12,8 +12,10 @@ import numpy as np
 from specjax import adaptive, sampling
 from specjax.api import Model, init_model
 from specjax.engine import RunParams
+from specjax.models import dflash as df
 from specjax.models import forward_fn, new_cache
 from specjax.models.config import ModelConfig
+from specjax.models.llama import init_params
 from specjax.models.qwen35 import Qwen35Config
 
 #: Backend-compile event JAX records once per XLA compilation.
@@ -67,8 +69,6 @@ def tiny_qwen35_config(**overrides: object) -> Qwen35Config:
 def jittered_params(config: ModelConfig, seed: int = 0) -> dict:
     """init_params with non-trivial norms and biases, so swapped or dropped tensors show
     (file round-trip tests: all-ones norms would hide a mix-up)."""
-    from specjax.models.llama import init_params
-
     params = init_params(config, jax.random.PRNGKey(seed))
     keys = iter(jax.random.split(jax.random.PRNGKey(seed + 1), 64))
 
@@ -201,8 +201,6 @@ def tiny_block_head(
     """A random DFlash (or DSpark) head for `target` reading its layers 0, 1 and L, whose LM
     head is the target's embedding (the anchor row proposes roughly id_last, the mask rows a
     context average): drafts both accepted and rejected. `overrides`: `DFlashConfig` fields."""
-    from specjax.models import dflash as df
-
     tc = target.config
     fields: dict[str, object] = dict(
         vocab_size=tc.V,
