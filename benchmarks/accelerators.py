@@ -34,7 +34,16 @@ SHIPPED_TARGET = ROOT / "models" / "code-target" / "code-target-f16.gguf"
 SHIPPED_DRAFT = ROOT / "models" / "code-draft" / "code-draft-f16.gguf"
 
 
-def tiny_models(n_ctx: int) -> dict[str, Any]:
+#: The tiny configuration's shape: a handful of layers, 64-wide heads (an accelerator's: XLA's
+#: GPU compiler, untuned deviceless, fails to tile some products of 8-wide heads).
+TINY_SHAPE = dict(dim=128, n_heads=2, n_kv_heads=1, ffn_dim=256)
+#: Layers added to the target (and to the draft) of a twin configuration to count kernels per
+#: layer: the difference in a round's kernels over the difference in layers (a round's fixed
+#: part cancels).
+EXTRA_LAYERS = 2
+
+
+def tiny_models(n_ctx: int, target_extra: int = 0, draft_extra: int = 0) -> dict[str, Any]:
     import jax
 
     from specjax import api
@@ -42,14 +51,15 @@ def tiny_models(n_ctx: int) -> dict[str, Any]:
     from specjax.testing import tiny_model
 
     pos = max(4096, n_ctx)
+    shape: dict[str, Any] = dict(TINY_SHAPE, max_position=pos)
     hybrid_cfg = q.Qwen35Config(  # tests/test_hybrid_spec.py's, with room for the context
         vocab_size=8, dim=32, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=16, ffn_dim=48,
         rope_dim=8, rope_theta=10000.0, ssm_state_size=8, ssm_k_heads=2, ssm_v_heads=4,
         ssm_conv_kernel=4, full_attention_interval=2, max_position=pos,
     )  # fmt: skip
     return {
-        "target": tiny_model(0, max_position=pos),
-        "draft": tiny_model(1, n_layers=1, max_position=pos),
+        "target": tiny_model(0, n_layers=2 + target_extra, **shape),
+        "draft": tiny_model(1, n_layers=1 + draft_extra, **shape),
         "hybrid": api.Model(
             config=hybrid_cfg,  # type: ignore[arg-type]
             params=q.init_params(hybrid_cfg, jax.random.PRNGKey(1), std=0.2),
@@ -117,7 +127,9 @@ def capture(
 def summarise(reports: list[aot.ProgramReport], layers: int) -> dict[str, Any]:
     """One (configuration, target): the round is the program whose top-level loop holds the
     most kernels (GPU) / fusions (TPU); host loops and large copies summed over programs (a
-    `generate` call runs each program once)."""
+    `generate` call runs each program once). `per_target_layer` here is the round over the
+    target's layers (fixed part included); `run` replaces it by the count per added layer
+    where it compiled a deeper twin."""
     ok = [r for r in reports if r.compiled]
     gpu = any(r.kernels is not None for r in ok)
     per_round = [(r.round_kernels if gpu else r.round_fusions) or 0 for r in ok]
@@ -136,10 +148,19 @@ def summarise(reports: list[aot.ProgramReport], layers: int) -> dict[str, Any]:
     }
 
 
+def per_layer(base: dict[str, Any], deep: dict[str, Any], layers: int) -> float | None:
+    """Kernels (fusions) a round adds per layer: the deeper twin's round less the base's."""
+    if not (base["compiled"] and deep["compiled"]) or layers <= 0:
+        return None
+    return round((deep["per_round"] - base["per_round"]) / layers, 1)
+
+
 def run(
     configs: list[str], batches: list[int], targets: list[str], n_ctx: int, shipped: bool
 ) -> list[dict[str, Any]]:
     sets = [("tiny", True, tiny_models(n_ctx))]
+    deeper_target = tiny_models(n_ctx, target_extra=EXTRA_LAYERS)
+    deeper_draft = tiny_models(n_ctx, draft_extra=EXTRA_LAYERS)
     if shipped:
         sets.append(("code-target", False, shipped_models()))
     rows = []
@@ -154,12 +175,22 @@ def run(
                 row["targets"] = {}
                 if not cap["captured"]:
                     row["note"] = "generate made no executable through api._compiled"
+                # the tiny set's first B: deeper twins count kernels per layer
+                twins = {}
+                if tiny and batch == batches[0] and config != "hybrid-plain":
+                    twins["per_target_layer"] = capture(deeper_target, config, batch, n_ctx, tiny)
+                    if cap["draft_layers"]:
+                        twins["per_draft_layer"] = capture(deeper_draft, config, batch, n_ctx, tiny)
                 for target in targets:
                     reports = aot.compile_captured(
                         cap["captured"], target, min_bytes=cap["large_min_bytes"]
                     )
+                    summary = summarise(reports, cap["target_layers"])
+                    for key, twin in twins.items():
+                        deep = summarise(aot.compile_captured(twin["captured"], target), 1)
+                        summary[key] = per_layer(summary, deep, EXTRA_LAYERS)
                     row["targets"][target] = {
-                        "summary": summarise(reports, cap["target_layers"]),
+                        "summary": summary,
                         "programs": [r.to_json() for r in reports],
                     }
                     print(f"# {model_name} {config} B={batch} {target}: "
@@ -171,15 +202,15 @@ def run(
 def table(rows: list[dict[str, Any]]) -> str:
     head = (
         "| model | program | B | target | compiled | kernels (GPU) / fusions (TPU) per round "
-        "| per target layer | host-driven loops | large copies in loop bodies | memory / device "
-        "| compile s |"
+        "| per target layer | per draft layer | host-driven loops | large copies in loop bodies "
+        "| memory / device | compile s |"
     )
-    lines = [head, "|" + "---|" * 11]
+    lines = [head, "|" + "---|" * 12]
     for row in rows:
         if not row["targets"] or not row["programs"]:
             lines.append(
                 f"| {row['model']} | {row['config']} | {row['batch']} | all | "
-                f"not captured: {row.get('note') or row.get('capture_error')} |||||||"
+                f"not captured: {row.get('note') or row.get('capture_error')} ||||||||"
             )
             continue
         for target, t in row["targets"].items():
@@ -189,7 +220,8 @@ def table(rows: list[dict[str, Any]]) -> str:
             mib = s["memory_bytes"] / 2**20
             lines.append(
                 f"| {row['model']} | {row['config']} | {row['batch']} | {target} | {compiled} "
-                f"| {s['per_round']} | {s['per_target_layer']} | {host} | {s['large_copies']} "
+                f"| {s['per_round']} | {s['per_target_layer']} | {s.get('per_draft_layer', '-')} "
+                f"| {host} | {s['large_copies']} "
                 f"| {mib:.2f} MiB | {s['compile_s']} |"
             )
     return "\n".join(lines)

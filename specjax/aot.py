@@ -395,6 +395,13 @@ def _large(a: Array_, min_bytes: int | None, shapes: set[tuple[int, ...]]) -> bo
     return (min_bytes is not None and a.nbytes >= min_bytes) or a.dims in shapes
 
 
+def _on_chip(instr: Instr) -> bool:
+    """Whether a copy moves a buffer to or from an alternate memory space (`S(1)`: a TPU's
+    on-chip memory): the memory-space assignment's prefetches and evictions, which read the
+    buffer once but copy nothing in HBM (a tiny configuration's whole cache fits there)."""
+    return "S(1)" in _split_type_and_rest(instr.text.split("=", 1)[-1])[0]
+
+
 def large_copies_in_loops(
     comps: dict[str, Computation],
     min_bytes: int | None = None,
@@ -403,8 +410,9 @@ def large_copies_in_loops(
     """Copies of large buffers inside while bodies: `copy` / `copy-start` instructions and
     copy fusions whose output (largest array of it) is at least `min_bytes` or of one of
     `shapes`, in every computation reachable from a while body (nested loops, conditionals,
-    calls), fusion bodies excluded where their fusion is counted. One entry per instruction:
-    `computation/instruction: type`."""
+    calls), fusion bodies excluded where their fusion is counted, copies to or from on-chip
+    memory (`_on_chip`) excluded. One entry per instruction: `computation/instruction:
+    type`."""
     want = {tuple(s) for s in shapes}
     fused = fused_computations(comps)
     inside = reachable(comps, while_bodies(comps))
@@ -415,6 +423,8 @@ def large_copies_in_loops(
             if not is_copy or (name in fused and i.opcode != "copy"):
                 continue
             if name in fused:  # a copy inside a fusion: counted through its fusion
+                continue
+            if _on_chip(i):
                 continue
             arrays = i.shapes if i.opcode != "copy-start" else i.shapes[:1]
             big = [a for a in arrays if _large(a, min_bytes, want)]
@@ -565,6 +575,8 @@ def compile_for(
     arguments) deviceless for `target` (a key of TARGETS) with `args` made abstract and
     replicated on one device, and measure it (see the module's docstring). Errors (of the
     lowering or of XLA) are reported, not raised."""
+    from specjax.control import compiler_options  # (imports jax: the parsers need none)
+
     platform = TARGETS[target][0]
     name = str(program or getattr(fn, "__name__", "program"))
     report = ProgramReport(program=name, target=target, compiled=False)
@@ -574,8 +586,11 @@ def compile_for(
             abstract_args = abstract(tuple(args), replicated(target))
             t0 = time.perf_counter()
             lowered = fn.lower(*static, *abstract_args)  # type: ignore[attr-defined]
-            options = {"xla_dump_to": dump} if platform == "cuda" else None
-            compiled = lowered.compile(compiler_options=options)
+            # the options `specjax.generate` compiles with on that platform
+            options: dict[str, Any] = dict(compiler_options(platform))
+            if platform == "cuda":
+                options["xla_dump_to"] = dump
+            compiled = lowered.compile(compiler_options=options or None)
             report.compile_s = time.perf_counter() - t0
         report.compiled = True
         report.memory = _memory(compiled)

@@ -1,10 +1,25 @@
-"""Control flow shared by the engine and the drafters.
+"""Control flow shared by the engine, the models and the drafters, chosen by backend here.
 
-Invariant: `run_once` never copies what its body updates in place (a while loop's carry is
-aliased; `lax.cond` branches may copy their operands, the KV caches among them)."""
+XLA CPU and the accelerators want different shapes of the same computation, and this module is
+the one place that chooses (at trace time, from the backend the program is traced for):
+
+* `run_once(pred, body, carry)`: a while loop run 0 or 1 times on every backend. Its carry is
+  aliased, so `body` updates the KV caches and drafter pools in place (a `lax.cond` branch
+  copies the operands it updates: on an H100 a draft model's cache, every round). A GPU runs
+  it inside its command buffer (`compiler_options`), not from the host.
+* `cpu_control_flow()`: the models' attention reads the cached cells in chunks up to the
+  used cells on CPU (a loop with a traced trip count: its cost follows the context used), and
+  in one masked pass over every cell on accelerators (no loop: a few kernels per layer).
+* `compiler_options(platform)`: what the project's executables are compiled with by default
+  on each platform (GPU: loops and conditionals captured in CUDA graphs, so no loop of a
+  round runs from the host); a flag the user sets in XLA_FLAGS wins.
+
+Invariant: `run_once` never copies what its body updates in place.
+"""
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from typing import Any
 
@@ -13,11 +28,31 @@ import jax.numpy as jnp
 
 from specjax.types import Array
 
+#: XLA GPU command buffers (CUDA graphs) by default, plus while loops and conditionals: a
+#: loop or conditional outside a command buffer reads its predicate back to the host at
+#: every iteration. Needs CUDA >= 12.3 (conditional graph nodes).
+GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+
+
+def cpu_control_flow() -> bool:
+    """Whether the program being traced is for XLA CPU (else a GPU or a TPU)."""
+    return jax.default_backend() == "cpu"
+
 
 def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
-    """`body(carry)` if `pred`, else `carry`: a while-loop run 0 or 1 times. Not `lax.cond` or
+    """`body(carry)` if `pred`, else `carry`: a while loop run 0 or 1 times. Not `lax.cond` or
     `lax.switch`: their branches would copy the KV cache, and every branch must return the
     same shapes, so a narrow branch pads its logits and K/V to the widest one's."""
     return jax.lax.while_loop(
         lambda c: c[0], lambda c: (jnp.zeros((), bool), body(c[1])), (pred, carry)
     )[1]
+
+
+def compiler_options(platform: str) -> dict[str, str]:
+    """Default XLA options of the project's executables on `platform` ("cpu", "gpu" or
+    "cuda", "tpu"), less those the user set in XLA_FLAGS."""
+    user = os.environ.get("XLA_FLAGS", "")
+    options: dict[str, str] = {}
+    if platform in ("gpu", "cuda") and "xla_gpu_enable_command_buffer" not in user:
+        options["xla_gpu_enable_command_buffer"] = GPU_COMMAND_BUFFER
+    return options

@@ -19,6 +19,7 @@ import jax
 
 from specjax import compile_cache
 from specjax import engine as eng
+from specjax.control import compiler_options
 
 #: Executables `generate` compiled, most recently used last, and how often each was asked
 #: for. Bounded by what they hold, not by a count: every executable holds its machine code in
@@ -26,10 +27,13 @@ from specjax import engine as eng
 #: process that kept them all would eventually hit the kernel's map limit (vm.max_map_count,
 #: 65530 by default), after which XLA crashes while compiling. Above `_MAX_MAPPED_REGIONS`
 #: mappings (or `_COMPILED_MAX` entries, a backstop for small programs) the entry used least
-#: goes first (fewest uses, then least recently used), so what a process runs most stays.
+#: goes first (fewest uses, then least recently used), so what a process runs most stays;
+#: never one of the `_RECENT_KEPT` used last (a `generate` call's prefill and loop), so a new
+#: configuration is not evicted by older ones used more.
 _COMPILED: dict[Any, Any] = {}
 _COMPILED_USES: dict[Any, int] = {}
 _COMPILED_MAX = 512
+_RECENT_KEPT = 2
 _MAX_MAPPED_REGIONS = 32768
 _compiles_made = 0
 
@@ -75,9 +79,12 @@ _CPU_PREFILL_OPTIONS = {"xla_cpu_experimental_ynn_fusion_type": ""}
 
 
 def _compiler_options(fn: Any) -> dict[str, str] | None:
+    """XLA options of an entry point's executable on this backend (`control.compiler_options`,
+    plus the CPU prefill's)."""
+    options = compiler_options(jax.default_backend())
     if fn is eng.prefill_jit and jax.default_backend() == "cpu":
-        return dict(_CPU_PREFILL_OPTIONS)
-    return None
+        options.update(_CPU_PREFILL_OPTIONS)
+    return options or None
 
 
 def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
@@ -106,7 +113,9 @@ def _compiled(fn: Any, engine: eng.Engine, *args: Any) -> Any:
         len(_COMPILED) > _COMPILED_MAX or _mapped_regions() > _MAX_MAPPED_REGIONS
     ):
         # fewest uses first, the least recently used of them (dict order) before the others
-        order = [k for k in _COMPILED if k != key]
+        order = [k for k in list(_COMPILED)[:-_RECENT_KEPT] if k != key]
+        if not order:
+            break
         victim = min(enumerate(order), key=lambda e: (_COMPILED_USES.get(e[1], 0), e[0]))[1]
         del _COMPILED[victim]
         _COMPILED_USES.pop(victim, None)

@@ -319,7 +319,7 @@ def _plain() -> list[list[int]]:
 
 
 def _check_drafted(d: dict) -> None:
-    assert d["drafters"] == ["draft-mtp"]
+    assert list(d["drafters"]) == ["draft-mtp"]
     assert d["num_draft_tokens"] > d["num_accepted_tokens"] > 0  # drafts made, some rejected
     assert d["rollback"]["seq_rm_failed"] == 0
 

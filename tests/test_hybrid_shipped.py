@@ -78,7 +78,7 @@ def _check(kind: str, n_rs_seq: int) -> None:
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     paths = d["rollback"]
-    assert d["drafters"] == [kind]
+    assert list(d["drafters"]) == [kind]
     assert d["num_draft_tokens"] > d["num_accepted_tokens"] > 0  # drafts made, some rejected
     assert paths["seq_rm_failed"] == 0 and paths["seq_rm"] == 0
     assert paths["checkpoint"] > 0 and paths["replay"] == paths["checkpoint"]

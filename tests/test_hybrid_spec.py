@@ -104,7 +104,7 @@ def test_ngram_mod_full_path_equals_plain_greedy() -> None:
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     paths = d["rollback"]
-    assert d["seq_rm_type"] == "FULL" and d["drafters"] == ["ngram-mod"]
+    assert d["seq_rm_type"] == "FULL" and list(d["drafters"]) == ["ngram-mod"]
     assert paths["rs_plane"] == 0 and paths["seq_rm_failed"] == 0
     assert paths["checkpoint"] > 0 and paths["replay"] == paths["checkpoint"]
     assert d["num_accepted_tokens"] > 0

@@ -64,6 +64,7 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.cache import KVCache, keep_prefix
+from specjax.control import run_once
 from specjax.drafters.base import (
     Drafter,
     DraftInput,
@@ -386,7 +387,8 @@ class DraftSimple(Drafter):
                 )
             return state, out
 
-        return jax.lax.cond(jnp.any(inp.drafting), run, skip, state)
+        # a loop run 0 or 1 times, not lax.cond: a cond's branches copy the draft's cache
+        return run_once(jnp.any(inp.drafting), lambda c: run(c[0]), skip(state))
 
 
 def _put(scratch_BGKE: Array, i: Array, new_BTGE: Array) -> Array:

@@ -32,6 +32,7 @@ import numpy as np
 
 from specjax import cpu_kernels
 from specjax.cache import KVCache, used_cells, write_layer, write_positions
+from specjax.control import cpu_control_flow
 from specjax.models.config import ModelConfig, rope_frequencies
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
@@ -178,7 +179,7 @@ def _materialised(fn: Any, *args: Array) -> Any:
     barrier does not stop it (XLA CPU expands barriers before fusion), a conditional's
     boundary does. The predicate only has to be unknown to the compiler. CPU only: on a GPU
     a conditional can cost a device-to-host read of its predicate."""
-    if jax.default_backend() != "cpu":
+    if not cpu_control_flow():
         return fn(*args)
     unknown = args[0].reshape(-1)[0] > jnp.iinfo(jnp.int32).min
     return jax.lax.cond(unknown, fn, fn, *args)
@@ -246,7 +247,9 @@ def _attend(
 
     The loop reads only the chunks below the high-water mark, so cost follows the used
     context, and it slices in place: nothing of cache size is copied. (With the native CPU
-    kernels, `_attend_native` runs every segment instead.)
+    kernels, `_attend_native` runs every segment instead.) On accelerators the cached cells
+    are read in one masked pass instead (`control.cpu_control_flow`): no loop with a traced
+    trip count, which a GPU would drive from the host, and a loop body's kernels once.
     """
     s_own = jnp.concatenate([_scores(q_BGRTE, k, q_pos_BT, pos, window) for k, _, pos in own], -1)
     m = jnp.max(s_own, axis=-1)
@@ -260,20 +263,11 @@ def _attend(
         start += n
     assert acc is not None
     if cache is not None:
-        assert n_chunks is not None
         k_c, v_c, pos_c = cache
-        S = pos_c.shape[1]
-        C = min(CACHE_CHUNK, S)
 
-        def chunk(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+        def merge(k: Array, v: Array, pos: Array, carry: tuple[Array, Array, Array]) -> Any:
+            """The running softmax state with the cells `k, v, pos` added."""
             m, total, acc = carry
-            # The last chunk of a capacity that C does not divide starts early (slices must
-            # fit); cells before i * C were read by the previous chunk and are masked here.
-            first = jnp.minimum(i * C, S - C)
-            k = jax.lax.dynamic_slice_in_dim(k_c, first, C, axis=2)
-            v = jax.lax.dynamic_slice_in_dim(v_c, first, C, axis=2)
-            pos = jax.lax.dynamic_slice_in_dim(pos_c, first, C, axis=1)
-            pos = jnp.where(first + jnp.arange(C)[None, :] >= i * C, pos, -1)
             s = _scores(q_BGRTE, k, q_pos_BT, pos, window)
             m_new = jnp.maximum(m, jnp.max(s, axis=-1))
             rescale = jnp.exp(m - m_new)
@@ -282,7 +276,24 @@ def _attend(
             acc = acc * rescale[..., None] + _weighted_values(p, v, q_BGRTE.dtype)
             return m_new, total, acc
 
-        m, total, acc = jax.lax.fori_loop(0, n_chunks, chunk, (m, total, acc))
+        if not cpu_control_flow():
+            m, total, acc = merge(k_c, v_c, pos_c, (m, total, acc))
+        else:
+            assert n_chunks is not None
+            S = pos_c.shape[1]
+            C = min(CACHE_CHUNK, S)
+
+            def chunk(i: Array, carry: tuple[Array, Array, Array]) -> tuple[Array, Array, Array]:
+                # The last chunk of a capacity that C does not divide starts early (slices
+                # must fit); cells before i * C were read by the previous chunk: masked here.
+                first = jnp.minimum(i * C, S - C)
+                k = jax.lax.dynamic_slice_in_dim(k_c, first, C, axis=2)
+                v = jax.lax.dynamic_slice_in_dim(v_c, first, C, axis=2)
+                pos = jax.lax.dynamic_slice_in_dim(pos_c, first, C, axis=1)
+                pos = jnp.where(first + jnp.arange(C)[None, :] >= i * C, pos, -1)
+                return merge(k, v, pos, carry)  # type: ignore[no-any-return]
+
+            m, total, acc = jax.lax.fori_loop(0, n_chunks, chunk, (m, total, acc))
     return (acc / total[..., None]).astype(q_BGRTE.dtype)
 
 
