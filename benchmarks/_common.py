@@ -65,11 +65,12 @@ def forward_timer(
     model: specjax.Model, prompt: list[int], width: int, n_ctx: int
 ) -> Callable[[], float]:
     """A thunk timing one `width`-token forward after `prompt`, on the weights and F16 cache
-    the engine decodes with (`specjax.prices.forward_timer`: a jitted loop of forwards, each
+    the engine decodes with (`specjax.decode.prices.forward_timer`: a jitted loop of forwards, each
     fed the previous one's argmax, one dispatch); seconds per forward. Compiled here."""
     import jax.numpy as jnp
 
-    from specjax import api, prices
+    from specjax import api
+    from specjax.decode import prices
 
     cache = model.new_cache(1, n_ctx, "f16", "f16")
     params = api.decode_params(model.params)

@@ -5,11 +5,11 @@
         [--n-max 4] [--seeds 0] [--out benchmarks/results/acceptance.json]
 
 For each draft model, temperature and drafting mode the engine generates `--tokens` tokens for
-`--rows` prompts (the first 400 characters of held-out validation files, `specjax.data`'s split)
+`--rows` prompts (the first 400 characters of held-out validation files, `specjax.train.data`'s split)
 with draft-simple, n_max = `--n-max`, the governor off (every round drafts its full budget)
 and sampling by temperature alone (top-k/top-p/min-p off). Its statistics give the measured
 mean acceptance length (1 + accepted / drafts). Then both models read the generated path
-(teacher forcing) and `specjax.objectives` predicts it:
+(teacher forcing) and `specjax.train.objectives` predicts it:
 
 * alpha_j per generated token: p_T(argmax q) for greedy drafting (the default mode, verified by
   match), sum_x min(p_T, q_T) with draft-simple's top-10 q for probabilistic drafting;
@@ -41,13 +41,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, refuse_overwrite
 
 import specjax
-from specjax import objectives as obj
 from specjax.config import SpecConfig
-from specjax.train import model_logits
+from specjax.train import objectives as obj
+from specjax.train.target import model_logits
 
 
 def validation_prompts(n: int, chars: int = 400) -> list[str]:
-    from specjax.data import read_texts, split_files, stdlib_files
+    from specjax.train.data import read_texts, split_files, stdlib_files
 
     _, val = split_files(stdlib_files())
     texts = [t for t in read_texts(val) if len(t) > 2 * chars]
@@ -158,7 +158,7 @@ def plot(results: list[dict[str, Any]], path: Path) -> None:
         )
         seen.add(key)
     ax.set_xlabel("measured mean acceptance length (engine)")
-    ax.set_ylabel("predicted (specjax.objectives along the path)")
+    ax.set_ylabel("predicted (specjax.train.objectives along the path)")
     ax.set_title("draft-simple: predicted vs measured")
     ax.legend(fontsize=7)
     fig.tight_layout()

@@ -2,7 +2,7 @@
 
     python benchmarks/ask_cost.py [--gaps 1,8,64] [--loops 9] [--out FILE] [--overwrite]
 
-The draft governor (`specjax.adaptive`) charges each round in which it asks the chain the
+The draft governor (`specjax.decode.governor`) charges each round in which it asks the chain the
 price `call`, in target 1-token forwards. This measures that price per drafter on this
 machine: the shipped target, the `main` prompt followed by 1,024 tokens of its own greedy
 continuation (as benchmarks/peers.py builds it), each drafter built with its defaults and

@@ -57,7 +57,7 @@ from specjax.config import SpecConfig
 
 
 def _sources() -> list[str]:
-    from specjax.data import read_texts, split_files, stdlib_files
+    from specjax.train.data import read_texts, split_files, stdlib_files
 
     _, val = split_files(stdlib_files())
     return [t for t in read_texts(val) if "\ndef " in t and len(t) > 3000]

@@ -38,7 +38,7 @@ def main() -> None:
     from batch import make_requests
 
     import specjax
-    from specjax import cpu_kernels
+    from specjax.kernels import cpu as cpu_kernels
 
     refuse_overwrite(args.out, args.overwrite)
     model = specjax.load(str(DEFAULT_TARGET), dtype=args.dtype)

@@ -8,7 +8,7 @@ same weight shapes at the same batch, measured in the same run; 2 FLOPs per weig
 token); B=1 tokens/s at capacities 512 and 8192 for the same prompt and output (cost must
 follow the used context); the wall time of a (K+1)-token verify forward relative to a
 1-token step for K = 1, 3, 7 (same cache, jitted, host-synced); compile times, KV cache
-bytes and peak memory. Where the native CPU kernel (`specjax.cpu_kernels`) is in use, every
+bytes and peak memory. Where the native CPU kernel (`specjax.kernels.cpu`) is in use, every
 throughput is also measured on XLA's dot, interleaved run by run, with the ratio.
 """
 
@@ -31,7 +31,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_TARGET, best_of, load_or_random, machine, peak_memory
 
 import specjax
-from specjax import api, cpu_kernels
+from specjax import api
+from specjax.kernels import cpu as cpu_kernels
 from specjax.models.llama import forward_fn
 
 

@@ -50,7 +50,7 @@ def corpus_tokens(n: int) -> np.ndarray:
     runs before and after a change see the same text), shipped tokenizer."""
     import argparse as text_source
 
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file(ROOT / "models" / "tokenizer")
     text = Path(str(text_source.__file__)).read_text()

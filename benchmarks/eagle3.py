@@ -4,7 +4,7 @@
         [--repeats 2] [--out benchmarks/results/eagle3.json]
 
 Prompts: the first `--prompt-tokens` tokens of `--files` validation files of the stdlib split
-(every 50th file, `specjax.data.split_files`; files long enough, in path order), all rows in
+(every 50th file, `specjax.train.data.split_files`; files long enough, in path order), all rows in
 one batch, greedy. Each case runs with the draft governor off (llama.cpp's behaviour: every
 round drafts the full n_max), draft n_max = K for K in (4, 8). Reported per case: mean
 acceptance length as llama.cpp prints it (1 + accepted / accept calls), acceptance rate per
@@ -35,7 +35,7 @@ DEFAULT_EAGLE3 = ROOT / "models" / "code-eagle3" / "code-eagle3-f16.gguf"
 def validation_prompts(model: specjax.Model, n_files: int, n_tokens: int, need: int) -> list:
     """First `n_tokens` tokens (BOS + text) of the first `n_files` validation files that have
     at least `need` tokens."""
-    from specjax.data import read_text, split_files, stdlib_files, stdlib_root
+    from specjax.train.data import read_text, split_files, stdlib_files, stdlib_root
 
     _, val = split_files(stdlib_files())
     out = []

@@ -42,8 +42,9 @@ from eagle3 import validation_prompts
 from peers import PROMPT_FILES, Specjax
 
 import specjax
-from specjax import api, compile_cache
-from specjax import engine as eng
+from specjax import api
+from specjax.decode import compile_cache
+from specjax.decode import engine as eng
 from specjax.drafters.registry import build_drafters
 
 TOKENS = 256

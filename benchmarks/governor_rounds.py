@@ -15,7 +15,7 @@ Deterministic counts (no timing), for comparing governor settings at two commits
   prompts, apart (its asks cost a draft model's steps and catch-up, not a lookup).
 * `finds_nothing`: ngram-map-k with an n-gram size no text can match, asked rounds after
   64, 256 and 1,024 tokens: the probing a drafter that never drafts costs (the backoff in
-  `specjax.adaptive`; 0 since the lookup index, `specjax.lookup_index`, rules every round
+  `specjax.decode.governor`; 0 since the lookup index, `specjax.drafters.lookup_index`, rules every round
   out).
 * `generator`: one `specjax.Generator` with ngram-mod (B = 1, `-c 2048`) serving 16
   requests in turn, each the first 400 tokens of one of the installed `yaml` package's

@@ -52,9 +52,9 @@ from _common import ROOT, best_of, emit, forward_timer, machine, peak_memory, re
 import specjax
 from specjax.config import SpecConfig
 from specjax.io.gguf_io import save_gguf
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import ModelConfig
 from specjax.models.llama import init_params
-from specjax.tokenizer import Tokenizer
 
 SIZES: dict[str, tuple[ModelConfig, ModelConfig]] = {
     "1b": (

@@ -150,7 +150,7 @@ def main() -> None:
         child(args)
         return
     refuse_overwrite(args.out, args.overwrite)
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     variants = args.variants.split(",")
     unknown = [v for v in variants if v not in VARIANTS]

@@ -38,10 +38,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_DRAFT, ROOT, emit, refuse_overwrite
 
 import specjax
-from specjax import api, slot_checkpoint
+from specjax import api
 from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.hybrid_memory import HybridMemory
+from specjax.memory import checkpoint as slot_checkpoint
+from specjax.memory.hybrid import HybridMemory
 from specjax.models import qwen35 as q
 
 QWEN35_08B_LIKE = q.Qwen35Config(

@@ -13,7 +13,7 @@ still move by ~5% between runs of this script; `benchmarks/loop_ab.py` compares 
 loops inside one process, which cancels more of that drift.
 
 * `governed/<drafter>`: the default (the governor asks for a draft in some rounds only; none
-  here since the lookup index, `specjax.lookup_index`: no n-gram repeats, so every round is
+  here since the lookup index, `specjax.drafters.lookup_index`: no n-gram repeats, so every round is
   an off round that also keeps the index);
 * `asked/<drafter>`: `adaptive=False`, asked every round: `extra_ms` is then the fixed cost of
   a speculative round that drafts nothing over a plain round (issue 8, goal 3: a drafter that
@@ -58,7 +58,8 @@ from _common import DEFAULT_DRAFT, DEFAULT_TARGET, machine, profiled, refuse_ove
 from peers import DEFAULT_DFLASH, DEFAULT_EAGLE3, NO_MATCH_N, PROMPT_FILES, Specjax
 
 import specjax
-from specjax import api, executables, prices
+from specjax import api
+from specjax.decode import executables, prices
 
 DRAFTERS: dict[str, dict[str, Any]] = {
     "ngram-simple": {"ngram_simple_size_n": NO_MATCH_N},
@@ -83,7 +84,7 @@ _NOT_KERNELS = (
 )
 
 
-#: The engine's named scopes (`jax.named_scope` in specjax.engine), innermost first wins.
+#: The engine's named scopes (`jax.named_scope` in specjax.decode.engine), innermost first wins.
 SCOPES = (
     *("relay", "plan", "bookkeeping", "feedback", "commit", "accept", "verify", "off_rounds"),
     *("lookup", "record"),

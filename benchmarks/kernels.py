@@ -51,7 +51,7 @@ from _common import (
 )
 
 import specjax
-from specjax import cpu_kernels
+from specjax.kernels import cpu as cpu_kernels
 
 GROUPS, HEAD, CELLS = 2, 64, 2048
 #: (query rows per group, tokens)

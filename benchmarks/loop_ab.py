@@ -1,8 +1,8 @@
-"""A/B of two generation loops inside one process: this checkout's `specjax/engine.py` against
+"""A/B of two generation loops inside one process: this checkout's `specjax/decode/engine.py` against
 another one (a worktree of an earlier commit), interleaved run by run. Prints one JSON object.
 
     git worktree add /tmp/base <commit>
-    python benchmarks/loop_ab.py --base /tmp/base/specjax/engine.py [--repeats 150]
+    python benchmarks/loop_ab.py --base /tmp/base/specjax/decode/engine.py [--repeats 150]
                                  [--base-modules lookup_index] [--configs plain,...] [--out FILE]
 
 On the shared 2-core host, separate processes drift by 5-20% between runs (benchmarks/
@@ -13,7 +13,7 @@ configuration runs a pair of base and new `--repeats` times, base first in every
 two runs: the second run of a pair was slower): `new_over_base_paired` is the median of base time / new time
 over the pairs (> 1: the new loop is faster). `plain`'s ratio shows the method's own noise.
 
-The base file is loaded as a module beside `specjax.engine` and called with this checkout's
+The base file is loaded as a module beside `specjax.decode.engine` and called with this checkout's
 `Engine`, `GenState` and `RunParams` classes: it must be an engine.py whose generation loop
 works with the rest of this checkout (a change confined to engine.py, or also to the modules
 named by `--base-modules`, which the base engine then takes from its own folder; code outside
@@ -41,7 +41,7 @@ from idle_rounds import DRAFTERS, MODES
 from peers import PROMPT_FILES, Specjax
 
 import specjax
-from specjax import engine as eng
+from specjax.decode import engine as eng
 
 DEFAULT_CONFIGS = (
     "plain,governed/ngram-simple,governed/ngram-map-k,governed/ngram-mod,never/ngram-mod,"

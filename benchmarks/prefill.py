@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _common import DEFAULT_TARGET, ROOT, emit, machine, refuse_overwrite
 
 import specjax
-from specjax import api, engine, executables
+from specjax import api
+from specjax.decode import engine, executables
 from specjax.models import llama
 
 

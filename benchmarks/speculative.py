@@ -48,7 +48,7 @@ CHAINS: dict[str, tuple[str, ...]] = {
 
 def _validation_sources(n: int) -> list[str]:
     """Held-out stdlib files (the training split's validation files) that define functions."""
-    from specjax.data import read_texts, split_files, stdlib_files
+    from specjax.train.data import read_texts, split_files, stdlib_files
 
     _, val = split_files(stdlib_files())
     return [text for text in read_texts(val) if "\ndef " in text][:n]

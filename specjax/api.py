@@ -1,11 +1,11 @@
 """Public API: load/init a model, run a forward, generate (plain or speculative).
 
 Everything here is host-side glue: `generate` checks the request before anything is traced
-(`specjax.inputs`: ValueErrors that name the numbers, static sizes from a few buckets so
+(`specjax.decode.inputs`: ValueErrors that name the numbers, static sizes from a few buckets so
 repeated calls reuse compiled code), builds the drafter chain and the governor's prices
-(`specjax.prices`), puts the weights in the form the decode steps read (`specjax.weights`),
-and runs the jitted entry points of `specjax.engine` through the process's executables
-(`specjax.executables`). The public names of those modules are re-exported here (`__all__`).
+(`specjax.decode.prices`), puts the weights in the form the decode steps read (`specjax.decode.weights`),
+and runs the jitted entry points of `specjax.decode.engine` through the process's executables
+(`specjax.decode.executables`). The public names of those modules are re-exported here (`__all__`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import continuous as cont
-from specjax import engine as eng
-from specjax import hybrid_memory, lookup_index, sampling
-from specjax import slots as slots_mod
-from specjax.cache import KVCache, cache_dtype, check_overflow
+from specjax import sampling
 from specjax.config import SpecConfig
-from specjax.drafters.registry import build_drafters, reads_target_hidden
-from specjax.executables import (
+from specjax.decode import engine as eng
+from specjax.decode.executables import (
     _SPARES,
     _SPARES_MAX,
     _compiled,
@@ -35,8 +31,7 @@ from specjax.executables import (
     clear_compiled,
     compile_count,
 )
-from specjax.hybrid_memory import SeqRmType
-from specjax.inputs import (
+from specjax.decode.inputs import (
     _IDLE_SAMPLING,
     _apply_stop,
     _check_token_range,
@@ -48,10 +43,7 @@ from specjax.inputs import (
     build_engine_inputs,
     prompt_bucket,
 )
-from specjax.models.config import ModelConfig
-from specjax.models.llama import forward_fn, init_params, new_cache
-from specjax.models.qwen35 import Qwen35Config
-from specjax.prices import (
+from specjax.decode.prices import (
     ASK_OVERHEAD,
     ASK_REFERENCE_PARAMS,
     CALIBRATION_K,
@@ -63,15 +55,25 @@ from specjax.prices import (
     leave_out_unpaying,
     unpaying_drafters,
 )
-from specjax.stats import (
+from specjax.decode.stats import (
     format_impl_lines,
     format_rollback_line,
     format_server_lines,
     rollback_dict,
 )
+from specjax.decode.verify import resolve_synthetic_rates
+from specjax.decode.weights import decode_params, drafter_decode_params
+from specjax.drafters import lookup_index
+from specjax.drafters.registry import build_drafters, reads_target_hidden
+from specjax.jobs import continuous as cont
+from specjax.jobs import slots as slots_mod
+from specjax.memory import hybrid as hybrid_memory
+from specjax.memory.hybrid import SeqRmType
+from specjax.memory.kv import KVCache, cache_dtype, check_overflow
+from specjax.models.config import ModelConfig
+from specjax.models.llama import forward_fn, init_params, new_cache
+from specjax.models.qwen35 import Qwen35Config
 from specjax.types import Params
-from specjax.verify import resolve_synthetic_rates
-from specjax.weights import decode_params, drafter_decode_params
 
 __all__ = [
     "ASK_OVERHEAD",
@@ -302,9 +304,9 @@ def forward(model: Model, tokens: Any, positions: Any, cache: KVCache) -> tuple[
 class SpecReport:
     """Host-side speculative statistics of one run (llama.cpp's counters)."""
 
-    stats: Any  # specjax.stats.SpecStats with numpy leaves
+    stats: Any  # specjax.decode.stats.SpecStats with numpy leaves
     names: tuple[str, ...]
-    #: The draft governor's counters (specjax.adaptive): rounds with a draft budget, rounds
+    #: The draft governor's counters (specjax.decode.governor): rounds with a draft budget, rounds
     #: it drafted shorter than the budget, rounds it did not draft; whether it was on; and
     #: `dropped`, the drafters left out of the run with why (`unpaying_drafters`).
     governor: dict[str, Any] = dataclasses.field(default_factory=dict)
@@ -445,7 +447,7 @@ def generate(
     states in `result.drafter_states` (by default the result holds none: device memory a
     kept result would pin, 32 MB for ngram-mod's pool).
 
-    Slots (`specjax.slots`, llama.cpp's `--slot-save-path`): `slot_save="NAME"` (or one name
+    Slots (`specjax.jobs.slots`, llama.cpp's `--slot-save-path`): `slot_save="NAME"` (or one name
     or None per prompt) saves each prompt's processed state as `slot_save_path/NAME` before
     decoding (never over an existing slot unless `slot_overwrite`); `slot_restore="NAME"`
     starts every prompt (or per prompt) from a saved slot, so only the tokens after the
@@ -881,7 +883,7 @@ class Generator:
     def reset(self) -> None:
         """Forget what the drafters learned (fresh states, as a new server)."""
         self.states: tuple[Any, ...] = tuple(d.init(self.batch, self.n_ctx) for d in self.drafters)
-        # the n-grams their shared memory may hold: none (`specjax.lookup_index`)
+        # the n-grams their shared memory may hold: none (`specjax.drafters.lookup_index`)
         self.lookup_seen: Any = None
 
     def generate(

@@ -102,7 +102,7 @@ class SpecConfig:
     synth_rates: tuple[float, ...] = ()
     #: Static upper bound on draft length (array width); None = derived from the types.
     k_max: int | None = None
-    #: The draft governor (specjax.adaptive): shorten or skip drafts that do not pay under
+    #: The draft governor (specjax.decode.governor): shorten or skip drafts that do not pay under
     #: the cost model below. False = llama.cpp's behaviour (always draft the full budget).
     adaptive: bool = True
     #: Extra cost of each extra token in a target forward, in 1-token steps (None = backend
@@ -117,7 +117,7 @@ class SpecConfig:
     #: the engine's part alone.
     cost_call: float | None = None
     #: Measure `cost_verify_token` and `cost_draft_step` (draft-simple) on this device at the
-    #: run's batch size before decoding (`specjax.prices`; prices given above win). None =
+    #: run's batch size before decoding (`specjax.decode.prices`; prices given above win). None =
     #: on accelerators only: on CPU the defaults are medians of many runs, and one
     #: measurement on a shared host is noisy. The first run of a shape compiles 3-5 small
     #: timing programs (a forward filling the cache, loops of 1- and W-token forwards).

@@ -1,7 +1,7 @@
 """Deprecated: `generate_hybrid` is `specjax.generate` on a qwen35 model.
 
-Hybrid recurrent targets run through the one engine (`specjax.engine`) over their
-`HybridTargetMemory` (`specjax.target_memory`); this name is kept for code that called it.
+Hybrid recurrent targets run through the one engine (`specjax.decode.engine`) over their
+`HybridTargetMemory` (`specjax.memory.target`); this name is kept for code that called it.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
+from specjax.kernels import cpu as cpu_kernels
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, PRNGKey
 

@@ -9,9 +9,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, sampling
+from specjax import sampling
 from specjax.api import Model, init_model
-from specjax.engine import RunParams
+from specjax.decode import governor as adaptive
+from specjax.decode.engine import RunParams
 from specjax.models import dflash as df
 from specjax.models import forward_fn, new_cache
 from specjax.models.config import ModelConfig
@@ -149,7 +150,7 @@ def tiny_tokenizer(vocab_size: int = 300) -> object:
     import tokenizers
     from tokenizers import decoders, models, pre_tokenizers, trainers
 
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     tok = tokenizers.Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
@@ -179,7 +180,7 @@ def run_params(
     k_max: int = 4,
     cost: adaptive.CostModel | None = None,
 ) -> RunParams:
-    """Per-call values for tests that drive `specjax.engine` directly: one row per entry of
+    """Per-call values for tests that drive `specjax.decode.engine` directly: one row per entry of
     `max_new`, the samplers (top-k/p, min-p) off, n_min 0, p_min 0, and the draft governor
     off unless `cost` is given."""
     return RunParams(

@@ -32,7 +32,8 @@ os.environ["SPECJAX_COMPILE_CACHE"] = os.environ[_RUN_CACHE]
 import jax  # noqa: E402
 import pytest  # noqa: E402
 
-from specjax import api, compile_cache  # noqa: E402
+from specjax import api  # noqa: E402
+from specjax.decode import compile_cache  # noqa: E402
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

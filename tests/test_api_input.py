@@ -15,9 +15,9 @@ import pytest
 
 import specjax
 from specjax.api import Model
-from specjax.inputs import _tokenize_prompts
+from specjax.decode.inputs import _tokenize_prompts
+from specjax.io.tokenizer import Tokenizer
 from specjax.testing import tiny_config, tiny_tokenizer
-from specjax.tokenizer import Tokenizer
 
 BOS, EOS = 0, 1  # specjax.testing.tiny_tokenizer: "<s>" = 0, "</s>" = 1
 
@@ -88,7 +88,7 @@ def test_generate_reports_the_prompt_tokens_it_ran(plain_ids):
 
 
 def test_sampling_args_clamp_what_llama_cpp_reads_as_off():
-    from specjax.inputs import _sampling_args
+    from specjax.decode.inputs import _sampling_args
 
     args = _sampling_args(2, -0.5, -3, 1.5, -0.2, 1.1)
     assert args["temperature"].tolist() == [0.0, 0.0]

@@ -15,8 +15,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import batching
 from specjax.config import SpecConfig
+from specjax.jobs import batch as batching
 from specjax.testing import count_compiles, noisy_copy, tiny_model_with_tokenizer
 
 N_CTX, CHUNK = 128, 16

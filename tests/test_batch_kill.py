@@ -6,7 +6,7 @@ in a fraction of a speculative one's time. The slow one also runs speculation (n
 draft-simple, drafting every round) and speculation under the draft governor (whose off rounds
 run lean).
 
-All runs are `python -m specjax.cli batch` subprocesses sharing a persistent compilation
+All runs are `python -m specjax.cli.command batch` subprocesses sharing a persistent compilation
 cache, so restarts do not compile again. (That these records equal `specjax.generate` per
 request is tests/test_batch.py's business.)
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specjax import batching
 from specjax.io.gguf_io import save_gguf
+from specjax.jobs import batch as batching
 from specjax.testing import noisy_copy, tiny_model_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ def killed_until_done(
     cmd = [
         sys.executable,
         "-m",
-        "specjax.cli",
+        "specjax.cli.command",
         "batch",
         "-m",
         str(files / "t.gguf"),

@@ -28,16 +28,17 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, testing
-from specjax import continuous as cont
-from specjax import engine as eng
+from specjax import testing
 from specjax.api import Model
 from specjax.config import SpecConfig
+from specjax.decode import engine as eng
+from specjax.decode import governor as adaptive
 from specjax.drafters import dflash as dflash_drafter
 from specjax.drafters import eagle3 as eagle3_drafter
 from specjax.drafters.dflash import DFlashState
 from specjax.drafters.eagle3 import Eagle3State
 from specjax.drafters.registry import build_drafters
+from specjax.jobs import continuous as cont
 from specjax.models import eagle3 as e3
 from specjax.pytree import replace
 from specjax.testing import noisy_copy, tiny_block_head, tiny_model

@@ -23,8 +23,8 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import batching
 from specjax.io.gguf_io import save_gguf
+from specjax.jobs import batch as batching
 from specjax.testing import tiny_model_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -223,7 +223,7 @@ def test_cli_refuses_then_repairs(model, requests, reference, tmp_path):
     damaged = "".join(lines).encode()
     out = tmp_path / "out.jsonl"
     out.write_bytes(damaged)
-    cmd = [sys.executable, "-m", "specjax.cli", "batch", "-m", str(gguf), "--in", str(req),
+    cmd = [sys.executable, "-m", "specjax.cli.command", "batch", "-m", str(gguf), "--in", str(req),
            "--out", str(out), "-np", "4", "-c", str(N_CTX), "--prefill-chunk", str(CHUNK),
            "--no-progress", "-n", "64"]  # fmt: skip
     env = {**os.environ, "SPECJAX_COMPILE_CACHE": str(tmp_path / "jax-cache")}

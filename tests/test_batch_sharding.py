@@ -19,8 +19,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from specjax import batching
 from specjax.io.gguf_io import save_gguf
+from specjax.jobs import batch as batching
 from specjax.testing import tiny_model_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -29,7 +29,7 @@ JOB = r"""
 import json, sys
 import jax
 import specjax
-from specjax import batching
+from specjax.jobs import batch as batching
 model = specjax.load(sys.argv[1])
 out = {}
 for name in sys.argv[4:]:
@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_write_their_shards(files):
-    base = [sys.executable, "-m", "specjax.cli", "batch", "-m", str(files / "t.gguf")]
+    base = [sys.executable, "-m", "specjax.cli.command", "batch", "-m", str(files / "t.gguf")]
     base += ["--in", str(files / "req.jsonl"), "-c", "128", "--prefill-chunk", "16"]
     base += ["-np", "4", "--no-progress", "--no-compile-cache"]
     one = files / "single.jsonl"

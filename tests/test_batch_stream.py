@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 
 import specjax
-from specjax import cli
+from specjax.cli import command as cli
 from specjax.io.gguf_io import save_gguf
 from specjax.testing import tiny_model_with_tokenizer
 

@@ -18,8 +18,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import memory
-from specjax.cache import KVCache
+from specjax.memory import ops as memory
+from specjax.memory.kv import KVCache
 from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
 from specjax.models.config import rope_frequencies
 from specjax.types import Params
@@ -298,7 +298,7 @@ def test_assign_slots_takes_the_lowest_free_cells_with_and_without_holes() -> No
     row's k-th lowest free cell (S when none is left). Covers compact rows (occupied cells
     form a prefix: the fast path) and rows with holes (the general search), in one batch and
     alone, since the fast path is taken only when every row is compact."""
-    from specjax.cache import assign_slots
+    from specjax.memory.kv import assign_slots
 
     S, T = 12, 5
     rng = np.random.default_rng(7)

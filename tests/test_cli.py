@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from specjax import cli
+from specjax.cli import command as cli
 from specjax.io.gguf_io import save_gguf
 from specjax.testing import tiny_model_with_tokenizer
 
@@ -99,7 +99,7 @@ def test_cli_errors_are_clear(gguf_path, tmp_path, capsys):
 
 @pytest.mark.slow  # suite time: lookup files are also covered by tests/test_lookup_files.py
 def test_lookup_caches_static_in_dynamic_out(gguf_path, tmp_path, capsys):
-    from specjax.lookup import load_cache
+    from specjax.io.lookup import load_cache
 
     corpus = tmp_path / "corpus.py"
     corpus.write_text("def add(a, b):\n    return a + b\n" * 20)
@@ -151,7 +151,7 @@ def test_text_prompts_follow_the_models_add_bos(gguf_path, tmp_path, capsys):
     """llama.cpp tokenizes `-p`/`-f` text with add_special: BOS first when the GGUF says
     `tokenizer.ggml.add_bos_token = true` (the tiny fixture's tokenizer says false)."""
     import specjax
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     model = specjax.load(gguf_path)
     tok = model.tokenizer

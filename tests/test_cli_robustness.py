@@ -3,7 +3,7 @@ output paths checked before any work, a failed write after generating keeps the 
 and says where the records went, raw prompt bytes, one rule for empty prompts, draft limits
 clamped to the context, llama.cpp's draft flag names, statistics lines without `nan`.
 
-Exit codes and files are the process's: those run as `python -m specjax.cli` subprocesses on the
+Exit codes and files are the process's: those run as `python -m specjax.cli.command` subprocesses on the
 tiny GGUF model (one shared compilation cache); the rest call `cli.main` in the test process.
 """
 
@@ -18,14 +18,15 @@ from pathlib import Path
 
 import pytest
 
-from specjax import batching, cli
-from specjax.io.gguf_io import save_gguf
-from specjax.stats import (
+from specjax.cli import command as cli
+from specjax.decode.stats import (
     SpecStats,
     format_acceptance_lines,
     format_governor_lines,
     format_server_lines,
 )
+from specjax.io.gguf_io import save_gguf
+from specjax.jobs import batch as batching
 from specjax.testing import tiny_model_with_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +43,7 @@ def tiny(tmp_path_factory):
 def run_cli(d: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECJAX_COMPILE_CACHE": str(d / "jax-cache")}
     return subprocess.run(
-        [sys.executable, "-m", "specjax.cli", *args],
+        [sys.executable, "-m", "specjax.cli.command", *args],
         capture_output=True,
         timeout=timeout,
         cwd=ROOT,
@@ -143,7 +144,7 @@ def test_non_utf8_prompt_file_becomes_byte_tokens(tiny, tmp_path, capsysbinary):
 
 
 def test_spm_vocabulary_refuses_raw_bytes_clearly():
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     tok = Tokenizer.__new__(Tokenizer)
     tok._vocab_type = "llama"  # (only the refusal is under test)
@@ -164,7 +165,7 @@ def test_empty_prompt_same_rule_in_generate_and_batch(tiny, tmp_path, capsys):
     assert cli.main([*args, "--no-progress"]) == 1
     assert "line 1: empty prompt" in capsys.readouterr().err
 
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     tok = model.tokenizer
     bos = Tokenizer(tok.hf_tokenizer, bos_id=0, eos_id=1, pad_id=2, add_bos=True)
@@ -278,7 +279,7 @@ def test_acceptance_lines_have_no_zero_columns_and_no_nan():
 
 
 def test_lookup_stats_print_no_nan():
-    from specjax import lookup
+    from specjax.io import lookup
 
     lines = lookup.LookupStats(3, 10, 0, 0).lines()
     assert lines[-1] == "accept       = n/a (nothing drafted)"

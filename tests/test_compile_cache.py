@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from specjax import cli
+from specjax.cli import command as cli
 
 # Runs in the child process: configures the cache as told, compiles, reports what happened.
 _CHILD = r"""
@@ -35,7 +35,7 @@ jax.monitoring.register_event_duration_secs_listener(
     if name == "/jax/core/compile/jaxpr_trace_duration" else None)
 
 import specjax
-from specjax import compile_cache
+from specjax.decode import compile_cache
 
 mode = sys.argv[1]
 if mode.startswith("set:"):
@@ -47,7 +47,7 @@ if mode == "generate":
     out = specjax.generate(tiny_model(0), [[5, 6, 7, 8, 9]], max_new_tokens=6)
     tokens = out.tokens
 elif mode.startswith("ngram"):  # "ngram" or "ngram:PRIOR_WEIGHT=0.25" (a patched constant)
-    from specjax import adaptive
+    from specjax.decode import governor as adaptive
     from specjax.testing import tiny_model
 
     for assignment in mode.split(":")[1:]:
@@ -186,9 +186,10 @@ def test_executable_keys_follow_constants_and_functions_not_state(monkeypatch):
     caches) do not enter it."""
     import jax.numpy as jnp
 
-    from specjax import adaptive, compile_cache, executables
-    from specjax import engine as eng
-    from specjax.engine import prefill_jit
+    from specjax.decode import compile_cache, executables
+    from specjax.decode import engine as eng
+    from specjax.decode import governor as adaptive
+    from specjax.decode.engine import prefill_jit
 
     args = (jnp.zeros((2, 3), jnp.float32),)
 
@@ -232,8 +233,8 @@ def test_stored_executables_are_keyed_by_their_compiler_options():
     an executable stored with other options must never be loaded in its place."""
     import jax.numpy as jnp
 
-    from specjax import compile_cache, executables
-    from specjax.engine import prefill_jit
+    from specjax.decode import compile_cache, executables
+    from specjax.decode.engine import prefill_jit
 
     args = (jnp.zeros((2, 3), jnp.float32),)
     options = executables._CPU_PREFILL_OPTIONS

@@ -9,7 +9,7 @@ import time
 
 import numpy as np
 
-from specjax import compile_cache, executables
+from specjax.decode import compile_cache, executables
 
 
 def fake_entry(store, name: str, size: int, uses: int, age_s: float = 0.0) -> object:

@@ -1,4 +1,4 @@
-"""The native CPU linear kernel (`specjax.cpu_kernels`) as behaviour.
+"""The native CPU linear kernel (`specjax.kernels.cpu`) as behaviour.
 
 Independent sources: float64 NumPy products; the kernel's own single-row results (a row's
 value must not depend on the rows beside it or on the thread split); the engine's greedy
@@ -19,9 +19,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import api, cpu_kernels, executables
+from specjax import api
 from specjax.api import generate
 from specjax.config import SpecConfig
+from specjax.decode import executables
+from specjax.kernels import cpu as cpu_kernels
 from specjax.models import llama
 from specjax.testing import noisy_copy, tiny_model
 

@@ -1,6 +1,6 @@
 """The decode path's performance invariants, as behaviour: attention reads only the used cells
 (chunked online softmax) and changes nothing, compiled loops copy no cache buffer, and the
-draft governor only changes draft lengths, by the rule specjax.adaptive states.
+draft governor only changes draft lengths, by the rule specjax.decode.governor states.
 
 Independent sources: a float64 NumPy attention over every cell, a plain-Python transcription
 of the governor's rule, and the engine's own greedy output at another capacity.
@@ -18,9 +18,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, api, cpu_kernels, executables
+from specjax import api
 from specjax.api import generate
 from specjax.config import SpecConfig
+from specjax.decode import executables
+from specjax.decode import governor as adaptive
+from specjax.kernels import cpu as cpu_kernels
 from specjax.models import llama
 from specjax.testing import noisy_copy, tiny_model
 
@@ -240,7 +243,7 @@ def test_round_without_drafts_ends_as_an_off_round(monkeypatch, adaptive, temper
     as an off round (1-token verify at top level, no drafter feedback): tokens, every
     statistic (per drafter, governor counters) and the number of rounds are those of the full
     round it stands for. Rounds with drafts, rejected drafts and rounds without occur."""
-    from specjax import compile_cache
+    from specjax.decode import compile_cache
     from specjax.drafters.base import ModelFreeDrafter
 
     target = tiny_model(2)
@@ -356,7 +359,7 @@ def _loop_on_decode_weights(kernel):
 def _python_choice(
     hit, accept, budget, active, k_max, verify, draft_step, call, widths, catch_up=0.0, behind=None
 ):
-    """Transcription of specjax.adaptive's rule (module docstring)."""
+    """Transcription of specjax.decode.governor's rule (module docstring)."""
     rows = [r for r in range(len(hit)) if active[r]]
     p_some = 1.0 - math.prod(1.0 - hit[r] for r in rows)
     n = len(rows)
@@ -686,9 +689,9 @@ def test_governor_reach_earns_wider_verifies_one_width_at_a_time():
         grown, cost, budget, jnp.asarray([True]), 64, widths, caps=caps
     )
     assert int(capped[0]) == 16
+    from specjax.decode.engine import Engine
     from specjax.drafters.ngram_mod import NgramMod
     from specjax.drafters.ngram_simple import NgramSimple
-    from specjax.engine import Engine
 
     target = tiny_model(5).config
     engine = Engine(target=target, drafters=(NgramSimple(),), k_max=48, capacity=64, out_capacity=8)

@@ -64,8 +64,9 @@ def test_on_cpu_the_heads_products_run_on_the_native_kernel(target, dspark):
     as `KernelWeight`s (made once per set of weights): a block's few-row products then call
     the kernel instead of XLA's dots (~1 ms of a round on a 2-core CPU before), with the
     same drafts."""
-    from specjax import api, cpu_kernels
+    from specjax import api
     from specjax.drafters.registry import build_drafters
+    from specjax.kernels import cpu as cpu_kernels
     from specjax.models import llama
 
     if not cpu_kernels.available():
@@ -380,7 +381,7 @@ def test_training_scores_each_row_against_the_logits_that_verify_it(dspark):
     """The drafter writes draft index i (block row beg + i) at n + 1 + i, where the target's
     logits at n + i verify it: the trainer scores that row against exactly those logits, and
     no row past the window or before the first drafted row."""
-    from specjax.train_dflash import anchor_blocks
+    from specjax.train.dflash import anchor_blocks
 
     V, Dt, T, W = 41, 12, 10, 4
     cfg = tiny_training_head(V, Dt, W, dspark)
@@ -404,7 +405,7 @@ def test_generated_rows_are_not_scored_past_their_length(dspark):
     """A generated row ends early (0-padded after the target's end of generation): with its
     length, the block loss is the same whatever the padding holds, and rows past it are not
     scored; without the length the padding would count."""
-    from specjax.train_dflash import LoopConfig, block_loss
+    from specjax.train.dflash import LoopConfig, block_loss
 
     V, Dt, T, W, L = 41, 12, 16, 4, 9
     cfg = tiny_training_head(V, Dt, W, dspark)
@@ -439,7 +440,7 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     import optax
 
     from specjax.drafters.dflash import make_drafter
-    from specjax.train_dflash import LoopConfig, block_loss
+    from specjax.train.dflash import LoopConfig, block_loss
 
     V, Dt, T, W = 41, 12, 10, 4
     cfg = df.DFlashConfig(
@@ -486,7 +487,7 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     # the trainer's blocks (anchor_blocks) propose the drafter's first token, and the row
     # whose token the drafter writes at n + 1 + i (draft index i, block row beg + i) is
     # scored against the target's logits that verify it, at n + i
-    from specjax.train_dflash import anchor_blocks
+    from specjax.train.dflash import anchor_blocks
 
     blocks = jax.jit(anchor_blocks, static_argnums=0)  # one program, not op by op
     logits, _, tgt_idx, valid = blocks(cfg, params, {}, inputs, f, anchors)
@@ -560,8 +561,8 @@ def test_shipped_heads_accept_what_their_training_blocks_predict(name, kind):
     that is well above a useless head's 1.0: a broken export, feature wiring or injection
     fails here, while the lossless tests above pass whatever the drafts are."""
     import specjax
-    from specjax.train_dflash import anchor_blocks
-    from specjax.train_eagle3 import target_outputs
+    from specjax.train.dflash import anchor_blocks
+    from specjax.train.eagle3 import target_outputs
 
     target = specjax.load(str(MODELS / "code-target" / "code-target-f16.gguf"))
     head = specjax.load(str(MODELS / name / f"{name}-f16.gguf"))
@@ -602,7 +603,7 @@ def test_head_recipes_parse_and_stay_within_eagle3s_budget():
     """The shipped heads' recipes: stage 2 starts from stage 1's run on the target's greedy
     text, and every head fits code-eagle3's parameter budget (the issue's equal budget)."""
     from specjax.models.config import ModelConfig
-    from specjax.train_dflash import head_config, load_config
+    from specjax.train.dflash import head_config, load_config
 
     root = MODELS.parent / "configs" / "train"
     target = ModelConfig(

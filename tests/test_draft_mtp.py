@@ -329,9 +329,7 @@ def test_rs_path_equals_plain_greedy() -> None:
     """n_rs_seq = 4, draft n_max 6: full drafts roll back by checkpoint + replay; drafts the
     budget cuts to <= 4 near a row's end roll back by an RS plane."""
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=6)
-    res = generate(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=4
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=4)
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     _check_drafted(d)
@@ -344,9 +342,7 @@ def test_rs_path_equals_plain_greedy() -> None:
 @pytest.mark.slow  # the RS test takes checkpoint + replay too; this one only them
 def test_full_path_equals_plain_greedy() -> None:
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=3)
-    res = generate(
-        _model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=0
-    )
+    res = generate(_model(), _prompts(), max_new_tokens=N_NEW, n_ctx=128, spec=spec, n_rs_seq=0)
     assert res.tokens == _plain()
     d = res.stats.to_dict()
     _check_drafted(d)

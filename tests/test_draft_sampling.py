@@ -13,8 +13,8 @@ import dataclasses
 
 import pytest
 
-from specjax import cli
 from specjax.api import generate
+from specjax.cli import command as cli
 from specjax.config import SpecConfig
 from specjax.testing import noisy_copy, tiny_model
 

@@ -13,8 +13,8 @@ import specjax
 from specjax.drafters.draft_simple import check_vocab_compatible
 from specjax.drafters.registry import build_drafters
 from specjax.errors import VocabMismatchError
+from specjax.io.tokenizer import Tokenizer
 from specjax.testing import tiny_config, tiny_tokenizer
-from specjax.tokenizer import Tokenizer
 
 
 @dataclasses.dataclass

@@ -80,8 +80,9 @@ def test_on_cpu_the_head_runs_on_the_native_kernels(target, head):
     """With the CPU kernel, the engine gets the head's linear weights and the shared LM head
     as `KernelWeight`s (made once per set of weights), and the compiled decoder then calls
     the kernels for its products and attention instead of XLA's dots."""
-    from specjax import api, cpu_kernels
+    from specjax import api
     from specjax.drafters.registry import build_drafters
+    from specjax.kernels import cpu as cpu_kernels
     from specjax.models import eagle3 as e3
     from specjax.models import llama
 
@@ -287,7 +288,7 @@ def test_get_set_state_round_trip(head):
 def test_gguf_round_trip(tmp_path, variant):
     from specjax.io import load_model_files
     from specjax.io.eagle3_gguf import load_eagle3_gguf, save_eagle3_gguf
-    from specjax.tokenizer import Tokenizer
+    from specjax.io.tokenizer import Tokenizer
 
     tok = Tokenizer.from_file("models/tokenizer/tokenizer.json")
     V = 2048
@@ -352,7 +353,7 @@ def test_gguf_round_trip(tmp_path, variant):
 def test_training_rollout_drafts_what_the_drafter_drafts(target, head):
     """The training-time test rollout (`ttt_rollout`) fed the drafter's own tokens proposes
     the drafter's tokens at every step, and its logits match the drafter's."""
-    from specjax.train_eagle3 import target_outputs, ttt_rollout
+    from specjax.train.eagle3 import target_outputs, ttt_rollout
 
     cfg = head.config
     shared = e3.shared_weights(cfg, target.params, False)
@@ -439,7 +440,7 @@ def test_cli_chain_with_ngram_mod_and_chunked_prefill(tmp_path, capsys):
     plain output and both drafters draft."""
     import json
 
-    from specjax import cli
+    from specjax.cli import command as cli
     from specjax.io.eagle3_gguf import save_eagle3_gguf
     from specjax.io.gguf_io import save_gguf
     from specjax.testing import tiny_model_with_tokenizer

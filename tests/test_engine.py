@@ -10,9 +10,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, api, engine, executables, sampling
+from specjax import api, sampling
 from specjax.api import generate
 from specjax.config import SpecConfig
+from specjax.decode import engine, executables
+from specjax.decode import governor as adaptive
 from specjax.testing import count_compiles, noisy_copy, tiny_model
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40]]
@@ -271,7 +273,7 @@ def test_rejection_sampling_engine_preserves_the_joint_of_drafted_positions(monk
     tests the second drafted token against the first position's p; their sample fails. The
     other rows' verify result is the unmodified `verify._rejection` output, selected per row.
     """
-    from specjax import verify
+    from specjax.decode import verify
 
     vocab, prompt, n = 10, [1, 2, 3], 3000
     base = tiny_model(3, vocab_size=vocab, n_layers=1)

@@ -18,8 +18,9 @@ import numpy as np
 import pytest
 
 import specjax
-from specjax import api, executables
+from specjax import api
 from specjax.config import SpecConfig
+from specjax.decode import executables
 from specjax.testing import count_compiles, noisy_copy, tiny_model
 
 N_CTX, NEW = 128, 15
@@ -206,7 +207,7 @@ def test_one_shot_calls_reuse_the_last_calls_pool_as_fresh(target, prompts):
 
 def test_a_generator_keeps_its_lookup_table_beside_the_pool(target, prompts):
     """With the draft governor on, ngram-mod is asked only where the n-gram ending at a row's
-    last token may be in its pool (`specjax.lookup_index`). A Generator keeps the table its
+    last token may be in its pool (`specjax.drafters.lookup_index`). A Generator keeps the table its
     last request ended with beside the pool, so a request asks where a one-shot call would,
     plus where earlier requests' n-grams are: the first request (a fresh pool) has a one-shot
     call's statistics exactly, and the next finds the continuation the first one taught (a

@@ -1,5 +1,5 @@
 """Drafter state through checkpoint + replay on the qwen35 hybrid target (FULL path,
-specjax.engine over the hybrid memory): a checkpointed round restores the drafters with the target (their
+specjax.decode.engine over the hybrid memory): a checkpointed round restores the drafters with the target (their
 memory trimmed by rollback, their per-row `data_spec` set back by `set_spec_state`, no
 `accept`), as upstream's server (spec 7.5).
 
@@ -23,13 +23,13 @@ import numpy as np
 import pytest
 
 from specjax import api, testing
-from specjax import engine as eng
 from specjax.config import SpecConfig
+from specjax.decode import engine as eng
+from specjax.decode.stats import rollback_dict
 from specjax.drafters.base import Drafter, DraftInput, DraftOutput, TargetBatch, TokenHistory
 from specjax.drafters.registry import build_drafters
 from specjax.models import qwen35 as q
 from specjax.pytree import pytree_dataclass, replace
-from specjax.stats import rollback_dict
 from specjax.testing import tiny_draft_config, tiny_qwen35_config
 from specjax.types import Array
 

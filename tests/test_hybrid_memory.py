@@ -1,4 +1,4 @@
-"""Hybrid memory (specjax.hybrid_memory) against a plain-Python transcription of llama.cpp's
+"""Hybrid memory (specjax.memory.hybrid) against a plain-Python transcription of llama.cpp's
 recurrent `seq_rm` rules (llama-memory-recurrent.cpp, llama-memory-hybrid.cpp) and against the
 float64 qwen35 recurrence (tests/oracles/qwen35_reference.py): plane d holds the state d tokens
 before the tail, a rollback of r <= n_rs_seq restores plane r, a failed seq_rm changes nothing,
@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 from oracles.qwen35_reference import Reference
 
-from specjax import api, memory
-from specjax.hybrid_memory import HybridMemory, RecurrentMemory, SeqRmType, can_seq_rm
-from specjax.hybrid_memory import forward_memory as _forward_memory
+from specjax import api
+from specjax.memory import ops as memory
+from specjax.memory.hybrid import HybridMemory, RecurrentMemory, SeqRmType, can_seq_rm
+from specjax.memory.hybrid import forward_memory as _forward_memory
 from specjax.models import qwen35 as q
 from specjax.models.config import ModelConfig
 from specjax.pytree import replace

@@ -1,4 +1,4 @@
-"""Sampling at temperature > 0 on the qwen35 hybrid target (specjax.engine over the hybrid memory): plain
+"""Sampling at temperature > 0 on the qwen35 hybrid target (specjax.decode.engine over the hybrid memory): plain
 sampling equals an independent host loop (the whole sequence re-evaluated from scratch each
 step, the token at position p drawn with `make_key(seed, p, ROLE_SAMPLE)`), and speculative
 sampling equals plain sampling token for token with the same per-row seeds on the FULL path

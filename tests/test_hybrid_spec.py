@@ -1,4 +1,4 @@
-"""Greedy speculative decoding on the qwen35 hybrid target (specjax.engine over the hybrid memory) equals plain
+"""Greedy speculative decoding on the qwen35 hybrid target (specjax.decode.engine over the hybrid memory) equals plain
 greedy decoding (specjax.hybrid's one-token loop) token for token, for B = 4 rows of different
 prompt lengths, on each rollback path; the per-path counters show the path was taken:
 
@@ -111,7 +111,7 @@ def test_ngram_mod_full_path_equals_plain_greedy() -> None:
 
 
 def test_target_of_type_no_disables_speculation_with_a_warning(monkeypatch) -> None:
-    import specjax.hybrid_memory as hm
+    import specjax.memory.hybrid as hm
 
     monkeypatch.setattr(hm, "can_seq_rm", lambda model, n_rs_seq=0: hm.SeqRmType.NO)
     with warnings.catch_warnings(record=True) as caught:
@@ -141,7 +141,7 @@ def test_draft_simple_equals_plain_greedy_on_both_paths(n_rs_seq: int) -> None:
 @pytest.mark.slow
 def test_context_end_is_the_same_for_plain_and_speculative() -> None:
     """max_new_tokens = -1: rows stop at a full context of 32, the last token at position 31
-    (llama.cpp's rule, as specjax.engine), plain and speculative alike."""
+    (llama.cpp's rule, as specjax.decode.engine), plain and speculative alike."""
     plain = generate(_model(), _prompts(), max_new_tokens=-1, n_ctx=32)
     assert plain.finish_reasons == ["context"] * 4
     assert [len(p) + len(t) for p, t in zip(_prompts(), plain.tokens)] == [32] * 4

@@ -18,10 +18,10 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from specjax.errors import ModelFileError
 from specjax.io import gguf_io, load_gguf, load_model_files, save_gguf
+from specjax.io.tokenizer import Tokenizer
 from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
 from specjax.models.config import rope_frequencies
 from specjax.testing import jittered_params, row_logits
-from specjax.tokenizer import Tokenizer
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
 

@@ -18,8 +18,8 @@ import pytest
 
 from specjax.errors import ModelFileError
 from specjax.io.gguf_qwen35 import load_qwen35_gguf, save_qwen35_gguf
+from specjax.io.tokenizer import Tokenizer
 from specjax.models import qwen35 as q
-from specjax.tokenizer import Tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,9 +18,9 @@ from tokenizers import decoders, models, pre_tokenizers, trainers
 from specjax.errors import ModelFileError
 from specjax.io import load_hf, load_model_files, save_hf
 from specjax.io.hf_io import config_from_hf, config_to_hf
+from specjax.io.tokenizer import Tokenizer
 from specjax.models import ModelConfig, RopeScaling, init_params
 from specjax.testing import jittered_params, row_logits
-from specjax.tokenizer import Tokenizer
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
 BASE = dict(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)

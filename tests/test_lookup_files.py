@@ -1,4 +1,4 @@
-"""llama.cpp lookup cache files and tools (`specjax.lookup`).
+"""llama.cpp lookup cache files and tools (`specjax.io.lookup`).
 
 Byte-level expectations were cross-checked against upstream's `common/ngram-cache.cpp`; the
 `peers` tests repeat that with llama.cpp's own tools when `SPECJAX_LLAMACPP_BIN` points at a
@@ -25,10 +25,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from oracles import ngram_cache_reference as ref
 
-from specjax import lookup
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache, context_cache
 from specjax.errors import ModelFileError
+from specjax.io import lookup
 
 TEXT = (
     "def add(a, b):\n    return a + b\n\n\ndef sub(a, b):\n    return a - b\n\n\n"

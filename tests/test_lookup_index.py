@@ -1,4 +1,4 @@
-"""The lookup index (`specjax.lookup_index`): a chain of lookup drafters is asked only for rows
+"""The lookup index (`specjax.drafters.lookup_index`): a chain of lookup drafters is asked only for rows
 whose stream's last n-gram occurred before.
 
 Independent sources: a plain-Python transcription of the index (the polynomial hash mod 2^32
@@ -13,17 +13,18 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import adaptive, lookup_index
-from specjax import continuous as cont
-from specjax import engine as eng
 from specjax.api import generate
 from specjax.config import SpecConfig
+from specjax.decode import engine as eng
+from specjax.decode import governor as adaptive
+from specjax.drafters import lookup_index
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache
 from specjax.drafters.ngram_map import NgramMapK
 from specjax.drafters.ngram_mod import NgramMod
 from specjax.drafters.ngram_simple import NgramSimple
 from specjax.drafters.registry import build_drafters
+from specjax.jobs import continuous as cont
 from specjax.pytree import replace
 from specjax.testing import run_params, tiny_model
 

@@ -1,4 +1,4 @@
-"""specjax.memory against a pure-Python model of llama.h's memory API.
+"""specjax.memory.ops against a pure-Python model of llama.h's memory API.
 
 The reference keeps, per row, a list of S cells holding (position, token id) or None. It also
 models specjax's cell layout (new tokens and copies take the lowest free cells), so the test
@@ -16,9 +16,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from specjax import memory
-from specjax.cache import KVCache, check_overflow, write_layer, write_positions
 from specjax.errors import CacheOverflowError
+from specjax.memory import ops as memory
+from specjax.memory.kv import KVCache, check_overflow, write_layer, write_positions
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 

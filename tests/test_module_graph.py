@@ -86,3 +86,21 @@ def test_finder_sees_a_cycle_through_a_function_level_import(tmp_path: Path) -> 
 def test_the_package_has_no_import_cycle() -> None:
     cycle = find_cycle(module_graph())
     assert cycle is None, "import cycle: " + " -> ".join(cycle or [])
+
+
+def test_a_moved_module_keeps_its_old_name_with_a_warning() -> None:
+    import importlib
+    import sys
+    import warnings
+
+    import specjax
+    from specjax.decode import engine
+
+    for new in specjax.MOVED_MODULES.values():
+        assert importlib.util.find_spec(new) is not None, new
+    sys.modules.pop("specjax.engine", None)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        old = importlib.import_module("specjax.engine")
+    assert old is engine
+    assert any("specjax.engine moved to specjax.decode.engine" in str(w.message) for w in caught)

@@ -26,10 +26,10 @@ from oracles.ngram_cache_reference import (
     token_hash,
 )
 
-from specjax import cpu_kernels
 from specjax.drafters.base import DraftInput, TokenHistory
 from specjax.drafters.ngram_cache import NgramCache, NgramCacheTables, context_cache
-from specjax.lookup_file import build_lookup_table, make_tables
+from specjax.io.lookup_file import build_lookup_table, make_tables
+from specjax.kernels import cpu as cpu_kernels
 
 B, S, K = 2, 40, 8
 PAD = (256, 256, 8, 16)  # read-only table shape: n-grams, entries, longest part, probes

@@ -1,4 +1,4 @@
-"""specjax.objectives against the verifier, plain-Python transcriptions and finite differences."""
+"""specjax.train.objectives against the verifier, plain-Python transcriptions and finite differences."""
 
 from __future__ import annotations
 
@@ -9,10 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import objectives as obj
+from specjax.decode.verify import first_argmax, verify_greedy, verify_rejection
 from specjax.drafters.base import DraftOutput
 from specjax.sampling import SamplingParams, make_key, target_probs
-from specjax.verify import first_argmax, verify_greedy, verify_rejection
+from specjax.train import objectives as obj
 
 # The verifier's functions as oracles, and the objectives checked against them, compiled once
 # each instead of op by op (every eager jnp op compiles a program of its own: suite time)

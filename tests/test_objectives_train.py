@@ -9,13 +9,13 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import cli
-from specjax import objectives as obj
-from specjax import train_draft as td
+from specjax.cli import command as cli
 from specjax.models.config import ModelConfig
 from specjax.models.llama import init_params
-from specjax.train import load_params_npz, load_tokens, model_logits, save_params_npz
-from specjax.train_draft import DistillRecipe, document_prompts, train_draft
+from specjax.train import draft as td
+from specjax.train import objectives as obj
+from specjax.train.draft import DistillRecipe, document_prompts, train_draft
+from specjax.train.target import load_params_npz, load_tokens, model_logits, save_params_npz
 
 VOCAB = 32
 

@@ -1,4 +1,4 @@
-"""The governor's prices measured on the device (`specjax.prices`: `cost_model`, `measure`)."""
+"""The governor's prices measured on the device (`specjax.decode.prices`: `cost_model`, `measure`)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 
 import specjax
-from specjax import api, prices
+from specjax import api
 from specjax.config import SpecConfig
+from specjax.decode import prices
 from specjax.drafters.ngram_cache import NgramCache
 from specjax.drafters.ngram_mod import NgramMod
 from specjax.drafters.ngram_simple import NgramSimple
@@ -181,7 +182,7 @@ def test_a_feature_head_is_priced_by_its_measured_ask(shipped, monkeypatch):
     (`ask_steps` 0, as before), the governor asked EAGLE-3 for drafts it could not pay for."""
     import jax.numpy as jnp
 
-    from specjax import adaptive
+    from specjax.decode import governor as adaptive
     from specjax.drafters.eagle3 import Eagle3Drafter
 
     target, _ = shipped

@@ -9,7 +9,9 @@ from typing import ClassVar
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import adaptive, engine, sampling
+from specjax import sampling
+from specjax.decode import engine
+from specjax.decode import governor as adaptive
 from specjax.drafters.base import DraftOutput, ModelFreeDrafter
 from specjax.pytree import pytree_dataclass
 from specjax.testing import tiny_model

@@ -1,4 +1,4 @@
-"""Rollback-path counters, one schema for every target (specjax.stats.ROLLBACK_PATHS): an
+"""Rollback-path counters, one schema for every target (specjax.decode.stats.ROLLBACK_PATHS): an
 attention-only target (PART) counts its rejected drafts in `seq_rm` and never in `rs_plane` /
 `checkpoint`; `record_rollback` against a plain-Python transcription; the hybrid target's
 report has the same keys (`to_dict()["rollback"]`, what `specjax generate --out` writes)."""
@@ -15,7 +15,7 @@ import pytest
 
 from specjax import api
 from specjax.config import SpecConfig
-from specjax.stats import ROLLBACK_PATHS, SpecStats, record_rollback
+from specjax.decode.stats import ROLLBACK_PATHS, SpecStats, record_rollback
 from specjax.testing import noisy_copy, tiny_config
 
 

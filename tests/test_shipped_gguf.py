@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 import specjax
-from specjax.data import read_texts, split_files, stdlib_files
 from specjax.drafters.draft_simple import check_vocab_compatible
+from specjax.train.data import read_texts, split_files, stdlib_files
 
 ROOT = Path(__file__).resolve().parents[1]
 TARGET = ROOT / "models" / "code-target" / "code-target-f16.gguf"

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from specjax.data import (
+from specjax.train.data import (
     SPECIAL_TOKENS,
     encode_documents,
     load_tokenizer,
@@ -91,7 +91,7 @@ def test_models_folder_stays_small() -> None:
     sys.version_info[:3] != (3, 11, 7), reason="tokenizer recipe ran on CPython 3.11.7"
 )
 def test_tokenizer_recipe_reproduces_shipped_file(tmp_path: Path) -> None:
-    from specjax.data import TokenizerConfig, train_tokenizer
+    from specjax.train.data import TokenizerConfig, train_tokenizer
 
     out = tmp_path / "tokenizer.json"
     train_tokenizer(TokenizerConfig(output=str(out)))

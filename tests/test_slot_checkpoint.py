@@ -1,4 +1,4 @@
-"""PARTIAL_ONLY prompt checkpoints of a hybrid memory (specjax.slot_checkpoint): a restored
+"""PARTIAL_ONLY prompt checkpoints of a hybrid memory (specjax.memory.checkpoint): a restored
 checkpoint continues exactly as the memory it was taken from (recurrent state restored, KV
 trimmed by seq_rm), the orbax round trip is exact, corruption and mismatches raise an error
 naming the file and the field, and a process killed while saving leaves the previous checkpoint
@@ -21,9 +21,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import slot_checkpoint as sc
-from specjax.hybrid_memory import HybridMemory
-from specjax.hybrid_memory import forward_memory as _forward_memory
+from specjax.memory import checkpoint as sc
+from specjax.memory.hybrid import HybridMemory
+from specjax.memory.hybrid import forward_memory as _forward_memory
 from specjax.models import qwen35 as q
 from specjax.testing import tiny_qwen35_config
 
@@ -124,7 +124,7 @@ def test_corruption_and_mismatch_name_the_file_and_field(tmp_path: Path) -> None
 _WRITER = textwrap.dedent(
     """
     import sys, numpy as np, jax.numpy as jnp
-    from specjax import slot_checkpoint as sc
+    from specjax.memory import checkpoint as sc
     i = 0
     while True:
         i += 1

@@ -1,4 +1,4 @@
-"""Slot save / restore (specjax.slots, `generate(slot_save_path=...)`, `specjax generate
+"""Slot save / restore (specjax.jobs.slots, `generate(slot_save_path=...)`, `specjax generate
 --slot-save-path`): a generation restored from a slot prefills only the prompt after the
 slot's prompt and gives the tokens of a full prefill (the ordinary prefill path is the
 reference), on an attention-only target and on the qwen35 hybrid target (KV + recurrent
@@ -22,11 +22,13 @@ import jax
 import numpy as np
 import pytest
 
-from specjax import api, cli, slots
+from specjax import api
+from specjax.cli import command as cli
 from specjax.config import SpecConfig
+from specjax.jobs import slots
+from specjax.memory.checkpoint import CheckpointError
 from specjax.models import qwen35 as q
 from specjax.models.config import ModelConfig
-from specjax.slot_checkpoint import CheckpointError
 from specjax.testing import tiny_config, tiny_qwen35_config
 
 LLAMA = tiny_config(vocab_size=64)
@@ -193,7 +195,8 @@ _SLOT_WORKER = textwrap.dedent(
     """
     import json, sys
     import jax
-    from specjax import api, slots
+    from specjax import api
+    from specjax.jobs import slots
     from specjax.models import qwen35 as q
 
     mode, directory, cfg_json, prompts_json = sys.argv[1:5]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from specjax.stats import (
+from specjax.decode.stats import (
     SpecStats,
     format_impl_lines,
     format_server_lines,

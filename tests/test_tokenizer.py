@@ -1,4 +1,4 @@
-"""specjax.tokenizer: byte-level BPE and SPM vocabularies, GGUF metadata and tokenizer.json I/O."""
+"""specjax.io.tokenizer: byte-level BPE and SPM vocabularies, GGUF metadata and tokenizer.json I/O."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from specjax.errors import ModelFileError
-from specjax.tokenizer import (
+from specjax.io.tokenizer import (
     SUPPORTED_PRE,
     TOKEN_BYTE,
     TOKEN_CONTROL,

@@ -10,9 +10,9 @@ import jax
 import numpy as np
 import pytest
 
-from specjax.data import split_files, stdlib_files
 from specjax.models.config import ModelConfig
-from specjax.train import (
+from specjax.train.data import split_files, stdlib_files
+from specjax.train.target import (
     TokenSampler,
     TrainConfig,
     apply_overrides,
@@ -96,7 +96,7 @@ def uninterrupted(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, dict]
 
 def _count_steps(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """Record the step number after every training step `train` runs in this process."""
-    import specjax.train as train_module
+    import specjax.train.target as train_module
 
     done: list[int] = []
     make_train_step = train_module.make_train_step
@@ -141,7 +141,7 @@ def test_killed_run_resumes_to_identical_parameters(
 _CHILD = """
 import sys, time
 import jax
-import specjax.train as tr
+import specjax.train.target as tr
 
 cfg = tr.load_config(sys.argv[1])
 kill_after, marker = int(sys.argv[2]), sys.argv[3]
@@ -324,7 +324,7 @@ def test_stdlib_file_list_is_sorted_and_excludes_site_packages() -> None:
 def test_training_log_with_a_partial_last_line_is_read_up_to_it(tmp_path) -> None:
     """A kill while appending to train_log.jsonl leaves half a line: resuming drops it (the
     record is written again); a broken line before the end is an error naming the line."""
-    from specjax.train import _read_log
+    from specjax.train.target import _read_log
 
     log = tmp_path / "train_log.jsonl"
     log.write_text('{"step": 4, "loss": 1.5}\n{"step": 8, "loss": 1.2}\n{"step": 12, "lo')

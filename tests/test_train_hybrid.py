@@ -1,4 +1,4 @@
-"""Training a qwen35 hybrid target (specjax.train_hybrid on specjax.train's loop): the training
+"""Training a qwen35 hybrid target (specjax.train.hybrid on specjax.train.target's loop): the training
 forward is the decode forward, a short run lowers the loss and exports a GGUF that loads back
 and forwards, and train.init_from copies exactly the top-level tensors of equal shape."""
 
@@ -13,14 +13,14 @@ import pytest
 
 import specjax
 from specjax.models import qwen35 as q
-from specjax.train import (
+from specjax.train.hybrid import train_hybrid
+from specjax.train.target import (
     TrainConfig,
     copy_top_level,
     load_params_npz,
     model_logits,
     save_params_npz,
 )
-from specjax.train_hybrid import train_hybrid
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -1,4 +1,4 @@
-"""specjax.train_mtp: the teacher-forced loss scores exactly the rows the drafter writes
+"""specjax.train.mtp: the teacher-forced loss scores exactly the rows the drafter writes
 ((x_p, h_{p-1}) at p, h_{-1} = 0) against a float64 NumPy transcription (the trunk and MTP
 oracles), and a short run + export writes the trained block into the GGUF, trunk unchanged."""
 
@@ -13,7 +13,7 @@ from oracles.qwen35_reference import Reference
 
 from specjax.models import qwen35 as q
 from specjax.testing import tiny_qwen35_config
-from specjax.train_mtp import OBJECTIVES, LoopConfig, mtp_loss, trunk_outputs
+from specjax.train.mtp import OBJECTIVES, LoopConfig, mtp_loss, trunk_outputs
 
 CFG = tiny_qwen35_config(n_nextn=1)
 

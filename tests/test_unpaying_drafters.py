@@ -15,10 +15,12 @@ from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 import specjax
-from specjax import adaptive, api, batching
-from specjax import engine as eng
+from specjax import api
 from specjax.config import SpecConfig
+from specjax.decode import engine as eng
+from specjax.decode import governor as adaptive
 from specjax.drafters.registry import build_drafters
+from specjax.jobs import batch as batching
 
 MODELS = Path(__file__).resolve().parent.parent / "models"
 PROMPT = "def add(a, b):\n    return a + b\n\n\ndef add(a, b):\n    return a + b\n\n\ndef add("
@@ -36,7 +38,7 @@ def _cost(verify: float, step: float, call: float, catch_up: bool = False) -> ad
 
 
 def _margin_at_prior(verify, step, call, batch, k_max, widths, caps) -> float:
-    """Plain-Python float64 transcription of the governor's rule (specjax.adaptive's module
+    """Plain-Python float64 transcription of the governor's rule (specjax.decode.governor's module
     docstring) at its prior, every row hitting: the best of (tokens per cost of a draft of
     k <= min(caps[0], k_max) tokens) / (tokens per cost of plain decoding) - 1, over 1..batch
     active rows. Drafting pays somewhere iff it is > 0."""

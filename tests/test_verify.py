@@ -8,17 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.drafters.base import DraftOutput
-from specjax.sampling import (
-    ROLE_DRAFT,
-    ROLE_SAMPLE,
-    SamplingParams,
-    apply_penalties,
-    make_key,
-    sample_token,
-    target_probs,
-)
-from specjax.verify import (
+from specjax.decode.verify import (
     BRANCH_MATCH,
     BRANCH_REJECTION,
     BRANCH_REPLAY,
@@ -31,6 +21,16 @@ from specjax.verify import (
     verify_replay,
     verify_rows,
     verify_synthetic,
+)
+from specjax.drafters.base import DraftOutput
+from specjax.sampling import (
+    ROLE_DRAFT,
+    ROLE_SAMPLE,
+    SamplingParams,
+    apply_penalties,
+    make_key,
+    sample_token,
+    target_probs,
 )
 
 #: chi-square quantiles at 1 - 1e-4 by degrees of freedom (scipy.stats.chi2.ppf).
@@ -195,7 +195,7 @@ def _two_token_joint(verifier, n_trials: int = N_TRIALS) -> np.ndarray:
 
 
 def test_rejection_k2_preserves_the_joint_of_two_emitted_tokens(monkeypatch):
-    import specjax.verify as verify_module
+    import specjax.decode.verify as verify_module
 
     joint = (P1[:, None] * P2).reshape(-1)
     samples = _two_token_joint(verify_rejection)
@@ -492,9 +492,9 @@ def test_verify_rows_synthetic_switch_keeps_replay_rows():
 
 def test_verify_greedy_equals_verify_rows_at_temperature_zero() -> None:
     """The engine's greedy fast path must be bit-identical to the general verifier."""
+    from specjax.decode.verify import first_argmax, verify_greedy, verify_rows
     from specjax.drafters.base import DraftOutput
     from specjax.sampling import SamplingParams
-    from specjax.verify import first_argmax, verify_greedy, verify_rows
 
     b, k, v = 6, 4, 9
     rng = np.random.default_rng(0)
@@ -520,7 +520,7 @@ def test_verify_greedy_equals_verify_rows_at_temperature_zero() -> None:
 
 
 def test_first_argmax_is_argmax_with_lowest_index_on_ties() -> None:
-    from specjax.verify import first_argmax
+    from specjax.decode.verify import first_argmax
 
     rng = np.random.default_rng(1)
     ties = rng.integers(0, 3, (7, 5, 11)).astype(np.float32)  # many ties

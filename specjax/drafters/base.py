@@ -227,7 +227,7 @@ class Drafter:
 
     def lookup_size(self) -> int | None:
         """The length n of the n-gram the drafter looks up: it can draft only where the last n
-        tokens of the stream occurred earlier in it (`specjax.lookup_index`); None = no such
+        tokens of the stream occurred earlier in it (`specjax.drafters.lookup_index`); None = no such
         condition (a drafter that may draft from other sources: a model, ngram-cache's
         files)."""
         return None

@@ -41,7 +41,6 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
-from specjax.cache import KVCache, keep_prefix
 from specjax.control import run_once
 from specjax.drafters.base import (
     Drafter,
@@ -52,6 +51,7 @@ from specjax.drafters.base import (
     empty_draft,
 )
 from specjax.drafters.draft_simple import DRAFT_TOP_K
+from specjax.memory.kv import KVCache, keep_prefix
 from specjax.models import dflash as df
 from specjax.models.llama import commit_kv, new_cache
 from specjax.pytree import pytree_dataclass

@@ -50,7 +50,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
-from specjax.cache import KVCache, keep_prefix
 from specjax.drafters.base import (
     Drafter,
     DraftInput,
@@ -63,6 +62,7 @@ from specjax.drafters.base import (
     read_boundary_blob,
 )
 from specjax.drafters.draft_simple import DRAFT_TOP_K
+from specjax.memory.kv import KVCache, keep_prefix
 from specjax.models import qwen35
 from specjax.models.llama import ExtraKV, commit_kv
 from specjax.models.qwen35_mtp import new_nextn_cache, nextn_forward

@@ -63,7 +63,6 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
-from specjax.cache import KVCache, keep_prefix
 from specjax.control import run_once
 from specjax.drafters.base import (
     Drafter,
@@ -74,7 +73,8 @@ from specjax.drafters.base import (
     empty_draft,
 )
 from specjax.errors import VocabMismatchError
-from specjax.hybrid_memory import HybridMemory, forward_memory, select_recurrent
+from specjax.memory.hybrid import HybridMemory, forward_memory, select_recurrent
+from specjax.memory.kv import KVCache, keep_prefix
 from specjax.models import qwen35
 from specjax.models.config import ModelConfig
 from specjax.models.llama import ExtraKV, commit_kv, forward_compute, new_cache

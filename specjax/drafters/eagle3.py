@@ -59,7 +59,6 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
-from specjax.cache import KVCache, keep_prefix
 from specjax.config import DRAFT_K_MIN
 from specjax.control import run_once
 from specjax.drafters.base import (
@@ -74,6 +73,7 @@ from specjax.drafters.base import (
     read_boundary_blob,
 )
 from specjax.drafters.draft_simple import DRAFT_SEED_XOR, DRAFT_TOP_K
+from specjax.memory.kv import KVCache, keep_prefix
 from specjax.models import eagle3 as e3
 from specjax.models.llama import ExtraKV, commit_kv, new_cache
 from specjax.pytree import pytree_dataclass, replace

@@ -16,13 +16,13 @@ Three caches map an n-gram (up to 4 tokens, -1 padded) to counts of the tokens t
   Nothing in a round scales with `table_size`, except the context part of drafting WITH a static
   cache (weights depend on the query, so the part's members are scanned: O(table_size)).
 * **dynamic** and **static** (shared by all rows, read-only while generating): `LookupTable`s
-  built on the host from llama.cpp cache files (`specjax.lookup_file.make_tables`), passed as the
+  built on the host from llama.cpp cache files (`specjax.io.lookup_file.make_tables`), passed as the
   drafter's `params` (`NgramCacheTables`, or None when no file is used). Their parts are stored
   contiguously in libstdc++ iteration order, with per-n-gram sums and the count-only best token
   precomputed. The dynamic cache is updated on the host after a run (see
-  `specjax.lookup.update_dynamic_cache` / `context_cache`), as llama.cpp's lookup example does.
-  Of the host side this module imports only `specjax.lookup_file` (the tables' types, and
-  `from_spec` loads the files it names), never `specjax.lookup`.
+  `specjax.io.lookup.update_dynamic_cache` / `context_cache`), as llama.cpp's lookup example does.
+  Of the host side this module imports only `specjax.io.lookup_file` (the tables' types, and
+  `from_spec` loads the files it names), never `specjax.io.lookup`.
 
 Invariants (`draft`, per drafting row, exactly upstream's `common_speculative_impl_ngram_cache`):
 * The stream is `history[0:length] + [last_token]`. Positions `[cache_size, length+1)` not yet
@@ -76,9 +76,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax import cpu_kernels
 from specjax.drafters.base import Drafter, DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
-from specjax.lookup_file import HASH_MULT, HASH_SEED, LookupTable, NgramCacheTables, load_tables
+from specjax.io.lookup_file import HASH_MULT, HASH_SEED, LookupTable, NgramCacheTables, load_tables
+from specjax.kernels import cpu as cpu_kernels
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
@@ -102,7 +102,7 @@ _INT_MIN = np.iinfo(np.int32).min
 _INT_MAX = np.iinfo(np.int32).max
 
 # ---------------------------------------------------------------------------------------------
-# hashing (`specjax.lookup_file.hash_words_np` is the host twin)
+# hashing (`specjax.io.lookup_file.hash_words_np` is the host twin)
 # ---------------------------------------------------------------------------------------------
 
 
@@ -731,7 +731,7 @@ def _draft_rows(
 
 
 # ---------------------------------------------------------------------------------------------
-# host helper (no IO: `specjax.lookup_file` reads and writes files)
+# host helper (no IO: `specjax.io.lookup_file` reads and writes files)
 # ---------------------------------------------------------------------------------------------
 
 

@@ -11,8 +11,8 @@ import os
 from specjax.errors import ModelFileError
 from specjax.io.gguf_io import load_gguf, save_gguf
 from specjax.io.hf_io import load_hf, save_hf
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import ModelConfig
-from specjax.tokenizer import Tokenizer
 from specjax.types import Params
 
 __all__ = ["load_gguf", "load_hf", "load_model_files", "save_gguf", "save_hf"]

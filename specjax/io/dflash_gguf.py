@@ -51,8 +51,8 @@ from specjax.io.gguf_io import (
     _tensor_to_numpy,
     atomic_gguf_writer,
 )
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, check_params
-from specjax.tokenizer import Tokenizer
 from specjax.types import Params
 
 ARCH = "dflash"

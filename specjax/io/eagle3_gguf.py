@@ -47,8 +47,8 @@ from specjax.io.gguf_io import (
     read_architecture,
     unpermute_qk,
 )
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.eagle3 import Eagle3Config, check_params
-from specjax.tokenizer import Tokenizer
 from specjax.types import Params
 
 ARCH = "eagle3"

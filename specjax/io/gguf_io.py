@@ -36,8 +36,8 @@ import numpy as np
 from gguf import GGMLQuantizationType as QT
 
 from specjax.errors import ModelFileError
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import ARCHS, ModelConfig, RopeScaling, rope_frequencies
-from specjax.tokenizer import Tokenizer
 from specjax.types import Array, Params
 
 SAVE_DTYPES = ("f32", "f16", "bf16", "q8_0")

@@ -42,8 +42,8 @@ from specjax.io.gguf_io import (
     _tensor_to_numpy,
     atomic_gguf_writer,
 )
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.qwen35 import Qwen35Config, check_params
-from specjax.tokenizer import Tokenizer
 from specjax.types import Params
 
 ARCH = "qwen35"

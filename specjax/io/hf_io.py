@@ -29,8 +29,8 @@ import safetensors.numpy
 
 from specjax.errors import ModelFileError
 from specjax.io.gguf_io import check_params, split_layer
+from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import ModelConfig, RopeScaling
-from specjax.tokenizer import Tokenizer
 from specjax.types import Params
 
 _ARCH_OF_CLASS = {

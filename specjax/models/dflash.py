@@ -47,7 +47,7 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, used_cells
+from specjax.memory.kv import KVCache, used_cells
 from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
@@ -449,7 +449,7 @@ def block_forward(
 
 def kernel_params(params: Params) -> Params:
     """`params` with `fc`, every layer's linear weights and an own LM head as
-    `llama.KernelWeight` (few-row products on `specjax.cpu_kernels` instead of XLA's dots and
+    `llama.KernelWeight` (few-row products on `specjax.kernels.cpu` instead of XLA's dots and
     YNNPACK fusions, which cost ~0.1-0.3 ms each per round at a block's few rows). For CPU
     with the kernel available; `api` makes this form for the engine, training keeps plain
     arrays."""

@@ -27,7 +27,7 @@ Invariants:
   attention over cache + own rows + `extra` scratch cells by position
   (`specjax.models.llama._layer_attention`), RMSNorm and the cache layout; only the Q/K/V
   input and the residual differ. `decoder_qkv` / `decoder_out` are shared with training
-  (`specjax.train_eagle3`), whose attention differs (training-time test rollout).
+  (`specjax.train.eagle3`), whose attention differs (training-time test rollout).
 * Like `forward_compute`, `decoder_compute` reads the cache and never writes it; `commit_kv`
   writes afterwards.
 """
@@ -41,7 +41,7 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, used_cells
+from specjax.memory.kv import KVCache, used_cells
 from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
@@ -305,6 +305,6 @@ LINEAR_WEIGHTS = ("fc", "wqkv", "wo", "w_gate_up", "w_down", "lm_head")
 
 def kernel_params(params: Params) -> Params:
     """`params` with the linear weights as `llama.KernelWeight` (decode and draft steps on
-    `specjax.cpu_kernels`, the attention on its native kernel too). For CPU with the kernel
+    `specjax.kernels.cpu`, the attention on its native kernel too). For CPU with the kernel
     available; `api` makes this form for the engine, training keeps plain arrays."""
     return {k: kernel_weight(v) if k in LINEAR_WEIGHTS else v for k, v in params.items()}

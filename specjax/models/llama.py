@@ -5,7 +5,7 @@ Invariants:
   (finite, never NaN) and must be ignored by the caller.
 * `forward_compute` reads the cache and never writes it: new tokens attend to the cached cells,
   to each other and to optional `extra` cells (a drafter's scratch), all by position (see
-  specjax.cache), in one softmax; `commit_kv` writes the new K/V afterwards. So a token
+  specjax.memory.kv), in one softmax; `commit_kv` writes the new K/V afterwards. So a token
   attends to itself and to earlier tokens of the same call exactly as if written first.
 * Attention reads the cache in chunks of CACHE_CHUNK cells up to its high-water mark (an
   online softmax in a loop), so cost follows the used context, not the capacity. With decode
@@ -30,9 +30,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import cpu_kernels
-from specjax.cache import KVCache, used_cells, write_layer, write_positions
 from specjax.control import cpu_control_flow
+from specjax.kernels import cpu as cpu_kernels
+from specjax.memory.kv import KVCache, used_cells, write_layer, write_positions
 from specjax.models.config import ModelConfig, rope_frequencies
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
@@ -69,7 +69,7 @@ class InputMajor:
 
 @pytree_dataclass
 class KernelWeight:
-    """A linear weight for `specjax.cpu_kernels`: products with at most `cpu_kernels.MAX_ROWS`
+    """A linear weight for `specjax.kernels.cpu`: products with at most `cpu_kernels.MAX_ROWS`
     activation rows (decode, verify, prompts up to that length) run on the native kernel over
     `panels`, larger ones (longer prompts) on XLA's dot over `stored`.
 

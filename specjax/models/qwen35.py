@@ -43,7 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, used_cells
+from specjax.memory.kv import KVCache, used_cells
 from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, _attend_prompt, commit_kv, rms_norm
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params

@@ -28,7 +28,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.cache import KVCache, used_cells
+from specjax.memory.kv import KVCache, used_cells
 from specjax.models import qwen35
 from specjax.models.llama import CACHE_CHUNK, ExtraKV, rms_norm
 from specjax.types import Array, Params

@@ -2,7 +2,7 @@
 
 This is the executable statement of upstream's behaviour that the JAX drafter
 (`specjax.drafters.ngram_cache`) is checked against. The host algorithms themselves
-(`ngram_cache_update/draft/merge`, libstdc++ iteration order) are `specjax.lookup`'s plain-Python
+(`ngram_cache_update/draft/merge`, libstdc++ iteration order) are `specjax.io.lookup`'s plain-Python
 ones, imported rather than kept twice: what makes them an oracle is that
 tests/test_conformance_ngram_cache.py checks them, through `NgramCacheImplRef`, against vectors
 recorded from llama.cpp's own code, and the peers tests against llama.cpp's lookup tools.
@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from specjax.lookup import (  # noqa: F401  (re-exported for the tests)
+from specjax.io.lookup import (  # noqa: F401  (re-exported for the tests)
     MIN_PERCENT_LAX,
     MIN_PERCENT_STRICT,
     MIN_SAMPLE_LAX,
@@ -49,7 +49,7 @@ from specjax.lookup import (  # noqa: F401  (re-exported for the tests)
     ngram_cache_merge,
     ngram_cache_update,
 )
-from specjax.lookup_file import (  # noqa: F401  (re-exported for the tests)
+from specjax.io.lookup_file import (  # noqa: F401  (re-exported for the tests)
     BUCKET_CHAIN,
     Cache,
     Ngram,

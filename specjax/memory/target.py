@@ -1,0 +1,345 @@
+"""The target's memory behind one interface: what the engine's round asks of it.
+
+The engine (`specjax.decode.engine`) runs one prefill, one round and one loop for every target; what
+differs between targets is their memory, and only through this interface:
+
+    init(batch, capacity)                      -> memory     a fresh, empty memory pytree
+    forward(params, tokens, positions, memory, hidden_layers, fresh, logit_index)
+                                               -> TargetForward(logits, memory, hidden)
+                                                  the tokens' forward with their cells written
+    settle(before, after, length, n_drafted, n_accepted, active, replaying)
+                                               -> (memory, checkpoint [B] | None, paths)
+                                                  llama.cpp's rollback of the rejected tail
+    drop_from(memory, start)                   -> memory     seq_rm(row, start[row], -1), all rows
+    take_row(memory, slot) / put_row(memory, slot, row)      one row as a batch of one
+                                                             (continuous batching's slots)
+
+Two memories (both frozen, hashable: a field of the engine, static under jit):
+
+* `KVTargetMemory`: an attention-only model (`specjax.models.llama`) over a `KVCache`. Its
+  rollback level is PART: `seq_rm(row, keep, -1)` drops the rejected cells (`keep_prefix`),
+  so a rejected draft never needs a checkpoint (`checkpoints` False; `settle` returns None).
+* `HybridTargetMemory`: a qwen35 hybrid recurrent model over a `HybridMemory` (KV cache of
+  the attention layers + recurrent state with `n_rs_seq` snapshot planes). Its level is RS
+  when n_rs_seq > 0, else FULL. A rejected tail of at most n_rs_seq tokens rolls back by a
+  plane (`rs_plane`); a longer draft (decided on its length before verifying, as upstream's
+  `use_ckpt`) restores the pre-round recurrent state, the PARTIAL_ONLY checkpoint, and trims
+  the KV cells from the round's start: nothing is committed and the accepted tokens are the
+  row's replay draft for the next round (`checkpoints` True).
+
+Invariants: `forward` never reads cells at positions >= a row's write positions (the cells a
+round wrote are either kept or dropped by `settle` before the next round); `hidden` holds one
+array [B, T, D] per requested id in `hidden_layers` order (layer ids of a llama target;
+`H_NEXTN` of a qwen35 target, the LM head's input that draft-mtp reads). `paths` is an int32
+[len(ROLLBACK_PATHS)] vector of row-rounds per rollback path (`specjax.decode.stats`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, NamedTuple, Protocol
+
+import jax
+import jax.numpy as jnp
+
+from specjax.decode.stats import ROLLBACK_PATHS
+from specjax.memory.hybrid import HybridMemory, forward_memory_hidden, select_recurrent
+from specjax.memory.kv import KVCache, keep_prefix, row_high_water
+from specjax.models import qwen35
+from specjax.models.config import ModelConfig
+from specjax.models.llama import commit_kv, forward_compute, new_cache
+from specjax.pytree import replace
+from specjax.types import Array, Params
+
+#: The hidden-state id under which a qwen35 target hands its h_nextn (the LM head's input,
+#: which draft-mtp reads) in `TargetBatch.hidden`.
+H_NEXTN = -1
+
+
+class TargetForward(NamedTuple):
+    logits: Array  # [B, T, V], or [B, 1, V] with logit_index
+    memory: Any  # the memory with the tokens' cells written
+    hidden: tuple[Array, ...]  # one [B, T, D] per requested hidden id
+
+
+class TargetMemory(Protocol):
+    """What the engine's round asks of a target's memory (see the module docstring)."""
+
+    @property
+    def config(self) -> Any: ...
+
+    @property
+    def checkpoints(self) -> bool:
+        """Whether a rejected draft may need the pre-round checkpoint (then replayed)."""
+        ...
+
+    @property
+    def seq_rm_type(self) -> str:
+        """The rollback level llama.cpp's probe reports for it: PART, FULL or RS."""
+        ...
+
+    def init(self, batch: int, capacity: int) -> Any: ...
+
+    def forward(
+        self,
+        params: Params,
+        tokens_BT: Array,
+        positions_BT: Array,
+        memory: Any,
+        hidden_layers: tuple[int, ...] = (),
+        *,
+        fresh: bool = False,
+        logit_index: Array | None = None,
+    ) -> TargetForward: ...
+
+    def settle(
+        self,
+        before: Any,
+        after: Any,
+        length_B: Array,
+        n_drafted_B: Array,
+        n_accepted_B: Array,
+        active_B: Array,
+        replaying_B: Array | None,
+    ) -> tuple[Any, Array | None, Array]:
+        """After a verify of `n_drafted_B` draft tokens at `length_B` (`after`: the memory the
+        verify wrote, `before`: the round's start), keep id_last and the `n_accepted_B`
+        accepted tokens of the `active_B` rows and drop the rest. Returns the memory, the
+        rows that restored the checkpoint instead (they commit nothing and replay; None:
+        this memory never does) and the round's row counts per rollback path."""
+        ...
+
+    def drop_from(self, memory: Any, start_B: Array) -> Any:
+        """`seq_rm(row, start[row], -1)` for every row (start 0 empties the row)."""
+        ...
+
+    def take_row(self, memory: Any, slot: Array) -> Any: ...
+
+    def put_row(self, memory: Any, slot: Array, row: Any) -> Any: ...
+
+    def kv(self, memory: Any) -> KVCache:
+        """The attention cache inside the memory (overflow checks, sizes)."""
+        ...
+
+
+def _take(x: Array, slot: Array, axis: int = 0) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis)
+
+
+def _put(x: Array, slot: Array, value: Array, axis: int = 0) -> Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), slot, axis)
+
+
+def _kv_row(cache: KVCache, slot: Array) -> KVCache:
+    return KVCache(
+        k=tuple(_take(x, slot) for x in cache.k),
+        v=tuple(_take(x, slot) for x in cache.v),
+        pos=_take(cache.pos, slot),
+        overflow=_take(cache.overflow, slot),
+        inv_freq=cache.inv_freq,
+    )
+
+
+def _kv_put_row(cache: KVCache, slot: Array, row: KVCache) -> KVCache:
+    return KVCache(
+        k=tuple(_put(x, slot, y) for x, y in zip(cache.k, row.k)),
+        v=tuple(_put(x, slot, y) for x, y in zip(cache.v, row.v)),
+        pos=_put(cache.pos, slot, row.pos),
+        overflow=_put(cache.overflow, slot, row.overflow),
+        inv_freq=cache.inv_freq,
+    )
+
+
+def _path_counts(**counts: Array) -> Array:
+    """[len(ROLLBACK_PATHS)] int32 with the named paths' counts, 0 elsewhere."""
+    return jnp.stack(
+        [counts[name] if name in counts else jnp.zeros((), jnp.int32) for name in ROLLBACK_PATHS]
+    ).astype(jnp.int32)
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTargetMemory:
+    """An attention-only target over a `KVCache` (rollback level PART)."""
+
+    config: ModelConfig
+    #: KV cache dtypes (llama.cpp's `-ctk` / `-ctv`); None = the model's dtype.
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+
+    checkpoints = False
+    seq_rm_type = "PART"
+
+    def init(self, batch: int, capacity: int) -> KVCache:
+        return new_cache(self.config, batch, capacity, self.cache_type_k, self.cache_type_v)
+
+    def forward(
+        self,
+        params: Params,
+        tokens_BT: Array,
+        positions_BT: Array,
+        memory: KVCache,
+        hidden_layers: tuple[int, ...] = (),
+        *,
+        fresh: bool = False,
+        logit_index: Array | None = None,
+    ) -> TargetForward:
+        # `fresh`: the cache holds nothing yet (prefill), so nothing is read. Otherwise the
+        # read and the write share one pass over the cells (the high-water mark), and the
+        # write is ordered after the reads (`after`) so that it stays in place.
+        high_water = None if fresh else row_high_water(memory.pos)
+        out = forward_compute(
+            self.config,
+            params,
+            tokens_BT,
+            positions_BT,
+            memory,
+            hidden_layers,
+            cache_empty=fresh,
+            logit_index=logit_index,
+            high_water_B=high_water,
+        )
+        assert out.logits is not None
+        after = None if fresh else out.logits
+        memory = commit_kv(memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water)
+        return TargetForward(out.logits, memory, tuple(out.hidden))
+
+    def settle(
+        self,
+        before: KVCache,
+        after: KVCache,
+        length_B: Array,
+        n_drafted_B: Array,
+        n_accepted_B: Array,
+        active_B: Array,
+        replaying_B: Array | None,
+    ) -> tuple[KVCache, None, Array]:
+        """PART: `seq_rm(row, keep, -1)` drops the rejected cells of every row at once."""
+        verified = active_B & (n_drafted_B > 0)
+        rejected = n_drafted_B - n_accepted_B > 0
+        paths = _path_counts(
+            full_accept=jnp.sum(verified & ~rejected), seq_rm=jnp.sum(verified & rejected)
+        )
+        keep = jnp.where(active_B, length_B + n_accepted_B + 1, length_B)
+        return keep_prefix(after, keep), None, paths
+
+    def drop_from(self, memory: KVCache, start_B: Array) -> KVCache:
+        memory = keep_prefix(memory, start_B)
+        return replace(memory, overflow=memory.overflow & (start_B > 0))
+
+    def take_row(self, memory: KVCache, slot: Array) -> KVCache:
+        return _kv_row(memory, slot)
+
+    def put_row(self, memory: KVCache, slot: Array, row: KVCache) -> KVCache:
+        return _kv_put_row(memory, slot, row)
+
+    def kv(self, memory: KVCache) -> KVCache:
+        return memory
+
+
+@dataclasses.dataclass(frozen=True)
+class HybridTargetMemory:
+    """A qwen35 hybrid recurrent target over a `HybridMemory` (RS with n_rs_seq > 0, else
+    FULL)."""
+
+    config: qwen35.Qwen35Config
+    n_rs_seq: int = 0
+    kv_dtype: str | None = None
+
+    checkpoints = True
+
+    @property
+    def seq_rm_type(self) -> str:
+        return "RS" if self.n_rs_seq > 0 else "FULL"
+
+    def init(self, batch: int, capacity: int) -> HybridMemory:
+        return HybridMemory.init(self.config, batch, capacity, self.n_rs_seq, self.kv_dtype)
+
+    def forward(
+        self,
+        params: Params,
+        tokens_BT: Array,
+        positions_BT: Array,
+        memory: HybridMemory,
+        hidden_layers: tuple[int, ...] = (),
+        *,
+        fresh: bool = False,
+        logit_index: Array | None = None,
+    ) -> TargetForward:
+        if any(layer != H_NEXTN for layer in hidden_layers):
+            raise ValueError(
+                f"a {self.config.arch} target hands its drafters only h_nextn, not layers "
+                f"{[x for x in hidden_layers if x != H_NEXTN]}"
+            )
+        logits, memory, h_nextn = forward_memory_hidden(
+            self.config, params, tokens_BT, positions_BT, memory, cache_empty=fresh
+        )
+        if logit_index is not None:
+            logits = jnp.take_along_axis(logits, logit_index[:, None, None], axis=1)
+        return TargetForward(logits, memory, tuple(h_nextn for _ in hidden_layers))
+
+    def settle(
+        self,
+        before: HybridMemory,
+        after: HybridMemory,
+        length_B: Array,
+        n_drafted_B: Array,
+        n_accepted_B: Array,
+        active_B: Array,
+        replaying_B: Array | None,
+    ) -> tuple[HybridMemory, Array, Array]:
+        """RS: a rejected tail within the planes rolls back by `seq_rm(row, keep, -1)`.
+        Checkpoint (FULL, or RS with a draft longer than the planes: decided on the draft's
+        length, as upstream decides before verifying): the pre-round recurrent state comes
+        back (PARTIAL_ONLY) and the KV cells from the round's start are dropped; the row
+        commits nothing. Replayed tokens are accepted, so a replay round never rolls back."""
+        replaying = jnp.zeros_like(active_B) if replaying_B is None else replaying_B
+        rejected = active_B & (n_drafted_B - n_accepted_B > 0)
+        use_checkpoint = ~replaying & (n_drafted_B > self.n_rs_seq)
+        checkpoint = rejected & use_checkpoint
+        by_plane = rejected & ~use_checkpoint
+        memory, ok = after.seq_rm_rows(by_plane, length_B + n_accepted_B + 1, -1)
+        memory = replace(memory, rec=select_recurrent(checkpoint, before.rec, memory.rec))
+        memory, _ = memory.seq_rm_rows(checkpoint, length_B, -1)
+        verified = active_B & (n_drafted_B > 0) & ~checkpoint
+        paths = _path_counts(
+            full_accept=jnp.sum(verified & ~replaying & ~rejected),
+            rs_plane=jnp.sum(by_plane),
+            checkpoint=jnp.sum(checkpoint),
+            replay=jnp.sum(active_B & replaying),
+            seq_rm_failed=jnp.sum(by_plane & ~ok),
+        )
+        return memory, checkpoint, paths
+
+    def drop_from(self, memory: HybridMemory, start_B: Array) -> HybridMemory:
+        everywhere = jnp.ones(start_B.shape, bool)
+        memory, _ = memory.seq_rm_rows(everywhere, start_B, -1)
+        return replace(memory, kv=replace(memory.kv, overflow=memory.kv.overflow & (start_B > 0)))
+
+    def take_row(self, memory: HybridMemory, slot: Array) -> HybridMemory:
+        rec = memory.rec  # (planes lead the recurrent state: rows are its axis 1)
+        return HybridMemory(
+            kv=_kv_row(memory.kv, slot),
+            rec=replace(
+                rec,
+                conv=tuple(_take(x, slot, 1) for x in rec.conv),
+                ssm=tuple(_take(x, slot, 1) for x in rec.ssm),
+                pos=_take(rec.pos, slot),
+                rs_idx=_take(rec.rs_idx, slot),
+            ),
+        )
+
+    def put_row(self, memory: HybridMemory, slot: Array, row: HybridMemory) -> HybridMemory:
+        rec, new = memory.rec, row.rec
+        return HybridMemory(
+            kv=_kv_put_row(memory.kv, slot, row.kv),
+            rec=replace(
+                rec,
+                conv=tuple(_put(x, slot, y, 1) for x, y in zip(rec.conv, new.conv)),
+                ssm=tuple(_put(x, slot, y, 1) for x, y in zip(rec.ssm, new.ssm)),
+                pos=_put(rec.pos, slot, new.pos),
+                rs_idx=_put(rec.rs_idx, slot, new.rs_idx),
+            ),
+        )
+
+    def kv(self, memory: HybridMemory) -> KVCache:
+        return memory.kv

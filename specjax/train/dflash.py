@@ -1,0 +1,393 @@
+"""Training a DFlash or DSpark head for a frozen target (optax).
+
+Recipe: one YAML (configs/train/code-dflash.yaml, code-dspark.yaml), sections ``head``
+(DFlashConfig fields except the ones read from the target), ``target``, ``data``, ``optim``
+(as specjax.train.target), ``train`` and optionally ``generated`` (a second stage on the target's
+own text, started from the first with ``train.init_from``)::
+
+    python -m specjax.train.dflash train --config configs/train/code-dflash.yaml
+    python -m specjax.train.dflash train --config configs/train/code-dflash-stage2.yaml
+    python -m specjax.train.dflash export --run runs/code-dflash --out models/code-dflash/...gguf
+
+Per window of T tokens the frozen target gives its features and logits; `g` and the K/V of
+every position are computed once (`inject_kv`, as `process` writes them). From ``anchors``
+random anchor positions n per window a block `[t_n, MASK x (W - 1)]` at positions n..n+W-1
+is run exactly as `draft` runs it (`specjax.models.dflash.block_forward`): non-causal over
+the block, attending to the injected context at positions < n.
+
+* DFlash (block rows 1..W-1, row j predicts the token at n + j): soft cross-entropy against
+  the target's distribution at n + j - 1, weight ``decay ** (j - 1)``.
+* DSpark (anchor layout, row i predicts the token at n + i + 1; Markov bias teacher-forced
+  with the data token at n + i as `prev`): ``0.1 * CE + 0.9 * TV`` against the target's
+  distribution at n + i, plus the confidence BCE with label "the draft's argmax equals the
+  target's" (stop-gradient), same weights ``decay ** i``.
+
+With a ``generated`` section (`specjax.train.draft.GeneratedData`) the windows are the
+target's own continuations of training-document prompts (`target_rows`, shared with the draft
+trainer and its cache) instead of corpus windows; a row that ends early is scored only up to
+its length. Validation stays on corpus windows.
+
+Rows past the window are masked. Invariants: the batch at step s and the anchors are pure
+functions of (seed, s); the head's graph is the drafter's own code.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import time
+from collections.abc import Sequence
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import yaml
+
+from specjax.models import dflash as df
+from specjax.models.config import ModelConfig
+from specjax.train.draft import GeneratedData, RowSampler, target_rows
+from specjax.train.eagle3 import finish_head_run, head_cli, target_outputs
+from specjax.train.target import (
+    DataConfig,
+    OptimConfig,
+    TokenSampler,
+    learning_rate,
+    make_optimizer,
+    resolve_data,
+)
+from specjax.types import Array, Params
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class LoopConfig:
+    run_dir: str = "runs/code-dflash"
+    seed: int = 0
+    steps: int = 1000
+    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
+    anchors: int = 16  # blocks per window
+    decay: float = 0.8  # position weight decay along the block
+    ce_weight: float = 0.1  # DSpark
+    tv_weight: float = 0.9  # DSpark
+    conf_weight: float = 1.0  # DSpark
+    log_every: int = 10
+    eval_every: int = 200
+    eval_windows: int = 16
+    save_every: int = 100
+    init_from: str = ""  # a run directory: start from its head (fresh optimiser state)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DFlashTrainConfig:
+    head: dict[str, Any]
+    target: str
+    data: DataConfig
+    optim: OptimConfig
+    train: LoopConfig
+    #: train on the target's own continuations (`specjax.train.draft.GeneratedData`) instead
+    #: of corpus windows; validation stays on corpus windows
+    generated: GeneratedData | None = None
+
+
+def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DFlashTrainConfig:
+    from specjax.train.target import _from_dict, apply_overrides
+
+    raw = yaml.safe_load(Path(path).read_text()) or {}
+    raw = apply_overrides(raw, overrides)
+    unknown = sorted(set(raw) - {"head", "target", "data", "optim", "train", "generated"})
+    if unknown:
+        raise ValueError(f"unknown config sections: {', '.join(unknown)}")
+    return DFlashTrainConfig(
+        head=dict(raw.get("head") or {}),
+        target=str(raw["target"]),
+        data=_from_dict(DataConfig, raw.get("data"), "data"),
+        optim=_from_dict(OptimConfig, raw.get("optim"), "optim"),
+        train=_from_dict(LoopConfig, raw.get("train"), "train"),
+        generated=(
+            None
+            if raw.get("generated") is None
+            else _from_dict(GeneratedData, raw["generated"], "generated")
+        ),
+    )
+
+
+def head_config(head: dict[str, Any], target: ModelConfig) -> df.DFlashConfig:
+    data = dict(head)
+    data.setdefault("vocab_size", target.V)
+    data.setdefault("target_hidden", target.D)
+    data.setdefault("max_position", target.max_position)
+    data.setdefault("rope_theta", target.rope_theta)
+    data.setdefault("norm_eps", target.norm_eps)
+    cfg = df.DFlashConfig.from_dict(data)
+    if (not cfg.own_embed or not cfg.own_lm_head) and cfg.D != target.D:
+        raise ValueError(f"a head sharing the target's weights needs dim == {target.D}")
+    if max(cfg.target_layers) > target.L:
+        raise ValueError(f"target layer ids {list(cfg.target_layers)} exceed {target.L}")
+    return cfg
+
+
+def anchor_positions(seed: int, step: Array, B: int, A: int, T: int) -> Array:
+    """[B, A] anchors in 1..T-2 (at least one context row and one label), from (seed, step)."""
+    key = jax.random.fold_in(jax.random.key(seed), step)
+    return jax.random.randint(key, (B, A), 1, T - 1)
+
+
+def anchor_blocks(
+    cfg: df.DFlashConfig,
+    params: Params,
+    shared: Params,
+    inputs_BT: Array,
+    feats_BTF: Array,
+    anchors_BA: Array,
+) -> tuple[Array, Array | None, Array, Array]:
+    """Every anchor's block as the drafter runs it (DSpark: Markov bias teacher-forced with
+    the data tokens): logits [B*A, W, V], confidences [B*A, W] (or None), the index of the
+    position whose target distribution each row is scored against [B*A, W] (may exceed
+    T - 1: past the window) and the supervised-row mask [B*A, W] (DFlash: rows 1..;
+    DSpark: all rows from the anchor)."""
+    B, T = inputs_BT.shape
+    A = anchors_BA.shape[1]
+    W = cfg.block_size
+    g = df.encode(cfg, params, feats_BTF)
+    pos_T = jnp.arange(T, dtype=jnp.int32)
+    kv = df.inject_kv(cfg, params, g, jnp.broadcast_to(pos_T, (B, T)))
+    # every anchor's context: the window's K/V at positions < n
+    rep = lambda x: jnp.repeat(x, A, axis=0)  # noqa: E731  [B*A, T, G, E]
+    ctx_kv = df.LayerKV(tuple(rep(k) for k in kv.k), tuple(rep(v) for v in kv.v))
+    n = anchors_BA.reshape(B * A)
+    ctx_pos = jnp.where(pos_T[None, :] < n[:, None], pos_T[None, :], -1)
+    j = jnp.arange(W, dtype=jnp.int32)[None, :]
+    tok_n = jnp.take_along_axis(rep(inputs_BT), n[:, None], axis=1)[:, 0]
+    tokens = jnp.where(j == 0, tok_n[:, None], cfg.mask_token_id)
+    positions = n[:, None] + j
+    mask_pos = jnp.broadcast_to(n[:, None] + W - 1, positions.shape)
+    h = df.block_hidden(cfg, params, shared, tokens, positions, mask_pos, None, (ctx_kv, ctx_pos))
+    base = df.head_logits(cfg, params, shared, h)
+    # the token of DFlash row r goes to position n + r, DSpark's (from the anchor) to n + r + 1:
+    # scored against the target's distribution that predicts it, at n + r - 1 / n + r
+    shift = 1 if cfg.is_dspark else 0
+    tgt_idx = n[:, None] + j + shift - 1
+    valid = (tgt_idx <= T - 1) & (j >= (0 if cfg.is_dspark else 1))
+    conf = None
+    if cfg.is_dspark:
+        prev = jnp.take_along_axis(rep(inputs_BT), jnp.clip(n[:, None] + j, 0, T - 1), axis=1)
+        base, conf = df.markov_head(cfg, params, base, h, tok_n, prev_BW=prev)
+    return base, conf, tgt_idx, valid
+
+
+def block_loss(
+    cfg: df.DFlashConfig,
+    loop: LoopConfig,
+    params: Params,
+    shared: Params,
+    inputs_BT: Array,
+    feats_BTF: Array,
+    t_logits_BTV: Array,
+    anchors_BA: Array,
+    lengths_B: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
+    """The block loss of module docstring; metrics: per-row top-1 agreement. `lengths_B`:
+    tokens of each row that are real (generated rows end early, 0-padded): rows scored past
+    them are masked."""
+    T = inputs_BT.shape[1]
+    A = anchors_BA.shape[1]
+    W = cfg.block_size
+    base, conf, tgt_idx, valid = anchor_blocks(
+        cfg, params, shared, inputs_BT, feats_BTF, anchors_BA
+    )
+    if lengths_B is not None:
+        valid = valid & (tgt_idx < jnp.repeat(lengths_B, A)[:, None])
+    j = jnp.arange(W, dtype=jnp.int32)[None, :]
+    tgt_c = jnp.clip(tgt_idx, 0, T - 1)
+    t_logits = jnp.take_along_axis(jnp.repeat(t_logits_BTV, A, axis=0), tgt_c[..., None], axis=1)
+    t_prob = jax.nn.softmax(t_logits, axis=-1)
+    logq = jax.nn.log_softmax(base, axis=-1)
+    ce = -jnp.sum(t_prob * jnp.where(t_prob > 0, logq, 0.0), axis=-1)  # [BA, W]
+    expo = (j - (0 if cfg.is_dspark else 1)).astype(jnp.float32)
+    w = jnp.where(valid, jnp.float32(loop.decay) ** expo, 0.0)
+    wsum = jnp.sum(w)
+    agree = (jnp.argmax(base, -1) == jnp.argmax(t_logits, -1)).astype(jnp.float32)
+    metrics: dict[str, Array] = {"ce": jnp.sum(ce * w) / wsum}
+    for r in range(W):
+        m = valid[:, r].astype(jnp.float32)
+        metrics[f"acc{r}"] = jnp.sum(agree[:, r] * m) / jnp.maximum(jnp.sum(m), 1.0)
+    if not cfg.is_dspark:
+        return metrics["ce"], metrics
+    tv = 0.5 * jnp.sum(jnp.abs(t_prob - jnp.exp(logq)), axis=-1)
+    loss = loop.ce_weight * metrics["ce"] + loop.tv_weight * jnp.sum(tv * w) / wsum
+    metrics["tv"] = jnp.sum(tv * w) / wsum
+    if conf is not None:
+        label = jax.lax.stop_gradient(agree)
+        c = jnp.clip(conf, 1e-6, 1 - 1e-6)
+        bce = -(label * jnp.log(c) + (1 - label) * jnp.log(1 - c))
+        metrics["bce"] = jnp.sum(bce * w) / wsum
+        loss = loss + loop.conf_weight * metrics["bce"]
+    return loss, metrics
+
+
+def make_step(
+    cfg: df.DFlashConfig,
+    target_cfg: ModelConfig,
+    loop: LoopConfig,
+    optim: OptimConfig,
+    optimizer: optax.GradientTransformation,
+) -> Any:
+    def loss_fn(params, shared, target, batch, anchors, lengths=None):
+        inputs = batch[:, :-1]
+        t_logits, hidden = target_outputs(target_cfg, target, cfg.target_layers, inputs)
+        feats = jax.lax.stop_gradient(df.gather_features(cfg, hidden))
+        t_logits = jax.lax.stop_gradient(t_logits)
+        return block_loss(cfg, loop, params, shared, inputs, feats, t_logits, anchors, lengths)
+
+    @partial(jax.jit, donate_argnums=(0, 1))
+    def step(params, opt_state, shared, target, batch, i, total, lengths=None):
+        B, T = batch.shape[0], batch.shape[1] - 1
+        anchors = anchor_positions(loop.seed, i, B, loop.anchors, T)
+        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+            params, shared, target, batch, anchors, lengths
+        )
+        with jax.numpy_dtype_promotion("standard"):
+            updates, opt_state = optimizer.update(grads, opt_state, params)
+        lr = learning_rate(optim, i, total)
+        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
+        return params, opt_state, {"loss": loss, "lr": lr, **aux}
+
+    @jax.jit
+    def evaluate(params, shared, target, batch):
+        B, T = batch.shape[0], batch.shape[1] - 1
+        anchors = anchor_positions(loop.seed + 1, jnp.asarray(0), B, loop.anchors, T)
+        return loss_fn(params, shared, target, batch, anchors)
+
+    return step, evaluate
+
+
+def save_head(run_dir: Path, cfg: df.DFlashConfig, params: Params, step: int) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
+    for i, layer in enumerate(params["layers"]):
+        flat.update({f"layers.{i}.{k}": np.asarray(v) for k, v in layer.items()})
+    tmp = run_dir / "params.tmp.npz"
+    np.savez(tmp, **flat)  # type: ignore[arg-type]
+    tmp.replace(run_dir / "params.npz")
+    (run_dir / "config.json").write_text(json.dumps({"head": cfg.to_dict(), "step": step}))
+
+
+def load_head(run_dir: str | Path) -> tuple[df.DFlashConfig, Params]:
+    run_dir = Path(run_dir)
+    meta = json.loads((run_dir / "config.json").read_text())
+    cfg = df.DFlashConfig.from_dict(meta["head"])
+    params: Params = {}
+    layers: list[dict[str, Any]] = [{} for _ in range(cfg.L)]
+    with np.load(run_dir / "params.npz") as z:
+        for k in z.files:
+            if k.startswith("layers."):
+                _, i, name = k.split(".", 2)
+                layers[int(i)][name] = jnp.asarray(z[k])
+            else:
+                params[k] = jnp.asarray(z[k])
+    params["layers"] = tuple(layers)
+    df.check_params(cfg, params)
+    return cfg, params
+
+
+def train(config: DFlashTrainConfig) -> dict[str, Any]:
+    from specjax.api import load
+
+    loop = config.train
+    target = load(config.target, dtype="float32")
+    cfg = head_config(config.head, target.config)
+    shared = df.shared_weights(cfg, target.params, target.config.tie_embeddings)
+    train_tokens, val_tokens = resolve_data(config.data)
+    sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
+    rows = row_sampler = None
+    if config.generated is not None:
+        config.generated.validate()
+        rows = target_rows(
+            config.generated, config.target, config.data.cache_dir, train_tokens, val_tokens
+        )
+        row_sampler = RowSampler(rows["train"].shape[0], config.data.batch_size, loop.seed)
+        print(f"{rows['train'].shape[0]:,} generated rows", file=sys.stderr)
+    optimizer = make_optimizer(config.optim)
+    params = df.init_params(cfg, jax.random.key(loop.seed))
+    if loop.init_from:
+        init_cfg, params = load_head(loop.init_from)
+        if init_cfg != cfg:
+            raise ValueError(f"{loop.init_from}: head config differs from the recipe's")
+    with jax.numpy_dtype_promotion("standard"):
+        opt_state = optimizer.init(params)
+    step_fn, eval_fn = make_step(cfg, target.config, loop, config.optim, optimizer)
+    run_dir = Path(loop.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    log: list[dict[str, Any]] = []
+    val_batch = None
+    if val_tokens is not None:
+        T = config.data.seq_len
+        n = min(loop.eval_windows, (val_tokens.size - 1) // T)
+        starts = np.arange(n) * ((val_tokens.size - T - 1) // max(n, 1))
+        val_batch = jnp.asarray(
+            np.stack([val_tokens[s : s + T + 1] for s in starts]).astype(np.int32)
+        )
+    total = jnp.asarray(loop.steps, jnp.int32)
+    t0 = time.time()
+    kind = "dspark" if cfg.is_dspark else "dflash"
+    print(f"{kind} head: {cfg.num_params():,} params", file=sys.stderr)
+    i = 0
+    for i in range(loop.steps):
+        lengths = None
+        if row_sampler is not None:
+            assert rows is not None
+            idx = row_sampler.indices(i)
+            batch = jnp.asarray(rows["train"][idx])
+            lengths = jnp.asarray(rows["train_len"][idx])
+        else:
+            batch = jnp.asarray(sampler.batch(i))
+        params, opt_state, m = step_fn(
+            params,
+            opt_state,
+            shared,
+            target.params,
+            batch,
+            jnp.asarray(i, jnp.int32),
+            total,
+            lengths,
+        )
+        elapsed = time.time() - t0
+        if i % loop.log_every == 0 or i == loop.steps - 1:
+            row = {"step": i, "seconds": round(elapsed, 1)}
+            row.update({k: round(float(v), 4) for k, v in m.items()})
+            log.append(row)
+            print(json.dumps(row), file=sys.stderr, flush=True)
+        if val_batch is not None and (i + 1) % loop.eval_every == 0:
+            _, vm = eval_fn(params, shared, target.params, val_batch)
+            log.append({"step": i, "val": {k: round(float(v), 4) for k, v in vm.items()}})
+            print(json.dumps(log[-1]), file=sys.stderr, flush=True)
+        if (i + 1) % loop.save_every == 0:
+            save_head(run_dir, cfg, params, i + 1)
+            (run_dir / "train_log.json").write_text(json.dumps(log))
+        if loop.max_seconds > 0 and elapsed > loop.max_seconds:
+            break
+    save_head(run_dir, cfg, params, i + 1)
+    val = None if val_batch is None else eval_fn(params, shared, target.params, val_batch)[1]
+    return finish_head_run(run_dir, log, i + 1, t0, val)
+
+
+def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") -> None:
+    """Write a trained head as a `dflash` GGUF (tokenizer metadata from the target)."""
+    from specjax.api import load
+    from specjax.io.dflash_gguf import save_dflash_gguf
+
+    cfg, params = load_head(run_dir)
+    target = load(target_path, dtype="float32")
+    save_dflash_gguf(out, cfg, params, target.tokenizer, dtype=dtype)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    return head_cli("python -m specjax.train.dflash", argv, train, load_config, export_gguf)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
