@@ -145,7 +145,7 @@ def test_a_kill_during_save_leaves_the_previous_checkpoint(tmp_path: Path) -> No
     loads, and it is internally consistent (every field from the same save)."""
     script = tmp_path / "writer.py"
     script.write_text(_WRITER)
-    env = dict(os.environ, PYTHONPATH=str(Path(sc.__file__).parents[1]), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(Path(sc.__file__).parents[2]), JAX_PLATFORMS="cpu")
     proc = subprocess.Popen(
         [sys.executable, str(script), str(tmp_path / "slot")], stdout=subprocess.PIPE, env=env
     )

@@ -240,7 +240,7 @@ def test_a_kill_between_slot_save_and_use_loses_nothing(tmp_path: Path) -> None:
     slots.save_slot(model, prompts[0], tmp_path, "sys")  # the slot exists before the writer runs
     script = tmp_path / "worker.py"
     script.write_text(_SLOT_WORKER)
-    env = dict(os.environ, PYTHONPATH=str(Path(slots.__file__).parents[1]), JAX_PLATFORMS="cpu")
+    env = dict(os.environ, PYTHONPATH=str(Path(slots.__file__).parents[2]), JAX_PLATFORMS="cpu")
     args = [str(tmp_path), json.dumps(HYBRID.to_dict()), json.dumps([prompts, suffix]), str(N)]
     rng = np.random.RandomState(0)
     torn = False
