@@ -228,6 +228,7 @@ def test_native_ingestion_fills_the_tables_xla_fills(update: str) -> None:
         inp = make_input(streams, [30, 30], [True] * B, [0] * B)
         ask = jax.jit(lambda st, i: drafter.draft(None, st, i, K), donate_argnums=0)
         text = ask.lower(drafter.init(B, S), inp).compile().as_text()
+    assert text is not None
     (call,) = [line for line in text.splitlines() if cpu_kernels.NGRAM_CACHE_TARGET in line]
     assert "output_to_operand_aliasing" in call
     assert not [line for line in text.splitlines() if " copy(" in line and ",4,64" in line]
@@ -359,21 +360,40 @@ def test_reset_on_begin_vs_upstream_bug() -> None:
         assert stale != reset
 
 
-def test_full_table_drops_new_pairs() -> None:
-    """A tiny table fills up: new pairs are dropped and counted, nothing else breaks."""
+def test_small_table_size_is_a_floor_nothing_dropped() -> None:
+    """A `table_size` below what the capacity needs is raised to it (`slots_for`): a tiny
+    table no longer fills up and drops pairs, every pair of the history is counted exactly."""
     drafter = NgramCache(table_size=8, max_load=0.5, block=8)
+    assert drafter.slots_for(S) == 128 and NgramCache(table_size=256).slots_for(S) == 256
     begin, draft = jitted(drafter, K)
     rng = np.random.default_rng(0)
     streams = [list(rng.integers(0, 50, S + 1)), list(rng.integers(0, 3, S + 1))]
     state = begin(drafter.init(B, S), make_input(streams, [30, 30], [True] * B, [0, 0]).history)
     state, _ = draft(None, state, make_input(streams, [30, 30], [True] * B, [0, 0]))
-    used, dropped = np.asarray(state.n_used), np.asarray(state.n_dropped)
-    assert (used <= 4).all() and dropped[0] > 0
-    exported = context_cache(state, 0)
-    full = build_cache(streams[0][:31], 1, 4)
-    for ng, part in exported.items():  # what was kept is counted exactly
-        for tok, cnt in part.items():
-            assert full[ng][tok] == cnt
+    assert state.count.shape[-1] == 128
+    assert int(np.asarray(state.n_dropped).sum()) == 0
+    for b in range(B):
+        assert context_cache(state, b) == build_cache(streams[b][:31], 1, 4)
+
+
+@pytest.mark.parametrize("native", PATHS)
+def test_full_history_of_distinct_pairs_is_kept(native: bool) -> None:
+    """The worst case at a long history: a large vocabulary, every pair distinct, a history
+    filling the capacity, tables at their highest load (capacity 24,575: 32,768 slots, load
+    0.75). Every pair is kept (none dropped: before, a 64-probe limit dropped 22 of them)."""
+    cap = 24575
+    drafter = NgramCache()
+    toks = np.random.default_rng(0).integers(0, 1 << 30, cap).astype(np.int32)
+    with ingest_path(native):
+        state = jax.jit(drafter.begin)(
+            drafter.init(1, cap),
+            TokenHistory(tokens=jnp.asarray(toks)[None], length=jnp.asarray([cap], jnp.int32)),
+        )
+    assert state.count.shape[-1] == 32768
+    assert int(state.n_dropped[0]) == 0
+    # the prompt [0, cap) holds cap - s pairs of size s, all distinct
+    np.testing.assert_array_equal(np.asarray(state.n_used)[0], [cap - s for s in range(1, 5)])
+    assert int(np.sum(np.asarray(state.count)[0] > 0)) == 4 * cap - 10
 
 
 def test_lookup_update_mode_counts_every_ngram() -> None:

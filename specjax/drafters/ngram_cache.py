@@ -2,9 +2,9 @@
 
 Three caches map an n-gram (up to 4 tokens, -1 padded) to counts of the tokens that followed it:
 
-* **context** (per row, `NgramCacheState`), per n-gram size (4 sub-tables of `table_size` slots,
-  a power of two; default `next_pow2((capacity + 1) / max_load)`: room for every pair of a full
-  history), two open-addressing (linear probing) hash tables:
+* **context** (per row, `NgramCacheState`), per n-gram size (4 sub-tables of `slots_for(capacity)`
+  slots, a power of two, sized from the history capacity: see "Capacity" below), two
+  open-addressing (linear probing) hash tables:
   - the *pair table*: `(n-gram, token)` -> count, the stream position at which the pair was first
     seen (its insertion stamp) and its libstdc++ bucket-group stamp `gs` (see ties below);
   - the *part table*: n-gram -> its part's summary: sum of counts, the best member (token, count,
@@ -57,12 +57,25 @@ Invariants (`draft`, per drafting row, exactly upstream's `common_speculative_im
   between old and new tables every iteration), and every table update is a scatter of the few
   new entries into the donated state, out-of-range indices dropped.
 
-Capacity and full policy: a new pair is inserted only while its size's table holds fewer than
-`max_load * table_size` pairs and a free slot is found within `max_probe` linear probes;
-otherwise it is dropped (counted in `n_dropped`; a later occurrence may insert it with a partial
-count if a probe limit was the cause) while pairs already present keep counting. Results equal
-upstream's exactly while `n_dropped == 0`. Read-only tables hold everything they are built from.
-The part table never holds more n-grams than the pair table holds pairs.
+Capacity: the tables are SIZED FROM THE HISTORY CAPACITY and keep everything, as upstream's
+`std::unordered_map`s do (no n-gram or pair is ever dropped or overwritten, at any history length).
+Why it is enough: each ingested stream position adds at most one pair to each size's table, and a
+row ingests each position of `[0, capacity]` at most once over its life (`cache_size` only grows,
+and `begin` empties the tables when it resets it), so a sub-table never holds more than `capacity`
+pairs (a size-s pair needs s tokens before its follower) and never more n-grams than pairs.
+`slots_for(capacity) = next_pow2((capacity + 1) / max_load)` slots (`table_size`, when larger, is
+used instead: it is a floor, never a limit) leave a free slot for every insertion; probing runs
+until the pair's slot or a free one is found (no probe limit: a cluster longer than any fixed
+limit, rare but real at load 0.75, must not lose a pair). Why sized, not grown or spilled: the
+state's shapes are static under `jit` (growing would recompile or round-trip to the host on the
+decode path), the capacity is static and bounds the pairs exactly, and drafting stays O(probes).
+The price is memory proportional to the capacity: per slot, 30 int32 + 1 bool = 121 bytes (keys
+4, tok, count, stamp, gs, ng_keys 4, ng_sum, ng_best 4, ng_heads 13, ng_occ), 4 sub-tables, per
+row: capacity 32,768 (-c 32768) -> 65,536 slots -> 31.7 MB (30.3 MiB) a row; 131,072 ->
+262,144 slots -> 127 MB (121 MiB) a row (at a power-of-two capacity the load stays under 0.5).
+`n_used` counts the pairs held; `n_dropped` stays 0 (kept as a checked invariant: the insertion
+paths still count a pair they could not place, which the sizing rules out). Read-only tables hold
+everything they are built from.
 """
 
 from __future__ import annotations
@@ -230,8 +243,10 @@ _THRESH_STRICT = (
 class NgramCache(ModelFreeDrafter):
     """llama.cpp `ngram-cache` (see the module docstring for invariants and capacity).
 
-    `table_size`: slots of each of the 4 per-size sub-tables of a row (a power of two); 0 =
-    `next_pow2((capacity + 1) / max_load)`, room for every pair of a full history.
+    `table_size`: at least this many slots in each of the 4 per-size sub-tables of a row (a
+    power of two); 0 = `next_pow2((capacity + 1) / max_load)`, room for every pair of a full
+    history, which is also used whenever it is larger (`slots_for`: the tables never drop).
+    `max_load`: the most of a sub-table a full history fills (sizes the tables).
     `block`: stream positions ingested per loop iteration.
     """
 
@@ -248,7 +263,6 @@ class NgramCache(ModelFreeDrafter):
     n_draft: int = N_DRAFT
     table_size: int = 0
     max_load: float = 0.75
-    max_probe: int = 64
     block: int = 32
     reset_on_begin: bool = True
     context_update: str = "speculative"
@@ -269,8 +283,8 @@ class NgramCache(ModelFreeDrafter):
             )
         if not 0.0 < self.max_load <= 1.0:
             raise ValueError(f"ngram-cache: max_load must be in (0, 1], got {self.max_load}")
-        if self.max_probe < 1 or self.block < 1:
-            raise ValueError("ngram-cache: max_probe and block must be >= 1")
+        if self.block < 1:
+            raise ValueError(f"ngram-cache: block must be >= 1, got {self.block}")
         if self.context_update not in ("speculative", "lookup"):
             raise ValueError(
                 f"ngram-cache: context_update must be 'speculative' or 'lookup', "
@@ -279,10 +293,9 @@ class NgramCache(ModelFreeDrafter):
 
     # ------------------------------------------------------------------ state
     def slots_for(self, capacity: int) -> int:
-        """Slots per sub-table for a history capacity."""
-        if self.table_size:
-            return self.table_size
-        return _next_pow2(math.ceil((capacity + 1) / self.max_load))
+        """Slots per sub-table for a history capacity: room for every pair of a full history
+        (at most `capacity` per size) at a load of at most `max_load`, or `table_size` if larger."""
+        return max(self.table_size, _next_pow2(math.ceil((capacity + 1) / self.max_load)))
 
     def init(self, batch: int, capacity: int) -> NgramCacheState:
         n = self.slots_for(capacity)
@@ -380,8 +393,10 @@ class NgramCache(ModelFreeDrafter):
 
         One loop iteration takes `block` positions of every row (rows batched by hand)."""
         B, S = tokens_BS.shape
+        # no limit but the table itself: sized from the capacity (`slots_for`), it always has a
+        # free slot for a new pair, found by probing as far as needed (module doc, "Capacity")
         n_slots = state.count.shape[2]
-        cap = int(self.max_load * n_slots)
+        cap = max_probe = n_slots
         lookup_mode = self.context_update == "lookup"
         c0 = state.cache_size
         target = jnp.where(grow, length + 1 if end is None else end, c0)
@@ -393,7 +408,7 @@ class NgramCache(ModelFreeDrafter):
                 last,
                 target,
                 cap=cap,
-                max_probe=self.max_probe,
+                max_probe=max_probe,
                 lookup=lookup_mode,
                 open_sequence=open_sequence,
             )
@@ -429,7 +444,7 @@ class NgramCache(ModelFreeDrafter):
             rep = valid & (jnp.argmax(eq, axis=-1).astype(jnp.int32) == w[None, None, :])
             add = jnp.sum(eq, axis=-1).astype(jnp.int32)
             stamp_new = jnp.broadcast_to(i[:, None, :], (B, NGRAM_MAX, blk))
-            st = _count_pairs(st, k5, add, stamp_new, rep, cap, self.max_probe)
+            st = _count_pairs(st, k5, add, stamp_new, rep, cap, max_probe)
             return p + blk, st
 
         _, state = lax.while_loop(lambda c: jnp.any(c[0] < target), body, (c0, state))
