@@ -8,6 +8,14 @@ the figures are the compiled programs' (see `specjax/aot.py` for what each one c
     python benchmarks/accelerators.py                  # tiny config, B=1 and 32, all targets
     python benchmarks/accelerators.py --shipped        # also models/code-target (minutes)
     python benchmarks/accelerators.py --configs plain --batches 1 --targets h100 --json -
+    python benchmarks/accelerators.py --scale          # issue 50 item 5: 8B + 1B draft, abstract
+
+`--scale` (issue 50 item 5) compiles, instead, a Llama-3.1-8B-shaped target with a
+Llama-3.2-1B-shaped draft, bf16 weights that never exist (`jax.eval_shape` of the init), in
+the batch job's programs (`specjax.jobs.continuous`: a prefill chunk and a segment of rounds)
+sharded as the batch job shards them (`specjax.jobs.sharding`, a ("data", "model") mesh):
+on a TPU v5e-8 (`v5e:2x4`, 8 chips) at 32 rows x 4096 cells and on one H100 at 32 rows x 8192,
+plain and draft-simple (K=4). Its figures go under the JSON's "scale" key.
 
 It re-executes itself under the deviceless compilers' interpreter (`.venv-aot`, `make aot`)
 when the running one lacks them. Writes benchmarks/results/accelerators.json (`--json PATH`,
@@ -227,6 +235,228 @@ def table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+# --------------------------------------------------------------------------------------------
+# Scale (issue 50 item 5): 8B-shaped target, 1B-shaped draft, abstract weights
+
+#: Per-device budgets: item 5's 14 GiB on a v5e chip (16 GiB of HBM); an H100 SXM's 80 GB
+#: less what CUDA keeps (~79 GiB visible; JAX preallocates 75% of it unless
+#: XLA_PYTHON_CLIENT_MEM_FRACTION says more).
+SCALE_BUDGET = {"tpu-v5e-8": 14 * 2**30, "h100": 79 * 2**30}
+#: target -> (rows, cells, mesh axes (data, model)): the batch job's mesh on the v5e-8 (KV
+#: heads and the target's fused projections over `model`), one device on the H100.
+SCALE_TARGETS: dict[str, tuple[int, int, tuple[int, int]]] = {
+    "tpu-v5e-8": (32, 4096, (1, 8)),
+    "h100": (32, 8192, (1, 1)),
+}
+SCALE_CONFIGS = ("plain", "draft-simple")
+SCALE_PROGRAMS = ("prefill_chunk", "run_segment")
+#: The batch job's defaults (`specjax.jobs.batch.batch`): prefill chunk, K/V cache type.
+SCALE_CHUNK = 64
+SCALE_CACHE_TYPE = "f16"
+
+
+def scale_configs() -> tuple[Any, Any]:
+    """(Llama-3.1-8B, Llama-3.2-1B) shapes as `ModelConfig`s in bf16."""
+    from specjax.models.config import ModelConfig, RopeScaling
+
+    common: dict[str, Any] = dict(
+        arch="llama", vocab_size=128256, n_heads=32, n_kv_heads=8, rope_theta=500000.0,
+        norm_eps=1e-5, max_position=131072, dtype="bfloat16",
+    )  # fmt: skip
+    target = ModelConfig(
+        dim=4096, n_layers=32, ffn_dim=14336, rope_scaling=RopeScaling(factor=8.0), **common
+    )
+    draft = ModelConfig(
+        dim=2048, n_layers=16, ffn_dim=8192, tie_embeddings=True,
+        rope_scaling=RopeScaling(factor=32.0), **common,
+    )  # fmt: skip
+    return target, draft
+
+
+def abstract_params(config: Any) -> Any:
+    """The init's parameter tree as `ShapeDtypeStruct`s: nothing is allocated."""
+    import jax
+
+    from specjax.models import llama
+
+    return jax.eval_shape(lambda: llama.init_params(config, jax.random.PRNGKey(0)))
+
+
+def scale_programs(config: str, target: str, k: int) -> dict[str, Any]:
+    """The batch job's programs for one configuration and target, with abstract arguments
+    placed as `specjax.jobs.batch._Runner._place` places them: (name -> (jitted fn, engine,
+    args)), and the figures the report needs."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import Mesh, NamedSharding
+    from jax.sharding import PartitionSpec as P
+
+    from specjax import api, sampling
+    from specjax.config import SpecConfig
+    from specjax.decode import engine as eng
+    from specjax.decode import prices
+    from specjax.drafters.registry import build_drafters
+    from specjax.jobs import continuous as cont
+    from specjax.jobs import sharding as bs
+    from specjax.memory.kv import cache_dtype
+
+    rows, cells, (n_data, n_model) = SCALE_TARGETS[target]
+    tcfg, dcfg = scale_configs()
+    model = api.Model(config=tcfg, params=abstract_params(tcfg), eog=(128001, 128009))
+    draft = api.Model(config=dcfg, params=abstract_params(dcfg), eog=(128001, 128009))
+    spec = None
+    if config == "draft-simple":
+        spec = SpecConfig(types=("draft-simple",), draft_n_max=k, k_max=k, cost_calibrate=False)
+    k_max = spec.resolved_k_max() if spec else 0
+    # as the batch job (`_Runner`), less `prices.leave_out_unpaying`: the governor's static
+    # pruning could leave the draft out at 32 rows, and the draft's program is what is measured
+    drafters, drafter_params = build_drafters(spec, model, draft if spec else None)
+    out_cap = min(cells, 512) + k_max + 1
+    out_cap += -out_cap % 32
+    engine = eng.Engine(
+        target=tcfg, drafters=drafters, k_max=k_max, capacity=cells, out_capacity=out_cap,
+        eog_ids=model.eog_ids, cache_type_k=cache_dtype(SCALE_CACHE_TYPE),
+        cache_type_v=cache_dtype(SCALE_CACHE_TYPE),
+    )  # fmt: skip
+    devices = aot.mesh_devices(target)[: n_data * n_model]
+    mesh = Mesh(np.asarray(devices).reshape(n_data, n_model), ("data", "model"))
+
+    def place(tree: Any, shardings: Any) -> Any:
+        return jax.tree.map(
+            lambda x, s: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=s), tree, shardings
+        )
+
+    rep = NamedSharding(mesh, P())
+    params = place(model.params, bs.param_shardings(mesh, model.params))
+    dparams = place(drafter_params, bs.drafter_param_shardings(mesh, drafter_params))
+    state, ss = jax.eval_shape(lambda: cont.init_slots(engine, rows))
+    st_sh, ss_sh = bs.state_shardings(mesh, engine, state, ss)
+    state, ss = place(state, st_sh), place(ss, ss_sh)
+    cost = prices.cost_model(
+        spec, model, draft if spec else None, batch=rows, k_max=k_max, capacity=cells,
+        drafters=drafters,
+    )  # fmt: skip
+    run = eng.RunParams(
+        sampling=sampling.SamplingParams(
+            temperature=jnp.zeros(rows, jnp.float32), top_k=jnp.zeros(rows, jnp.int32),
+            top_p=jnp.ones(rows, jnp.float32), min_p=jnp.zeros(rows, jnp.float32),
+            repeat_penalty=jnp.ones(rows, jnp.float32), seed=jnp.zeros(rows, jnp.uint32),
+        ),
+        max_new=jnp.ones(rows, jnp.int32),
+        n_max=jnp.asarray(k, jnp.int32), chain_n_max=jnp.asarray(k if spec else 0, jnp.int32),
+        n_min=jnp.asarray(0, jnp.int32), p_min=jnp.asarray(0.0, jnp.float32),
+        synth_rates=jnp.zeros((max(k_max, 1),), jnp.float32), cost=cost,
+    )  # fmt: skip
+
+    def small(x: Any) -> Any:  # host values: replicated, as an uncommitted array under jit
+        x = jnp.asarray(x) if not hasattr(x, "shape") else x
+        return jax.ShapeDtypeStruct(np.shape(x), x.dtype, sharding=rep)
+
+    run = jax.tree.map(small, run)
+    scalar = small(np.int32(0))
+    donate = ("state", "slot_stats")
+    prefill = jax.jit(
+        cont.prefill_chunk, static_argnames=("engine",), donate_argnames=donate,
+        out_shardings=(st_sh, ss_sh),
+    )  # fmt: skip
+    segment = jax.jit(
+        cont.run_segment, static_argnames=("engine",), donate_argnames=donate,
+        out_shardings=(st_sh, ss_sh, rep),
+    )  # fmt: skip
+    prefill.__name__ = "prefill_chunk"  # type: ignore[attr-defined]
+    segment.__name__ = "run_segment"  # type: ignore[attr-defined]
+    chunk, final, busy = (
+        small(np.zeros(SCALE_CHUNK, np.int32)),
+        small(np.bool_(True)),
+        small(np.zeros(rows, bool)),
+    )
+    programs = {
+        "prefill_chunk": (
+            prefill,
+            (params, dparams, state, ss, scalar, chunk, scalar, scalar, final, run),
+        ),
+        "run_segment": (segment, (params, dparams, state, ss, run, busy, scalar)),
+    }
+    # the smallest cache-sized buffer as one device holds it: a K (or V) layer's shard
+    E = lambda c: c.head_dim or c.dim // c.n_heads  # noqa: E731
+    heads = lambda c: c.n_kv_heads // n_model if c.n_kv_heads % n_model == 0 else c.n_kv_heads  # noqa: E731
+    layer_cfgs = [tcfg] + ([dcfg] if spec else [])
+    min_bytes = min(rows // n_data * cells * heads(c) * E(c) * 2 for c in layer_cfgs)
+    return {
+        "engine": engine,
+        "programs": programs,
+        "min_bytes": min_bytes,
+        "mesh": {"data": n_data, "model": n_model},
+        "rows": rows,
+        "cells": cells,
+        "k_max": k_max,
+    }
+
+
+def run_scale(
+    configs: list[str], targets: list[str], k: int, programs: tuple[str, ...] = SCALE_PROGRAMS
+) -> list[dict[str, Any]]:
+    """Compile each (configuration, target, program) of `scale_programs`, one at a time."""
+    import jax
+
+    out = []
+    for target in targets:
+        backend = "tpu" if aot.platform_of(target) == "tpu" else "gpu"
+        for config in configs:
+            with aot.backend_as(backend):  # trace the accelerator's forms
+                built = scale_programs(config, target, k)
+            for name, (fn, args) in built["programs"].items():
+                if name not in programs:
+                    continue
+                r = aot.compile_for(
+                    fn, args, target, static=(built["engine"],), program=name,
+                    min_bytes=built["min_bytes"], placed=True,
+                )  # fmt: skip
+                row = {
+                    "config": config, "target": target, "program": name,
+                    "rows": built["rows"], "cells": built["cells"], "k_max": built["k_max"],
+                    "mesh": built["mesh"], "budget_bytes": SCALE_BUDGET[target],
+                    "within_budget": bool(
+                        r.compiled and r.memory.get("total", 0) <= SCALE_BUDGET[target]
+                    ),
+                    **r.to_json(),
+                }  # fmt: skip
+                out.append(row)
+                mem = r.memory.get("total", 0) / 2**30
+                print(f"# scale {config} {target} {name}: compiled={r.compiled} "
+                      f"{mem:.2f} GiB/device {r.compile_s:.1f}s {r.error or ''}"[:600],
+                      file=sys.stderr, flush=True)  # fmt: skip
+                jax.clear_caches()
+    return out
+
+
+def scale_table(rows: list[dict[str, Any]]) -> str:
+    gib = 2**30
+    lines = [
+        "| program | config | target (mesh) | rows x cells | compiled | argument / output / temp "
+        "/ total GiB per device | within budget (v5e 14 GiB, H100 79 GiB) | compile s | host-driven loops | large copies "
+        "in loop bodies |",
+        "|" + "---|" * 10,
+    ]
+    for r in rows:
+        m = r["memory"]
+        mem = (
+            " / ".join(f"{m.get(k, 0) / gib:.2f}" for k in ("argument", "output", "temp", "total"))
+            if m
+            else "-"
+        )
+        compiled = "yes" if r["compiled"] else "no: " + (r["error"] or "")[:160]
+        host = "-" if r["host_whiles"] is None else str(r["host_whiles"])
+        mesh = f"data={r['mesh']['data']},model={r['mesh']['model']}"
+        lines.append(
+            f"| {r['program']} | {r['config']} | {r['target']} ({mesh}) | {r['rows']} x "
+            f"{r['cells']} | {compiled} | {mem} | {'yes' if r['within_budget'] else 'no'} "
+            f"| {r['compile_s']:.1f} | {host} | {len(r['large_copies'])} |"
+        )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -235,9 +465,42 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--shipped", action="store_true", help="also models/code-target (minutes)")
     p.add_argument("--json", default=str(DEFAULT_JSON), help="output path, '-' for none")
+    p.add_argument(
+        "--scale", action="store_true", help="issue 50 item 5: 8B target + 1B draft, abstract"
+    )
+    p.add_argument("--scale-configs", default=",".join(SCALE_CONFIGS))
+    p.add_argument("--scale-targets", default=",".join(SCALE_TARGETS))
+    p.add_argument("--scale-programs", default=",".join(SCALE_PROGRAMS))
+    p.add_argument("--scale-k", type=int, default=4, help="draft-simple's K (n_max and width)")
     a = p.parse_args(argv)
     aot.ensure_compilers()  # before jax is imported: may re-execute under .venv-aot
     import jax
+
+    if a.scale:
+        configs = [c for c in a.scale_configs.split(",") if c]
+        targets = [t for t in a.scale_targets.split(",") if t]
+        bad = (set(configs) - set(SCALE_CONFIGS)) | (set(targets) - set(SCALE_TARGETS))
+        bad |= set(a.scale_programs.split(",")) - set(SCALE_PROGRAMS)
+        if bad:
+            p.error(f"unknown {sorted(bad)}; known: {SCALE_CONFIGS}, {tuple(SCALE_TARGETS)}")
+        t0 = time.perf_counter()
+        programs = tuple(x for x in a.scale_programs.split(",") if x)
+        scale = run_scale(configs, targets, a.scale_k, programs)
+        doc: dict[str, Any] = {}
+        if a.json != "-" and Path(a.json).exists():  # the other modes' rows stay
+            doc = json.loads(Path(a.json).read_text())
+        doc["scale"] = {
+            "what": "issue 50 item 5: Llama-3.1-8B-shaped target + Llama-3.2-1B-shaped draft, "
+            "abstract bf16 weights, the batch job's programs and shardings",
+            "jax": jax.__version__,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "rows": scale,
+        }
+        if a.json != "-":
+            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+            Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+        print(scale_table(scale))
+        return
 
     configs = [c for c in a.configs.split(",") if c]
     unknown = set(configs) - set(CONFIGS)

@@ -51,6 +51,17 @@ TARGETS: dict[str, tuple[str, str]] = {
     "tpu-v6e": ("tpu", "v6e:2x2"),
     "h100": ("cuda", "h100"),
 }
+#: Multi-chip targets, compiled over a mesh of all their chips (`mesh_devices`), not in the
+#: default set: name -> (platform, topology name).
+MESH_TARGETS: dict[str, tuple[str, str]] = {
+    "tpu-v5e-8": ("tpu", "v5e:2x4"),
+}
+
+
+def platform_of(target: str) -> str:
+    """The platform ("tpu" or "cuda") of a key of TARGETS or MESH_TARGETS."""
+    return {**TARGETS, **MESH_TARGETS}[target][0]
+
 
 #: What `jax.default_backend()` says on each platform.
 _BACKEND = {"tpu": "tpu", "cuda": "gpu"}
@@ -511,7 +522,7 @@ def backend_as(name: str) -> Iterator[None]:
 def _topology(target: str) -> Any:
     from jax.experimental import topologies
 
-    platform, name = TARGETS[target]
+    platform, name = {**TARGETS, **MESH_TARGETS}[target]
     if platform == "tpu":
         return topologies.get_topology_desc(topology_name=name, platform="tpu")
     desc = h100_description()
@@ -525,13 +536,18 @@ def _topology(target: str) -> Any:
 _TOPOLOGIES: dict[str, Any] = {}
 
 
+def mesh_devices(target: str) -> list[Any]:
+    """Every device of the target's topology (deviceless: nothing to run on)."""
+    if target not in _TOPOLOGIES:
+        _TOPOLOGIES[target] = _topology(target)
+    return list(_TOPOLOGIES[target].devices)
+
+
 def replicated(target: str) -> Any:
     """A replicated sharding over one device of the target's topology."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-    if target not in _TOPOLOGIES:
-        _TOPOLOGIES[target] = _topology(target)
-    return NamedSharding(Mesh(_TOPOLOGIES[target].devices[:1], ("x",)), PartitionSpec())
+    return NamedSharding(Mesh(mesh_devices(target)[:1], ("x",)), PartitionSpec())
 
 
 def abstract(args: Any, sharding: Any) -> Any:
@@ -570,20 +586,23 @@ def compile_for(
     program: str | None = None,
     min_bytes: int | None = None,
     shapes: Iterable[Sequence[int]] = (),
+    placed: bool = False,
 ) -> ProgramReport:
     """Compile `fn(*static, *args)` (a `jax.jit` function; `static` its leading static
-    arguments) deviceless for `target` (a key of TARGETS) with `args` made abstract and
-    replicated on one device, and measure it (see the module's docstring). Errors (of the
-    lowering or of XLA) are reported, not raised."""
+    arguments) deviceless for `target` (a key of TARGETS or MESH_TARGETS) with `args` made
+    abstract and replicated on one device, or, with `placed`, as given (`ShapeDtypeStruct`s
+    carrying their shardings over the target's devices, `mesh_devices`), and measure it (see
+    the module's docstring). Errors (of the lowering or of XLA) are reported, not raised."""
     from specjax.control import compiler_options  # (imports jax: the parsers need none)
 
-    platform = TARGETS[target][0]
+    platform = platform_of(target)
     name = str(program or getattr(fn, "__name__", "program"))
     report = ProgramReport(program=name, target=target, compiled=False)
     dump = tempfile.mkdtemp(prefix="specjax-aot-")
+    t_start = time.perf_counter()
     try:
         with backend_as(_BACKEND[platform]):
-            abstract_args = abstract(tuple(args), replicated(target))
+            abstract_args = tuple(args) if placed else abstract(tuple(args), replicated(target))
             t0 = time.perf_counter()
             lowered = fn.lower(*static, *abstract_args)  # type: ignore[attr-defined]
             # the options `specjax.generate` compiles with on that platform
@@ -609,6 +628,7 @@ def compile_for(
                 report.error = "compiled, but XLA wrote no thunk sequence"
     except Exception as err:  # reported per program
         report.error = f"{type(err).__name__}: {err}"[:4000]
+        report.compile_s = report.compile_s or time.perf_counter() - t_start
     finally:
         shutil.rmtree(dump, ignore_errors=True)
     return report

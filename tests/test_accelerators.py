@@ -247,3 +247,37 @@ def test_draft_simple_no_large_copies_in_loops(draft_simple: dict[str, Any], tar
 def test_draft_simple_gpu_one_host_loop_per_call(draft_simple: dict[str, Any]) -> None:
     s = draft_simple["h100"]["summary"]
     assert s["compiled"] and s["host_whiles"] <= 1
+
+
+# --------------------------------------------------------------------------------------------
+# Issue 50 item 5: a Llama-3.1-8B-shaped target with a Llama-3.2-1B-shaped draft on a v5e-8
+
+
+@pytest.mark.slow
+def test_scale_v5e8_fits_14_gib_per_chip(tmp_path: Path) -> None:
+    """`--scale` on the v5e-8 mesh (32 rows x 4096 cells, abstract bf16 weights, the batch
+    job's programs and shardings): plain and draft-simple (K=4) compile, each program within
+    14 GiB per chip."""
+    py = aot.aot_python()
+    if py is None:
+        pytest.skip("no deviceless compilers: .venv-aot missing (`make aot` installs it)")
+    out = tmp_path / "accelerators.json"
+    cmd = [
+        str(py), str(ROOT / "benchmarks" / "accelerators.py"), "--scale",
+        "--scale-targets", "tpu-v5e-8", "--json", str(out),
+    ]  # fmt: skip
+    env = {**os.environ, **aot.AOT_ENV, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=3600)
+    if proc.returncode != 0 and "deviceless compilers unavailable" in proc.stderr:
+        pytest.skip(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    print(proc.stdout, file=sys.stderr)
+    rows = json.loads(out.read_text())["scale"]["rows"]
+    got = {(r["config"], r["program"]) for r in rows}
+    assert got == {
+        (c, p) for c in ("plain", "draft-simple") for p in ("prefill_chunk", "run_segment")
+    }
+    for r in rows:
+        where = f"{r['config']} {r['program']}"
+        assert r["compiled"], f"{where}: {r['error']}"
+        assert r["memory"]["total"] <= 14 * 2**30, f"{where}: {r['memory']}"

@@ -761,7 +761,7 @@ class _Runner:
         stored = self.model.params
         self.params = jax.device_put(stored, bs.param_shardings(mesh, stored))
         self.drafter_params = jax.device_put(
-            self.drafter_params, bs.replicated(mesh, self.drafter_params)
+            self.drafter_params, bs.drafter_param_shardings(mesh, self.drafter_params)
         )
         shapes = jax.eval_shape(lambda: cont.init_slots(self.engine, self.B))
         st, ss = bs.state_shardings(mesh, self.engine, *shapes)
