@@ -33,6 +33,7 @@ from specjax.decode.executables import (
 )
 from specjax.decode.inputs import (
     _IDLE_SAMPLING,
+    ContextWarning,
     _apply_stop,
     _check_token_range,
     _host_leaf,
@@ -41,6 +42,7 @@ from specjax.decode.inputs import (
     _sampling_args,
     _tokenize_prompts,
     build_engine_inputs,
+    fit_context,
     prompt_bucket,
 )
 from specjax.decode.prices import (
@@ -82,6 +84,7 @@ __all__ = [
     "CPU_VERIFY_TOKEN",
     "STREAM_INTERVAL_S",
     "STREAM_MAX_ROUNDS",
+    "ContextWarning",
     "GenerationResult",
     "Generator",
     "Model",
@@ -418,6 +421,7 @@ def generate(
     _slots: _Slots | None = None,
     stream: Any = None,
     stream_rounds: int = 8,
+    interrupt: Any = None,
     slot_save_path: str | None = None,
     slot_save: str | Sequence[str | None] | None = None,
     slot_restore: str | Sequence[str | None] | None = None,
@@ -458,6 +462,17 @@ def generate(
     reads the state after `stream_rounds` rounds, then about every STREAM_INTERVAL_S seconds
     when rounds are fast, never less than `stream_rounds` rounds apart; the tokens are the
     same as without it; `stop` strings apply to the returned result only).
+
+    `interrupt()`: asked between segments of the loop (as streaming reads it: the same
+    tokens, about every INTERRUPT_INTERVAL_S seconds); when it returns True the loop stops
+    there and the result holds what was generated, rows still running with finish reason
+    `interrupted` (the CLI's Ctrl-C).
+
+    The context (`specjax.decode.inputs.fit_context`, the rule of every path): `n_ctx` cells
+    per row, None meaning the model's training context (llama.cpp's `-c 0`). A prompt that
+    does not fit raises ValueError with its numbers before anything runs; a row that
+    reaches the context stops with finish reason `context`; a context beyond the training
+    context runs with a `ContextWarning`.
 
     A qwen35 (hybrid recurrent) model runs through the same engine over its hybrid memory:
     rejected drafts leave the recurrent state by `n_rs_seq` snapshot planes (RS) or by
@@ -500,11 +515,14 @@ def generate(
     if n_prompts > B:
         raise ValueError(f"{n_prompts} prompts for a Generator of batch {B}")
     max_new = _n_predict(max_new_tokens, n_prompts)
-    if (max_new < 0).any():
-        # until the context is full; llama.cpp's -c 0: the model's training context
-        if n_ctx is None:
-            n_ctx = int(model.config.max_position)
-        max_new = np.where(max_new < 0, n_ctx + 1, max_new)  # the context stop comes first
+    # the context rule (`fit_context`): None = the model's training context; a prompt that
+    # does not fit is refused here; a context beyond the training one warns (a Generator's
+    # warned when it was made)
+    context, _ = fit_context(
+        model, [len(p) for p in prompt_ids], n_ctx, warn=_slots is None, stacklevel=2
+    )
+    if (max_new < 0).any():  # until the context is full: the context stop comes first
+        max_new = np.where(max_new < 0, context + 1, max_new)
     seeds = _per_row(seed, n_prompts, "seed")
     sampling_args = _sampling_args(n_prompts, temperature, top_k, top_p, min_p, repeat_penalty)
     if _slots is None:
@@ -634,14 +652,19 @@ def generate(
         spare_shape, seen,
     )  # fmt: skip
     state_shape = prefill_exe.out_info  # the loop's input shapes, without re-tracing prefill
-    if stream is None:
-        loop_exe = _compiled(
+    if stream is None and interrupt is None:
+        one_call = _compiled(
             eng.generate_loop_jit, engine, params, drafter_params, state_shape, run
         )
+
+        def loop_exe(*args: Any) -> tuple[Any, bool]:
+            return one_call(*args), False
     else:
-        loop_exe = _streaming_loop(
-            model, engine, drafter_params, state_shape, run, stream, stream_rounds, n_prompts
-        )
+        loop_exe = _segmented_loop(
+            model, engine, drafter_params, state_shape, run, n_prompts, stream=stream,
+            rounds=stream_rounds if stream is not None else INTERRUPT_FIRST_ROUNDS,
+            interrupt=interrupt,
+        )  # fmt: skip
     t0 = time.perf_counter()
     if init_exe is not None:
         spare = init_exe(lengths)
@@ -649,7 +672,7 @@ def generate(
     del spare, seen  # (donated)
     jax.block_until_ready(state.last_token)
     t1 = time.perf_counter()
-    state = loop_exe(params, drafter_params, state, run)
+    state, interrupted = loop_exe(params, drafter_params, state, run)
     jax.block_until_ready(state.out_len)
     t2 = time.perf_counter()
     if recycle:
@@ -672,6 +695,8 @@ def generate(
             ids = ids[:-1]
         text = model.decode(ids) if model.tokenizer is not None else ""
         reason = eng.FINISH_NAMES[int(finish[b])]
+        if interrupted and int(finish[b]) == eng.FINISH_NONE:  # a row still running
+            reason = "interrupted"
         if stop and text:
             ids, text, hit = _apply_stop(model, ids, text, stop)
             reason = "stop" if hit else reason
@@ -773,20 +798,32 @@ def _slot_kwargs(path: Any, save: Any, restore: Any, overwrite: bool) -> dict[st
 STREAM_INTERVAL_S = 0.05
 #: Upper bound on the rounds between two reads.
 STREAM_MAX_ROUNDS = 1024
+#: An interruptible run (`generate(interrupt=...)`, without `stream`) asks `interrupt()`
+#: about this often (seconds): the loop stops within two such segments of the request.
+INTERRUPT_INTERVAL_S = 0.2
+#: Rounds of an interruptible run's first segment (then sized by INTERRUPT_INTERVAL_S).
+INTERRUPT_FIRST_ROUNDS = 4
 
 
-def _streaming_loop(
+def _segmented_loop(
     model: Model,
     engine: eng.Engine,
     drafter_params: Any,
     state_shape: Any,
     run: eng.RunParams,
+    n_prompts: int,
+    *,
     stream: Any,
     rounds: int,
-    n_prompts: int,
+    interrupt: Any,
 ) -> Any:
-    """The generation loop in calls of `rounds` rounds (`continuous.run_rounds`, compiled
-    once), handing each prompt's new text to `stream(row, text)` between calls."""
+    """The generation loop in calls of a few rounds (`continuous.run_rounds`, compiled once:
+    the same state as one `generate_loop` call), reading the state between calls: handing
+    each prompt's new text to `stream(row, text)`, and asking `interrupt()` whether to stop
+    there. The loop returns (state, interrupted).
+
+    Segments start at `rounds` rounds (at least 1) and grow while they take less than
+    STREAM_INTERVAL_S (streaming) or INTERRUPT_INTERVAL_S, up to STREAM_MAX_ROUNDS."""
     if rounds < 1:
         raise ValueError(f"stream_rounds must be >= 1, got {rounds}")
     exe = _compiled(
@@ -799,37 +836,52 @@ def _streaming_loop(
         jnp.asarray(rounds, jnp.int32),
     )
     eog = set(model.eog_ids)
+    interval = STREAM_INTERVAL_S if stream is not None else INTERRUPT_INTERVAL_S
 
-    def loop(params: Any, dparams: Any, state: Any, run: eng.RunParams) -> Any:
+    def show(out_tokens: Any, out_len: Any, done: Any, finish: Any, shown: list[str]) -> None:
+        for b in range(n_prompts):
+            ids = [int(t) for t in out_tokens[b, : out_len[b]]]
+            if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
+                ids = ids[:-1]
+            text = model.decode(ids) if model.tokenizer is not None else ""
+            if not done[b]:  # an unfinished multi-byte character waits for its bytes
+                text = text.rstrip("\ufffd")
+            if text.startswith(shown[b]) and len(text) > len(shown[b]):
+                stream(b, text[len(shown[b]) :])
+                shown[b] = text
+
+    def loop(params: Any, dparams: Any, state: Any, run: eng.RunParams) -> tuple[Any, bool]:
         shown = [""] * n_prompts
-        span = rounds  # rounds per segment: grows while segments take < STREAM_INTERVAL_S
+        if interrupt is not None and interrupt():  # (asked once before the first segment)
+            return state, True
+        span = rounds  # rounds per segment: grows while segments take < interval
         state = exe(params, dparams, state, run, jnp.asarray(span, jnp.int32))
         last_time, last_rounds = time.perf_counter(), 0
         while True:
-            # Pipelined: copy out what the host reads, queue the next segment (it donates the
-            # state), then detokenize while it runs. A segment queued after the last one is a
-            # no-op (run_rounds stops at once when every row is done or out of capacity).
-            fields = (state.out_tokens, state.out_len, state.done, state.finish, state.n_rounds)
-            snapshot = [jnp.array(f, copy=True) for f in fields]
-            state = exe(params, dparams, state, run, jnp.asarray(span, jnp.int32))
-            out_tokens, out_len, done, finish, n_rounds = jax.device_get(snapshot)
+            fields = [state.done, state.n_rounds]
+            if stream is not None:
+                # Pipelined: copy out what the host reads, queue the next segment (it donates
+                # the state), then detokenize while it runs. A segment queued after the last
+                # one is a no-op (run_rounds stops at once when every row is done).
+                fields += [state.out_tokens, state.out_len, state.finish]
+                snapshot = [jnp.array(f, copy=True) for f in fields]
+                state = exe(params, dparams, state, run, jnp.asarray(span, jnp.int32))
+                done, n_rounds, *rest = jax.device_get(snapshot)
+            else:  # (no trailing no-op segment: a short run costs what one call costs)
+                done, n_rounds = jax.device_get(fields)
             now, done_rounds = time.perf_counter(), int(n_rounds)
             if done_rounds > last_rounds and now > last_time:
                 per_round = (now - last_time) / (done_rounds - last_rounds)
-                span = int(min(STREAM_MAX_ROUNDS, max(rounds, STREAM_INTERVAL_S / per_round)))
+                span = int(min(STREAM_MAX_ROUNDS, max(rounds, interval / per_round)))
             last_time, last_rounds = now, done_rounds
-            for b in range(n_prompts):
-                ids = [int(t) for t in out_tokens[b, : out_len[b]]]
-                if ids and ids[-1] in eog and int(finish[b]) == eng.FINISH_EOG:
-                    ids = ids[:-1]
-                text = model.decode(ids) if model.tokenizer is not None else ""
-                if not done[b]:  # an unfinished multi-byte character waits for its bytes
-                    text = text.rstrip("\ufffd")
-                if text.startswith(shown[b]) and len(text) > len(shown[b]):
-                    stream(b, text[len(shown[b]) :])
-                    shown[b] = text
-            if done.all() or int(n_rounds) >= engine.max_rounds:
-                return state
+            if stream is not None:
+                show(rest[0], rest[1], done, rest[2], shown)
+            if done.all() or done_rounds >= engine.max_rounds:
+                return state, False
+            if interrupt is not None and interrupt():
+                return state, True
+            if stream is None:
+                state = exe(params, dparams, state, run, jnp.asarray(span, jnp.int32))
 
     return loop
 
@@ -870,9 +922,9 @@ class Generator:
             )
         if isinstance(batch, bool) or not isinstance(batch, int | np.integer) or batch < 1:
             raise ValueError(f"Generator batch must be an integer >= 1, got {batch!r}")
-        n_ctx = int(model.config.max_position) if n_ctx is None else int(n_ctx)
-        if n_ctx < 2:
-            raise ValueError(f"context size must be >= 2, got {n_ctx}")
+        # the context rule (`fit_context`): None = the model's training context, warned
+        # here (once) when beyond it
+        n_ctx, _ = fit_context(model, [], n_ctx, stacklevel=2)
         self.model, self.draft, self.batch, self.n_ctx = model, draft, int(batch), n_ctx
         self.spec = spec if spec is not None and spec.enabled else None
         self.cache_type_k, self.cache_type_v = cache_type_k, cache_type_v

@@ -132,7 +132,12 @@ def batch_main(argv: list[str]) -> int:
         raise SystemExit("error: specjax batch needs --in REQUESTS.jsonl and --out RESULTS.jsonl")
     if opts.get("prompt") or opts.get("file"):
         raise SystemExit("error: specjax batch reads its prompts from --in, not -p/-f")
-    from specjax.cli.command import check_writable, fit_drafts
+    from specjax.cli.command import (
+        EXIT_INTERRUPTED,
+        check_writable,
+        current_interrupt,
+        fit_drafts,
+    )
 
     if not Path(opts["in_path"]).is_file():
         raise SystemExit(f"error: request file {opts['in_path']} not found")
@@ -143,7 +148,6 @@ def batch_main(argv: list[str]) -> int:
         check_writable(str(opts["errors_path"]), "--errors")
     from specjax.api import load
     from specjax.decode.compile_cache import set_compile_cache
-    from specjax.jobs.batch import batch
 
     cache_opt = opts.get("compile_cache")
     if cache_opt is False:
@@ -158,9 +162,45 @@ def batch_main(argv: list[str]) -> int:
     if spec is not None and "draft-simple" in spec.types and draft is None:
         raise SystemExit("error: --spec-type draft-simple needs -md/--spec-draft-model")
     if spec is not None:  # a request has at least one token; -n is a default requests change
-        ctx = int(opts["ctx_size"] or 0) or int(model.config.max_position)
+        from specjax.decode.inputs import context_size
+
+        ctx = context_size(model, opts["ctx_size"])
         spec = fit_drafts(spec, ctx - 2, f"context {ctx}", log)
-    summary = batch(
+    interrupt = current_interrupt()
+    with interrupt.installed():
+        summary = _run(model, opts, spec, draft, mesh, log, interrupt)
+    print(
+        f"specjax batch: {summary.n_done} request(s) done in {summary.seconds:.2f} s, "
+        f"{summary.generated_tokens} tokens ({summary.tokens_per_second:.1f} t/s); "
+        f"{summary.n_skipped} skipped (already done), {summary.n_errors} bad line(s) skipped",
+        file=log,
+    )
+    if summary.n_context:
+        print(
+            f"specjax batch: {summary.n_context} request(s) stopped at the context of "
+            f"{summary.context} tokens (finish_reason context): -c/--ctx-size sets it",
+            file=log,
+        )
+    if summary.stats is not None:
+        for line in summary.stats.lines():
+            print(line, file=log)
+    if summary.interrupted:
+        print(
+            "specjax batch: interrupted (Ctrl-C); every record in --out is whole, the requests "
+            "that were running run when the same command is given again (resume)",
+            file=log,
+        )
+        return EXIT_INTERRUPTED
+    return 0
+
+
+def _run(
+    model: Any, opts: dict[str, Any], spec: Any, draft: Any, mesh: Any, log: Any, interrupt: Any
+) -> Any:
+    """`specjax.jobs.batch.batch` with the command's options."""
+    from specjax.jobs.batch import batch
+
+    return batch(
         model,
         opts["in_path"],
         opts["out"],
@@ -182,14 +222,5 @@ def batch_main(argv: list[str]) -> int:
         mesh=mesh,
         log=log,
         repair=bool(opts.get("repair")),
+        interrupt=interrupt,
     )
-    print(
-        f"specjax batch: {summary.n_done} request(s) done in {summary.seconds:.2f} s, "
-        f"{summary.generated_tokens} tokens ({summary.tokens_per_second:.1f} t/s); "
-        f"{summary.n_skipped} skipped (already done), {summary.n_errors} bad line(s) skipped",
-        file=log,
-    )
-    if summary.stats is not None:
-        for line in summary.stats.lines():
-            print(line, file=log)
-    return 0

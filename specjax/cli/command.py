@@ -12,8 +12,12 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 import sys
 import tempfile
+import threading
+import warnings
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -90,7 +94,12 @@ def _generate_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("-n", "--n-predict", type=int, help="tokens to generate per prompt")
     p.add_argument(
-        "-c", "--ctx-size", type=int, help="context size (0 = from prompt and n-predict)"
+        "-c",
+        "--ctx-size",
+        type=int,
+        help="context size in tokens, prompt included (0 = the model's training context, as "
+        "llama.cpp); a prompt that does not fit is refused, a run that reaches it stops there "
+        "(said on stderr, finish_reason `context`), beyond the training context a warning",
     )
     p.add_argument(
         "-ub",
@@ -443,13 +452,12 @@ def fit_drafts(spec: Any, room: int, why: str, log: Any) -> Any:
 def _draft_room(model: Any, opts: dict[str, Any], prompt_lengths: list[int]) -> tuple[int, str]:
     """(longest draft a round can still verify, why): the context after the shortest prompt,
     and -n - 1 (llama.cpp's server drafts at most n_remaining - 1)."""
+    from specjax.decode.inputs import context_size
+
     n_predict = int(opts["n_predict"])
-    ctx = int(opts["ctx_size"] or 0) or (int(model.config.max_position) if n_predict < 0 else 0)
+    ctx = context_size(model, opts["ctx_size"])
     shortest = min(prompt_lengths) if prompt_lengths else 1
-    rooms, why = [], []
-    if ctx:
-        rooms.append(ctx - shortest - 1)
-        why.append(f"context {ctx}, prompt of {shortest} tokens")
+    rooms, why = [ctx - shortest - 1], [f"context {ctx}, prompt of {shortest} tokens"]
     if n_predict > 0:
         rooms.append(n_predict - 1)
         why.append(f"-n {n_predict}")
@@ -489,6 +497,119 @@ def _save_elsewhere(records: list[dict[str, Any]]) -> str | None:
         return None
 
 
+def check_context(model: Any, ctx_size: Any, lengths: list[int]) -> int:
+    """The context rule (`specjax.decode.inputs.fit_context`) before anything runs: the
+    context of -c (0 = the model's training context); a prompt that does not fit is a
+    ValueError naming the numbers and -c. Returns the context."""
+    from specjax.decode.inputs import fit_context
+
+    try:
+        context, _ = fit_context(model, lengths, int(ctx_size or 0) or None, warn=False)
+    except ValueError as err:
+        train = int(model.config.max_position)
+        what = "default 0: " if not ctx_size else ""
+        raise ValueError(
+            f"{err}; -c/--ctx-size sets the context ({what}the model's training context, {train})"
+        ) from None
+    return context
+
+
+def context_stop_lines(
+    context: int, finish_reasons: list[str], prompt_lengths: list[int], generated: list[int]
+) -> list[str]:
+    """stderr lines for the rows that stopped at the context (none when none did)."""
+    lines = []
+    for i, reason in enumerate(finish_reasons):
+        if reason != "context":
+            continue
+        which = f"prompt {i + 1}: " if len(finish_reasons) > 1 else ""
+        lines.append(
+            f"specjax: {which}stopped at the context of {context} tokens (prompt "
+            f"{prompt_lengths[i]} + {generated[i]} generated; finish_reason context): "
+            "-c/--ctx-size sets it"
+        )
+    return lines
+
+
+@contextlib.contextmanager
+def cli_warnings() -> Iterator[None]:
+    """specjax's context warnings as one stderr line (`specjax: warning: ...`) while a
+    command runs; other warnings as Python shows them."""
+    from specjax.decode.inputs import ContextWarning
+
+    shown = warnings.showwarning
+
+    def show(message: Any, category: Any, *args: Any, **kwargs: Any) -> None:
+        if issubclass(category, ContextWarning):
+            print(f"specjax: warning: {message}", file=sys.stderr)
+        else:
+            shown(message, category, *args, **kwargs)
+
+    warnings.showwarning = show
+    try:
+        yield
+    finally:
+        warnings.showwarning = shown
+
+
+class Interrupt:
+    """Ctrl-C (SIGINT) while a command runs. Once the decode loop asks (`generate(interrupt=
+    ...)`, a batch job's runner): a flag the loop reads between its segments, so it stops
+    there and what was generated is kept. Before the loop first asks (loading, compiling,
+    prefill) and at a second Ctrl-C: KeyboardInterrupt (`main`: exit 130, no traceback),
+    and the flag too, so that one raised where Python drops exceptions (a garbage-collector
+    callback, a finalizer: dropped here without a word) still stops the loop when it asks."""
+
+    def __init__(self) -> None:
+        self.asked = False
+        self.hit = False
+
+    def __call__(self) -> bool:
+        self.asked = True
+        return self.hit
+
+    def _handle(self, signum: int, frame: Any) -> None:
+        first = not self.hit
+        self.hit = True
+        if not (self.asked and first):
+            raise KeyboardInterrupt
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[Interrupt]:
+        """The handler for SIGINT while in the block (the main thread's only: signals are)."""
+        if threading.current_thread() is not threading.main_thread():
+            yield self
+            return
+        previous = signal.signal(signal.SIGINT, self._handle)
+        unraisable = sys.unraisablehook
+
+        def hook(args: Any) -> None:
+            if args.exc_type is None or not issubclass(args.exc_type, KeyboardInterrupt):
+                unraisable(args)
+
+        sys.unraisablehook = hook
+        _ACTIVE.append(self)
+        try:
+            yield self
+        finally:
+            _ACTIVE.pop()
+            sys.unraisablehook = unraisable
+            signal.signal(signal.SIGINT, previous)
+
+
+#: The Interrupts installed (`main` installs one for the whole command).
+_ACTIVE: list[Interrupt] = []
+
+
+def current_interrupt() -> Interrupt:
+    """The command's Interrupt (a new one outside `main`)."""
+    return _ACTIVE[-1] if _ACTIVE else Interrupt()
+
+
+#: The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
+EXIT_INTERRUPTED = 130
+
+
 def generate_main(argv: list[str]) -> int:
     opts = _load_options(argv)
     if not opts.get("model"):
@@ -518,8 +639,9 @@ def generate_main(argv: list[str]) -> int:
         if spec is not None and needs in spec.types and draft is None:
             raise SystemExit(f"error: --spec-type {needs} needs -md/--spec-draft-model")
     inputs = _prompt_inputs(model, prompts)
+    lengths = [len(p) if isinstance(p, list) else len(model.encode(p)) for p in inputs]
+    context = check_context(model, opts["ctx_size"], lengths)  # (before anything runs)
     if spec is not None:
-        lengths = [len(p) if isinstance(p, list) else len(model.encode(p)) for p in inputs]
         spec = fit_drafts(spec, *_draft_room(model, opts, lengths), log)
     print(
         f"specjax: model {opts['model']} ({model.config.num_params() / 1e6:.2f}M params), "
@@ -541,24 +663,27 @@ def generate_main(argv: list[str]) -> int:
     saves_dynamic_cache = bool(
         spec is not None and "ngram-cache" in spec.types and opts.get("lookup_cache_dynamic")
     )
-    result = generate(
-        model,
-        inputs,
-        stream=stream,
-        max_new_tokens=int(opts["n_predict"]),
-        temperature=float(opts["temp"]),
-        top_k=int(opts["top_k"]),
-        top_p=float(opts["top_p"]),
-        min_p=float(opts["min_p"]),
-        repeat_penalty=float(opts["repeat_penalty"]),
-        seed=int(opts["seed"]),
-        n_ctx=int(opts["ctx_size"]) or None,
-        spec=spec,
-        draft=draft,
-        n_ubatch=int(opts["ubatch_size"] or 0),
-        **slot_kwargs,
-        return_drafter_states=saves_dynamic_cache,
-    )
+    interrupt = current_interrupt()
+    with interrupt.installed():
+        result = generate(
+            model,
+            inputs,
+            stream=stream,
+            interrupt=interrupt,
+            max_new_tokens=int(opts["n_predict"]),
+            temperature=float(opts["temp"]),
+            top_k=int(opts["top_k"]),
+            top_p=float(opts["top_p"]),
+            min_p=float(opts["min_p"]),
+            repeat_penalty=float(opts["repeat_penalty"]),
+            seed=int(opts["seed"]),
+            n_ctx=int(opts["ctx_size"] or 0) or None,  # (None: sized by the run, <= context)
+            spec=spec,
+            draft=draft,
+            n_ubatch=int(opts["ubatch_size"] or 0),
+            **slot_kwargs,
+            return_drafter_states=saves_dynamic_cache,
+        )
     for prompt, text in zip(prompts, result.text):
         if stream is not None:
             sys.stdout.write("\n")
@@ -568,6 +693,19 @@ def generate_main(argv: list[str]) -> int:
             sys.stdout.write("\n")
     sys.stdout.flush()
     t = result.timings
+    prompt_lengths = [len(p) for p in result.prompt_tokens]
+    generated = [len(ids) for ids in result.tokens]
+    for line in context_stop_lines(context, result.finish_reasons, prompt_lengths, generated):
+        print(line, file=log)
+    if interrupt.hit:
+        print(
+            f"specjax: interrupted (Ctrl-C) after {sum(generated)} generated token(s); "
+            "the text so far is on stdout"
+            + (
+                ", the record(s) in --out with finish_reason interrupted" if opts.get("out") else ""
+            ),
+            file=log,
+        )
     print(
         f"prefill: {t['prompt_tokens']} tokens in {t['prefill_seconds']:.3f} s; "
         f"decode: {t['generated_tokens']} tokens in {t['decode_seconds']:.3f} s "
@@ -637,7 +775,7 @@ def generate_main(argv: list[str]) -> int:
                 file=log,
             )
             status = 1
-    return status
+    return EXIT_INTERRUPTED if interrupt.hit else status
 
 
 def _slot_options(opts: dict[str, Any], n_prompts: int) -> dict[str, Any]:
@@ -723,7 +861,13 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "2")
     try:
-        return int(commands[argv[0]](argv[1:]) or 0)
+        with cli_warnings(), Interrupt().installed():
+            return int(commands[argv[0]](argv[1:]) or 0)
+    except KeyboardInterrupt:  # Ctrl-C before (or outside) a loop that keeps what it made
+        with contextlib.suppress(OSError, ValueError):
+            sys.stdout.flush()
+        print("specjax: interrupted (Ctrl-C)", file=sys.stderr)
+        return EXIT_INTERRUPTED
     except ValueError as err:  # specjax errors are ValueErrors with a clear message
         print(f"error: {err}", file=sys.stderr)
         return 1

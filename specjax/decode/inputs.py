@@ -13,6 +13,7 @@ ValueErrors that name the numbers.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from typing import Any, cast
 
@@ -158,6 +159,81 @@ def _tokenize_prompts(model: Any, prompts: Any) -> list[list[int]]:
     return out
 
 
+class ContextWarning(UserWarning):
+    """A context beyond the model's training context (`fit_context`)."""
+
+
+#: The context warnings this process has given (each is given once).
+_WARNED: set[str] = set()
+
+
+def context_size(model: Any, n_ctx: int | None) -> int:
+    """The context of a run, in cells per row: `n_ctx`, or for None / 0 the model's training
+    context (llama.cpp's `-c 0`). Raises ValueError below 2."""
+    size = int(model.config.max_position) if not n_ctx else int(n_ctx)
+    if size < 2:
+        raise ValueError(f"context size must be >= 2, got {size}")
+    return size
+
+
+def check_prompt_fits(length: int, n_ctx: int, what: str = "prompt") -> None:
+    """ValueError with the numbers unless a prompt of `length` tokens leaves a cell of a
+    context of `n_ctx` for a generated token."""
+    if length >= n_ctx:
+        raise ValueError(
+            f"{what} of {length} tokens does not fit a context of {n_ctx} "
+            f"(needs at least {length + 1} cells)"
+        )
+
+
+def context_note(model: Any, n_ctx: int) -> str | None:
+    """The warning for a context beyond the model's training context (None: within it)."""
+    train = int(model.config.max_position)
+    if n_ctx <= train:
+        return None
+    return (
+        f"context of {n_ctx} cells is beyond the model's training context of {train}: "
+        f"text past position {train} may degrade"
+    )
+
+
+def fit_context(
+    model: Any,
+    prompt_lengths: Sequence[int],
+    n_ctx: int | None,
+    *,
+    need: int | None = None,
+    warn: bool = True,
+    stacklevel: int = 2,
+) -> tuple[int, int]:
+    """The one context rule of every path (`specjax.generate`, `Generator`, batch jobs, the
+    CLI's generate and batch, hybrid targets): returns (context, capacity).
+
+    * The context is `n_ctx` cells per row, or for None / 0 the model's training context
+      (`context_size`, llama.cpp's `-c 0`).
+    * Every prompt must leave a cell for a generated token: one that does not raises
+      ValueError with its numbers, before anything is traced (`check_prompt_fits`).
+    * A row stops at the context: its last token sits at position context - 1 and its
+      finish reason is `context` (the engine's; the CLI says so on stderr).
+    * A context beyond the training context runs, with one `ContextWarning` (`warn`; the
+      process warns once per message, whatever the warnings filters; `stacklevel` as
+      `warnings.warn`'s, counted from `fit_context`'s caller).
+
+    `capacity` is the static cells per row: the context, or `need` cells (prompt, tokens to
+    generate, draft width and 2) rounded up to a multiple-of-two bucket from 128 when that
+    is less, so short runs compile and allocate for what they use.
+    """
+    size = context_size(model, n_ctx)
+    if prompt_lengths:
+        check_prompt_fits(max(prompt_lengths), size)
+    note = context_note(model, size) if warn else None
+    if note is not None and note not in _WARNED:
+        _WARNED.add(note)
+        warnings.warn(note, ContextWarning, stacklevel=stacklevel + 1)
+    capacity = size if need is None else min(size, _bucket(need, 128))
+    return size, capacity
+
+
 def build_engine_inputs(
     model: Any,
     prompt_ids: list[list[int]],
@@ -165,23 +241,21 @@ def build_engine_inputs(
     max_new_tokens: int,
     n_ctx: int | None,
     k_max: int,
+    warn: bool = False,
 ) -> tuple[int, int, int]:
-    """Static sizes (prompt bucket T, capacity S, output capacity O), validated."""
+    """Static sizes (prompt bucket T, capacity S, output capacity O), validated by the
+    context rule (`fit_context`; `n_ctx` None = the model's training context)."""
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     longest = max(len(p) for p in prompt_ids)
-    if n_ctx is None:
-        n_ctx = _bucket(longest + max_new_tokens + k_max + 2, 128)
-    if n_ctx < 2:
-        raise ValueError(f"context size must be >= 2, got {n_ctx}")
-    if longest >= n_ctx:
-        raise ValueError(
-            f"prompt of {longest} tokens does not fit a context of {n_ctx} "
-            f"(needs at least {longest + 1} cells)"
-        )
-    T = min(prompt_bucket(longest), n_ctx)
+    need = longest + max_new_tokens + k_max + 2
+    _, capacity = fit_context(
+        model, [len(p) for p in prompt_ids], n_ctx, need=need if n_ctx is None else None,
+        warn=warn,
+    )  # fmt: skip
+    T = min(prompt_bucket(longest), capacity)
     out_cap = _bucket(max_new_tokens + k_max + 1, 32)
-    return T, n_ctx, out_cap
+    return T, capacity, out_cap
 
 
 #: Sampling values of an idle Generator slot (greedy, all samplers off).

@@ -199,11 +199,7 @@ def _parse_line(
     bad = [t for t in ids if not 0 <= t < V]
     if bad:
         raise ValueError(f"token id {bad[0]} is out of range for a vocabulary of {V}")
-    if len(ids) >= n_ctx:
-        raise ValueError(
-            f"prompt of {len(ids)} tokens does not fit a context of {n_ctx} "
-            f"(needs at least {len(ids) + 1} cells)"
-        )
+    inputs.check_prompt_fits(len(ids), n_ctx)  # (the context rule: `inputs.fit_context`)
     values = {k: obj.get(k, defaults[k]) for k in REQUEST_KEYS[3:]}
     for key, value in values.items():
         if isinstance(value, bool) or not isinstance(value, int | float):
@@ -508,18 +504,24 @@ class BatchSummary:
     tokens_per_second: float
     stats: Any = None  # api.SpecReport of this run
     compile_seconds: float = 0.0
+    #: requests of this run that stopped at the context (finish_reason `context`)
+    n_context: int = 0
+    #: the context of the job's slots (cells per slot)
+    context: int = 0
+    #: stopped by `interrupt` (the requests it left unfinished run on resume)
+    interrupted: bool = False
 
 
 def _sizes(
     model: api.Model, requests: Sequence[Request], n_ctx: int | None, k_max: int, chunk: int
 ) -> tuple[int, int]:
-    """Static (context S, output capacity O) of a job, from all its requests."""
-    if n_ctx is None:
-        if any(r.n_predict < 0 for r in requests) or not requests:
-            n_ctx = int(model.config.max_position)
-        else:
-            need = max(len(r.tokens) + r.n_predict for r in requests)
-            n_ctx = inputs._bucket(need + k_max + 2, 128)
+    """Static (context S, output capacity O) of a job, from all its requests: the context
+    rule's capacity (`inputs.fit_context`: `n_ctx`, or with None what the requests need, at
+    most the model's training context)."""
+    need = None
+    if n_ctx is None and requests and all(r.n_predict > 0 for r in requests):
+        need = max(len(r.tokens) + r.n_predict for r in requests) + k_max + 2
+    _, n_ctx = inputs.fit_context(model, [], n_ctx, need=need, warn=False)
     longest_out = max([r.n_predict if r.n_predict > 0 else n_ctx for r in requests] or [1])
     out_cap = inputs._bucket(min(longest_out, n_ctx) + k_max + 1, 32)
     return n_ctx, out_cap
@@ -551,6 +553,7 @@ def batch(
     mesh: dict[str, int] | None = None,
     log: Any = None,
     repair: bool = False,
+    interrupt: Any = None,
 ) -> BatchSummary:
     """Run every request of `requests` (a JSONL path, or an iterable of request dicts) with
     `n_parallel` slots of continuous batching and append one result line per request to
@@ -561,6 +564,13 @@ def batch(
     An existing `out` is checked whole first (`load_results`): a line it cannot trust raises
     `DamagedResultsError` with the file unchanged, or with `repair` is dropped (the file as it
     was is kept in `out.bak`) and its request runs again.
+
+    The context follows `specjax.decode.inputs.fit_context` (the rule of every path): a
+    request whose prompt does not fit is a bad line; one that reaches the context stops
+    with finish_reason `context` (`BatchSummary.n_context` counts them).
+    `interrupt()`: asked after each segment of rounds; when it returns True the job stops
+    there, with every finished request written whole and those in the slots left for the
+    next run (resume), and `BatchSummary.interrupted` set (the CLI's Ctrl-C).
     """
     log = sys.stderr if log is None else log
     if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
@@ -578,8 +588,6 @@ def batch(
             "request's tokens would depend on its drafts (its slot and batch-mates); batch "
             "jobs need greedy drafts, which give the same tokens as plain sampling"
         )
-    if n_ctx is not None and n_ctx < 2:
-        raise ValueError(f"context size must be >= 2, got {n_ctx}")
     k_max = spec.resolved_k_max() if spec else 0
     defaults = {
         "n_predict": n_predict,
@@ -590,7 +598,9 @@ def batch(
         "repeat_penalty": repeat_penalty,
         "seed": seed,
     }
-    check_ctx = n_ctx if n_ctx is not None else int(model.config.max_position)
+    # the context rule (`inputs.fit_context`): None = the model's training context; each
+    # request's prompt is checked against it below; beyond the training context one warning
+    check_ctx, _ = inputs.fit_context(model, [], n_ctx, stacklevel=2)
     reqs, errors, source = parse_requests(model, requests, n_ctx=check_ctx, defaults=defaults)
     if errors and errors_path is None:
         raise BatchInputError(errors, source)
@@ -624,7 +634,7 @@ def batch(
         file=log,
     )
     if not todo:
-        return BatchSummary(len(reqs), n_skipped, 0, len(errors), 0, 0.0, 0.0)
+        return BatchSummary(len(reqs), n_skipped, 0, len(errors), 0, 0.0, 0.0, context=S)
 
     runner = _Runner(
         model,
@@ -647,12 +657,14 @@ def batch(
 
         bar = tqdm(total=len(reqs), initial=n_skipped, unit="req", file=log, dynamic_ncols=True)
     t0 = time.perf_counter()
-    generated = 0
+    generated = n_done = n_context = 0
     try:
-        for record in runner.run(todo):
+        for record in runner.run(todo, interrupt):
             record["check"] = record_check(record, by_id[_id_key(record["id"])])
             writer.write(record)
             generated += len(record["tokens"])
+            n_done += 1
+            n_context += record["finish_reason"] == "context"
             if bar is not None:
                 elapsed = max(time.perf_counter() - t0, 1e-9)
                 post = {"tok/s": f"{generated / elapsed:.1f}"}
@@ -669,13 +681,16 @@ def batch(
     return BatchSummary(
         n_requests=len(reqs),
         n_skipped=n_skipped,
-        n_done=len(todo),
+        n_done=n_done,
         n_errors=len(errors),
         generated_tokens=generated,
         seconds=seconds,
         tokens_per_second=generated / max(seconds, 1e-9),
         stats=runner.report(),
         compile_seconds=runner.compile_seconds,
+        n_context=n_context,
+        context=S,
+        interrupted=runner.interrupted,
     )
 
 
@@ -747,6 +762,7 @@ class _Runner:
             self.drafter_params = tuple(self.drafter_params[i] for i in keep)
         self.stats_host: Any = None
         self.compile_seconds = 0.0
+        self.interrupted = False  # (the last `run` stopped by its `interrupt`)
         # the mesh path below keeps the stored form
         self.params = weights.decode_params(model.params)
         self.init_fn: Any = cont.init_slots_jit
@@ -837,9 +853,12 @@ class _Runner:
             )
         return state, ss
 
-    def run(self, todo: Sequence[Request]) -> Iterable[dict[str, Any]]:
-        """Yield one result record per request, in completion order."""
+    def run(self, todo: Sequence[Request], interrupt: Any = None) -> Iterable[dict[str, Any]]:
+        """Yield one result record per request, in completion order. `interrupt()` is
+        asked after each segment (once the first one ran: compiled); True stops the run
+        there (`self.interrupted`), the requests in the slots unfinished."""
         B, engine = self.B, self.engine
+        self.interrupted = False
         queue = collections.deque(todo)
         slots: list[tuple[Request, float] | None] = [None] * B
         tc = time.perf_counter()
@@ -889,6 +908,9 @@ class _Runner:
                 )
             ready = [b for b in range(B) if slots[b] is not None and done[b]]
             if not ready:
+                if interrupt is not None and interrupt():
+                    self.interrupted = True
+                    return
                 continue
             out_tokens = np.asarray(jax.device_get(state.out_tokens))
             if self.spec is not None:
@@ -924,6 +946,9 @@ class _Runner:
                         else 1.0,
                     },
                 }
+            if interrupt is not None and interrupt():
+                self.interrupted = True
+                return
 
     def acceptance(self) -> float | None:
         """Job-wide accepted / drafted tokens so far (None without speculation or drafts)."""

@@ -420,17 +420,40 @@ def run_rounds(
     run: eng.RunParams,
     n_rounds: Array,
 ) -> eng.GenState:
-    """At most `n_rounds` rounds of `engine.generate_loop` (the same rounds, so the same
-    tokens): streaming reads the state between calls."""
-    stop = state.n_rounds + n_rounds
+    """`engine.generate_loop` in segments: its rounds until about `n_rounds` more have run
+    (or every row is done, or `max_rounds`), so the host can read the state (streaming)
+    or stop (an interrupt) between calls. Calls one after another give the same state as
+    one `generate_loop` call: the same tokens, statistics and governor counters.
 
-    def cond(s: eng.GenState) -> Array:
-        return jnp.any(~s.done) & (s.n_rounds < engine.max_rounds) & (s.n_rounds < stop)
-
-    def body(s: eng.GenState) -> eng.GenState:
-        return eng.spec_step(engine, target_params, drafter_params, s, run)
-
-    return jax.lax.while_loop(cond, body, state)
+    How: the loop stops where `GenState.n_rounds` reaches `engine.max_rounds`, a count it
+    only compares, so the segment lends it an offset that makes the segment's stop read as
+    that limit (and takes it back after). A governed loop (`idle_rounds_are_plain` chains)
+    leaves its state planned for the next round (`draft_budget`: the governor's round
+    counters already count it) and plans again as it starts; a segment after the first
+    takes that round's counts back before it starts, so the round is counted once. Inside
+    an off-rounds stretch a segment's stop ends the stretch early, as a finishing row does
+    in one call: the rounds after it are planned one by one, with the same choices (the
+    stretch is only those the governor's choice stays 0 in). A pending 1-token step still
+    runs, so a segment may run one round past `n_rounds`.
+    """
+    limit = jnp.asarray(engine.max_rounds, jnp.int32)
+    stop = jnp.minimum(limit, state.n_rounds + jnp.maximum(n_rounds, 1))
+    offset = limit - stop
+    governor = state.governor
+    if engine.drafters and eng.idle_rounds_are_plain(engine):
+        # a state that a segment left is planned for its next round: take the plan's counts back
+        _, again = eng.draft_budget(engine, state, run)
+        planned = state.n_rounds > 0
+        governor = replace(
+            governor,
+            n_rounds=governor.n_rounds - jnp.where(planned, again.n_rounds - governor.n_rounds, 0),
+            n_throttled=governor.n_throttled
+            - jnp.where(planned, again.n_throttled - governor.n_throttled, 0),
+            n_off=governor.n_off - jnp.where(planned, again.n_off - governor.n_off, 0),
+        )
+    shifted = replace(state, n_rounds=state.n_rounds + offset, governor=governor)
+    out = eng.generate_loop(engine, target_params, drafter_params, shifted, run)
+    return replace(out, n_rounds=out.n_rounds - offset)
 
 
 run_rounds_jit = jax.jit(run_rounds, static_argnames=("engine",), donate_argnames=("state",))
