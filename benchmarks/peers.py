@@ -860,7 +860,7 @@ def measure_cli(args: argparse.Namespace, llama: Llama | None) -> dict[str, Any]
     sj_cmd = [
         sys.executable,
         "-m",
-        "specjax.cli.command",
+        "specjax.cli",
         "generate",
         *("-m", args.model, "-f", str(prompt), "-n", str(args.n_predict), "-c", "2048"),
     ]

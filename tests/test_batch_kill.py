@@ -6,7 +6,7 @@ in a fraction of a speculative one's time. The slow one also runs speculation (n
 draft-simple, drafting every round) and speculation under the draft governor (whose off rounds
 run lean).
 
-All runs are `python -m specjax.cli.command batch` subprocesses sharing a persistent compilation
+All runs are `python -m specjax.cli batch` subprocesses sharing a persistent compilation
 cache, so restarts do not compile again. (That these records equal `specjax.generate` per
 request is tests/test_batch.py's business.)
 """
@@ -91,7 +91,7 @@ def killed_until_done(
     cmd = [
         sys.executable,
         "-m",
-        "specjax.cli.command",
+        "specjax.cli",
         "batch",
         "-m",
         str(files / "t.gguf"),

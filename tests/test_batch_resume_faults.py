@@ -223,7 +223,7 @@ def test_cli_refuses_then_repairs(model, requests, reference, tmp_path):
     damaged = "".join(lines).encode()
     out = tmp_path / "out.jsonl"
     out.write_bytes(damaged)
-    cmd = [sys.executable, "-m", "specjax.cli.command", "batch", "-m", str(gguf), "--in", str(req),
+    cmd = [sys.executable, "-m", "specjax.cli", "batch", "-m", str(gguf), "--in", str(req),
            "--out", str(out), "-np", "4", "-c", str(N_CTX), "--prefill-chunk", str(CHUNK),
            "--no-progress", "-n", "64"]  # fmt: skip
     env = {**os.environ, "SPECJAX_COMPILE_CACHE": str(tmp_path / "jax-cache")}

@@ -129,7 +129,7 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_two_processes_write_their_shards(files):
-    base = [sys.executable, "-m", "specjax.cli.command", "batch", "-m", str(files / "t.gguf")]
+    base = [sys.executable, "-m", "specjax.cli", "batch", "-m", str(files / "t.gguf")]
     base += ["--in", str(files / "req.jsonl"), "-c", "128", "--prefill-chunk", "16"]
     base += ["-np", "4", "--no-progress", "--no-compile-cache"]
     one = files / "single.jsonl"

@@ -5,7 +5,7 @@ resume, exit 130; a Ctrl-C at start-up is one line, exit 130.
 
 The loop in segments (`continuous.run_rounds`) gives what one `generate_loop` call gives,
 tokens, statistics and governor counters, even one round per segment. Signals and exit
-codes are the process's: those tests run `python -m specjax.cli.command` subprocesses on a
+codes are the process's: those tests run `python -m specjax.cli` subprocesses on a
 tiny GGUF model (one compilation cache) and send SIGINT once output has started."""
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ def tiny(tmp_path_factory):
 def start(d: Path, *args: str) -> subprocess.Popen:
     env = {**os.environ, "SPECJAX_COMPILE_CACHE": str(d / "jax-cache")}
     return subprocess.Popen(
-        [sys.executable, "-m", "specjax.cli.command", *args],
+        [sys.executable, "-m", "specjax.cli", *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         cwd=ROOT,

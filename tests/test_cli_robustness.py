@@ -3,7 +3,7 @@ output paths checked before any work, a failed write after generating keeps the 
 and says where the records went, raw prompt bytes, one rule for empty prompts, draft limits
 clamped to the context, llama.cpp's draft flag names, statistics lines without `nan`.
 
-Exit codes and files are the process's: those run as `python -m specjax.cli.command` subprocesses on the
+Exit codes and files are the process's: those run as `python -m specjax.cli` subprocesses on the
 tiny GGUF model (one shared compilation cache); the rest call `cli.main` in the test process.
 """
 
@@ -43,7 +43,7 @@ def tiny(tmp_path_factory):
 def run_cli(d: Path, *args: str, timeout: float = 240) -> subprocess.CompletedProcess:
     env = {**os.environ, "SPECJAX_COMPILE_CACHE": str(d / "jax-cache")}
     return subprocess.run(
-        [sys.executable, "-m", "specjax.cli.command", *args],
+        [sys.executable, "-m", "specjax.cli", *args],
         capture_output=True,
         timeout=timeout,
         cwd=ROOT,

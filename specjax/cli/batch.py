@@ -17,9 +17,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specjax.cli.options import (
+    _GENERATE_DEFAULTS,
+    EXIT_INTERRUPTED,
+    _generate_parser,
+    _read_config,
+    _spec_from_options,
+    current_interrupt,
+    fit_drafts,
+)
+from specjax.io.paths import check_writable
+
 
 def _batch_parser() -> argparse.ArgumentParser:
-    from specjax.cli.command import _generate_parser
 
     p = _generate_parser()
     p.prog = "specjax batch"
@@ -77,7 +87,6 @@ _BATCH_DEFAULTS: dict[str, Any] = {
 
 
 def _load_options(argv: list[str]) -> dict[str, Any]:
-    from specjax.cli.command import _GENERATE_DEFAULTS
 
     args = _batch_parser().parse_args(argv)
     opts = {**_GENERATE_DEFAULTS, **_BATCH_DEFAULTS}
@@ -85,7 +94,6 @@ def _load_options(argv: list[str]) -> dict[str, Any]:
         path = Path(args.config)
         if not path.is_file():
             raise SystemExit(f"error: config file {path} not found")
-        from specjax.cli.command import _read_config
 
         loaded = _read_config(path)
         unknown = sorted(set(loaded) - set(opts))
@@ -124,7 +132,6 @@ def batch_main(argv: list[str]) -> int:
             num_processes=opts.get("num_processes"),
             process_id=opts.get("process_id"),
         )
-    from specjax.cli.command import _spec_from_options
 
     if not opts.get("model"):
         raise SystemExit("error: no model given (-m/--model or `model:` in --config)")
@@ -132,12 +139,6 @@ def batch_main(argv: list[str]) -> int:
         raise SystemExit("error: specjax batch needs --in REQUESTS.jsonl and --out RESULTS.jsonl")
     if opts.get("prompt") or opts.get("file"):
         raise SystemExit("error: specjax batch reads its prompts from --in, not -p/-f")
-    from specjax.cli.command import (
-        EXIT_INTERRUPTED,
-        check_writable,
-        current_interrupt,
-        fit_drafts,
-    )
 
     if not Path(opts["in_path"]).is_file():
         raise SystemExit(f"error: request file {opts['in_path']} not found")

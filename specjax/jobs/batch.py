@@ -44,12 +44,12 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import api, sampling
-from specjax.cli.command import check_writable
 from specjax.config import SpecConfig
 from specjax.decode import engine as eng
 from specjax.decode import inputs, prices, weights
 from specjax.drafters.registry import build_drafters
 from specjax.errors import CacheOverflowError
+from specjax.io.paths import check_writable
 from specjax.jobs import continuous as cont
 from specjax.jobs import sharding as bs
 from specjax.memory.kv import cache_dtype
