@@ -85,17 +85,18 @@ def shipped_models() -> dict[str, Any]:
 
 
 def spec_for(config: str, tiny: bool) -> Any:
+    """The configuration's speculative settings. The draft governor is off: with it on, a
+    drafter it would never ask at the run's shapes is left out of the compiled chain (a twin's
+    deeper draft model, say), and the programs compared would not hold the same chain."""
     from specjax.config import SpecConfig
 
+    common: dict[str, Any] = dict(draft_n_max=4, cost_calibrate=False, adaptive=False)
     if config == "draft-simple":
-        return SpecConfig(types=("draft-simple",), draft_n_max=4, cost_calibrate=False)
+        return SpecConfig(types=("draft-simple",), **common)
     if config == "ngram-mod+draft-simple":
         small = dict(ngram_mod_n_match=4, ngram_mod_n_min=2, ngram_mod_n_max=8) if tiny else {}
         pool = {"ngram_mod_pool_size": 1 << 12} if tiny else {}
-        return SpecConfig(
-            types=("ngram-mod", "draft-simple"), draft_n_max=4, cost_calibrate=False,
-            **small, **pool,  # type: ignore[arg-type]
-        )  # fmt: skip
+        return SpecConfig(types=("ngram-mod", "draft-simple"), **common, **small, **pool)
     return None
 
 
