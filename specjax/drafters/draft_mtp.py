@@ -63,6 +63,7 @@ from specjax.drafters.base import (
 )
 from specjax.drafters.draft_simple import DRAFT_TOP_K
 from specjax.memory.kv import KVCache, keep_prefix
+from specjax.memory.target import H_NEXTN  # (the id the target hands h_nextn under)
 from specjax.models import qwen35
 from specjax.models.llama import ExtraKV, commit_kv
 from specjax.models.qwen35_mtp import new_nextn_cache, nextn_forward
@@ -71,9 +72,6 @@ from specjax.types import Array, Params
 
 if TYPE_CHECKING:
     from specjax.config import SpecConfig
-
-#: `TargetBatch.hidden` key of the target's h_nextn (final-normed hidden of every row).
-H_NEXTN = -1
 
 
 @pytree_dataclass
