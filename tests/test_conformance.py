@@ -125,11 +125,13 @@ def test_reference_reproduces_llamacpp(idx: int) -> None:
 
 
 @functools.cache
-def _compiled(drafter: Any) -> tuple[Callable[..., Any], ...]:
-    """Jitted begin / draft / accept for one drafter configuration (B=1, capacity S, K)."""
+def compiled_calls(drafter: Any, capacity: int, width: int) -> tuple[Callable[..., Any], ...]:
+    """Jitted begin / draft / accept for one drafter configuration (B=1, `capacity` cells of
+    history, draft width `width`), state donated. The stream's first `capacity` tokens are the history's cells;
+    cells past the history's length hold `garbage` (a drafter must not read them)."""
 
     def history(stream: jax.Array, garbage: jax.Array, length: jax.Array) -> TokenHistory:
-        cells = jnp.where(jnp.arange(S) < length, stream, garbage)
+        cells = jnp.where(jnp.arange(capacity) < length, stream[:capacity], garbage)
         return TokenHistory(tokens=cells[None, :], length=length[None])
 
     def begin(state: Any, stream: jax.Array, garbage: jax.Array, length: jax.Array) -> Any:
@@ -147,7 +149,7 @@ def _compiled(drafter: Any) -> tuple[Callable[..., Any], ...]:
             p_min=jnp.float32(0.0),
             temperature=jnp.zeros((1,), jnp.float32),
         )
-        state, out = drafter.draft(None, state, inp, K)
+        state, out = drafter.draft(None, state, inp, width)
         return state, out.tokens[0], out.length[0]
 
     def accept(state: Any, n: jax.Array, is_other: jax.Array, active: jax.Array) -> Any:
@@ -158,6 +160,10 @@ def _compiled(drafter: Any) -> tuple[Callable[..., Any], ...]:
         jax.jit(draft, donate_argnums=0),
         jax.jit(accept, donate_argnums=0),
     )
+
+
+def _compiled(drafter: Any) -> tuple[Callable[..., Any], ...]:
+    return compiled_calls(drafter, S, K)
 
 
 class _JaxRelay:

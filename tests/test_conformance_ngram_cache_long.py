@@ -19,19 +19,17 @@ need, the tables used to fill up and drop pairs, and the drafts diverged at roun
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 from typing import Any
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from oracles import relay_reference as rr
 from oracles.ngram_cache_reference import NgramCacheImplRef
-from test_conformance import JAX_FACTORIES
+from test_conformance import JAX_FACTORIES, compiled_calls
 
-from specjax.drafters.base import PRIORITY, DraftInput, TokenHistory
+from specjax.drafters.base import PRIORITY
 from specjax.drafters.ngram_cache import NgramCache
 
 rr.register_reference("ngram-cache", lambda params, n_seq: NgramCacheImplRef(n_seq))
@@ -58,41 +56,9 @@ def test_recordings_are_long() -> None:
     assert all("ngram-cache" in rr.scenario_types(s) for s in SCENARIOS)
 
 
-def _history(stream: jax.Array, garbage: jax.Array, length: jax.Array) -> TokenHistory:
-    cells = jnp.where(jnp.arange(S) < length, stream[:S], garbage)  # garbage past the history
-    return TokenHistory(tokens=cells[None, :], length=length[None])
-
-
-@functools.cache
-def _compiled(drafter: Any) -> tuple[Any, Any, Any]:
-    """Jitted begin / draft / accept for one drafter (B=1, capacity S, K), state donated."""
-
-    def begin(state: Any, stream: jax.Array, garbage: jax.Array, length: jax.Array) -> Any:
-        return drafter.begin(state, _history(stream, garbage, length))
-
-    def draft(
-        state: Any, stream: jax.Array, garbage: jax.Array, length: jax.Array, n_max: jax.Array
-    ) -> tuple[Any, jax.Array, jax.Array]:
-        inp = DraftInput(
-            history=_history(stream, garbage, length),
-            last_token=stream[length][None],
-            n_max=n_max[None],
-            drafting=jnp.ones((1,), bool),
-            n_min=jnp.int32(0),
-            p_min=jnp.float32(0.0),
-            temperature=jnp.zeros((1,), jnp.float32),
-        )
-        state, out = drafter.draft(None, state, inp, K)
-        return state, out.tokens[0], out.length[0]
-
-    def accept(state: Any, n: jax.Array, is_other: jax.Array, active: jax.Array) -> Any:
-        return drafter.accept(state, n[None], is_other[None], active[None])
-
-    return (
-        jax.jit(begin, donate_argnums=0),
-        jax.jit(draft, donate_argnums=0),
-        jax.jit(accept, donate_argnums=0),
-    )
+def _compiled(drafter: Any) -> tuple[Any, ...]:
+    """Jitted begin / draft / accept (`test_conformance.compiled_calls`) over S cells."""
+    return compiled_calls(drafter, S, K)
 
 
 class JaxImpl:
