@@ -21,10 +21,10 @@ from specjax.cli.options import (
     _GENERATE_DEFAULTS,
     EXIT_INTERRUPTED,
     _generate_parser,
-    _read_config,
     _spec_from_options,
     current_interrupt,
     fit_drafts,
+    load_options,
 )
 from specjax.io.paths import check_writable
 
@@ -87,23 +87,9 @@ _BATCH_DEFAULTS: dict[str, Any] = {
 
 
 def _load_options(argv: list[str]) -> dict[str, Any]:
-
-    args = _batch_parser().parse_args(argv)
-    opts = {**_GENERATE_DEFAULTS, **_BATCH_DEFAULTS}
-    if args.config:
-        path = Path(args.config)
-        if not path.is_file():
-            raise SystemExit(f"error: config file {path} not found")
-
-        loaded = _read_config(path)
-        unknown = sorted(set(loaded) - set(opts))
-        if unknown:
-            raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}")
-        opts.update(loaded)
-    for key, value in vars(args).items():
-        if key != "config" and value is not None:
-            opts[key] = value
-    return opts
+    """`specjax batch`'s options: generate's defaults and the batch job's, a --config file's
+    keys, then the flags."""
+    return load_options(_batch_parser(), {**_GENERATE_DEFAULTS, **_BATCH_DEFAULTS}, argv)
 
 
 def parse_mesh(text: str | None) -> dict[str, int] | None:

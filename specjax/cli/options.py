@@ -219,14 +219,23 @@ def _generate_parser() -> argparse.ArgumentParser:
 
 
 def _load_options(argv: list[str]) -> dict[str, Any]:
-    args = _generate_parser().parse_args(argv)
-    opts = dict(_GENERATE_DEFAULTS)
+    """`specjax generate`'s options: its defaults, a --config file's keys, then the flags."""
+    return load_options(_generate_parser(), _GENERATE_DEFAULTS, argv)
+
+
+def load_options(
+    parser: argparse.ArgumentParser, defaults: dict[str, Any], argv: list[str]
+) -> dict[str, Any]:
+    """A command's options: `defaults`, then the keys of its --config file (each one of the
+    defaults' names), then the flags given."""
+    args = parser.parse_args(argv)
+    opts = dict(defaults)
     if args.config:
         path = Path(args.config)
         if not path.is_file():
             raise SystemExit(f"error: config file {path} not found")
         loaded = _read_config(path)
-        unknown = sorted(set(loaded) - set(_GENERATE_DEFAULTS))
+        unknown = sorted(set(loaded) - set(defaults))
         if unknown:
             raise SystemExit(f"error: unknown keys in {path}: {', '.join(unknown)}")
         opts.update(loaded)
