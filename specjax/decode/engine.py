@@ -1029,7 +1029,7 @@ def _finish_round(
             if not off:
                 stats = stats_mod.record_accept(stats, winner, n_acc, had_draft & commit, replaying)
                 if paths is not None:
-                    stats = replace(stats, n_rollback=stats.n_rollback + paths)
+                    stats = stats_mod.add_rollback(stats, paths)
                 governor = adaptive.observe(
                     governor, active & (budget > 0), draft_len, n_acc, engine.draft_caps()
                 )

@@ -31,17 +31,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.memory.target import ROLLBACK_PATHS, part_rollback_counts
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
-
-#: How verified rounds left the target's memory (one schema for every target; counts are
-#: row-rounds): `full_accept` (every drafted token accepted, nothing to remove), `seq_rm`
-#: (PART: the rejected KV cells dropped by `seq_rm`, attention-only targets), `rs_plane`
-#: (RS: a recurrent state rolled back by a snapshot plane), `checkpoint` (FULL, or RS beyond
-#: n_rs_seq: the pre-round checkpoint restored), `replay` (the rounds replaying a
-#: checkpointed round's accepted tokens), `seq_rm_failed` (a bounded rollback that failed;
-#: always 0 in a correct run).
-ROLLBACK_PATHS = ("full_accept", "seq_rm", "rs_plane", "checkpoint", "replay", "seq_rm_failed")
 
 
 def rollback_dict(counts: Any) -> dict[str, int]:
@@ -247,14 +239,14 @@ def record_accept(
 def record_rollback(stats: SpecStats, verified_B: Array, n_rollback_B: Array) -> SpecStats:
     """Rollback path counters of an attention-only (PART) target for one round: rows that
     verified a draft (`verified_B`) and dropped `n_rollback_B` rejected draft cells count in
-    `seq_rm` when that is > 0, else in `full_accept`."""
-    verified_B = verified_B.astype(bool)
-    rolled = jnp.sum(verified_B & (n_rollback_B > 0)).astype(jnp.int32)
-    full = jnp.sum(verified_B & (n_rollback_B <= 0)).astype(jnp.int32)
-    add = jnp.zeros((len(ROLLBACK_PATHS),), jnp.int32)
-    add = add.at[ROLLBACK_PATHS.index("seq_rm")].set(rolled)
-    add = add.at[ROLLBACK_PATHS.index("full_accept")].set(full)
-    return replace(stats, n_rollback=stats.n_rollback + add)
+    `seq_rm` when that is > 0, else in `full_accept` (`memory.target.part_rollback_counts`,
+    what the KV memory's `settle` reports)."""
+    return add_rollback(stats, part_rollback_counts(verified_B, n_rollback_B))
+
+
+def add_rollback(stats: SpecStats, counts: Array) -> SpecStats:
+    """The round's row counts per rollback path (`TargetMemory.settle`'s) added up."""
+    return replace(stats, n_rollback=stats.n_rollback + counts)
 
 
 def format_rollback_line(counts: dict[str, int]) -> str:

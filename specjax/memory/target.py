@@ -31,7 +31,7 @@ Invariants: `forward` never reads cells at positions >= a row's write positions 
 round wrote are either kept or dropped by `settle` before the next round); `hidden` holds one
 array [B, T, D] per requested id in `hidden_layers` order (layer ids of a llama target;
 `H_NEXTN` of a qwen35 target, the LM head's input that draft-mtp reads). `paths` is an int32
-[len(ROLLBACK_PATHS)] vector of row-rounds per rollback path (`specjax.decode.stats`).
+[len(ROLLBACK_PATHS)] vector of row-rounds per rollback path (`rollback_counts`).
 """
 
 from __future__ import annotations
@@ -42,7 +42,6 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from specjax.decode.stats import ROLLBACK_PATHS
 from specjax.memory.hybrid import HybridMemory, forward_memory_hidden, select_recurrent
 from specjax.memory.kv import KVCache, keep_prefix, row_high_water
 from specjax.models import qwen35
@@ -50,6 +49,15 @@ from specjax.models.config import ModelConfig
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import replace
 from specjax.types import Array, Params
+
+#: How verified rounds left the target's memory (one schema for every target; counts are
+#: row-rounds): `full_accept` (every drafted token accepted, nothing to remove), `seq_rm`
+#: (PART: the rejected KV cells dropped by `seq_rm`, attention-only targets), `rs_plane`
+#: (RS: a recurrent state rolled back by a snapshot plane), `checkpoint` (FULL, or RS beyond
+#: n_rs_seq: the pre-round checkpoint restored), `replay` (the rounds replaying a
+#: checkpointed round's accepted tokens), `seq_rm_failed` (a bounded rollback that failed;
+#: always 0 in a correct run).
+ROLLBACK_PATHS = ("full_accept", "seq_rm", "rs_plane", "checkpoint", "replay", "seq_rm_failed")
 
 #: The hidden-state id under which a qwen35 target hands its h_nextn (the LM head's input,
 #: which draft-mtp reads) in `TargetBatch.hidden`.
@@ -150,11 +158,21 @@ def _kv_put_row(cache: KVCache, slot: Array, row: KVCache) -> KVCache:
     )
 
 
-def _path_counts(**counts: Array) -> Array:
+def rollback_counts(**counts: Array) -> Array:
     """[len(ROLLBACK_PATHS)] int32 with the named paths' counts, 0 elsewhere."""
     return jnp.stack(
         [counts[name] if name in counts else jnp.zeros((), jnp.int32) for name in ROLLBACK_PATHS]
     ).astype(jnp.int32)
+
+
+def part_rollback_counts(verified_B: Array, n_rollback_B: Array) -> Array:
+    """PART's counts for one round: rows that verified a draft (`verified_B`) count in
+    `seq_rm` when they dropped rejected cells (`n_rollback_B` > 0), else in `full_accept`."""
+    verified = verified_B.astype(bool)
+    rejected = n_rollback_B > 0
+    return rollback_counts(
+        full_accept=jnp.sum(verified & ~rejected), seq_rm=jnp.sum(verified & rejected)
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -214,11 +232,7 @@ class KVTargetMemory:
         replaying_B: Array | None,
     ) -> tuple[KVCache, None, Array]:
         """PART: `seq_rm(row, keep, -1)` drops the rejected cells of every row at once."""
-        verified = active_B & (n_drafted_B > 0)
-        rejected = n_drafted_B - n_accepted_B > 0
-        paths = _path_counts(
-            full_accept=jnp.sum(verified & ~rejected), seq_rm=jnp.sum(verified & rejected)
-        )
+        paths = part_rollback_counts(active_B & (n_drafted_B > 0), n_drafted_B - n_accepted_B)
         keep = jnp.where(active_B, length_B + n_accepted_B + 1, length_B)
         return keep_prefix(after, keep), None, paths
 
@@ -301,7 +315,7 @@ class HybridTargetMemory:
         memory = replace(memory, rec=select_recurrent(checkpoint, before.rec, memory.rec))
         memory, _ = memory.seq_rm_rows(checkpoint, length_B, -1)
         verified = active_B & (n_drafted_B > 0) & ~checkpoint
-        paths = _path_counts(
+        paths = rollback_counts(
             full_accept=jnp.sum(verified & ~replaying & ~rejected),
             rs_plane=jnp.sum(by_plane),
             checkpoint=jnp.sum(checkpoint),
