@@ -458,6 +458,17 @@ def scale_table(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def write_section(path: str, key: str | None, section: dict[str, Any]) -> None:
+    """Write one mode's results into the JSON at `path` ('-': nowhere), keeping the other
+    mode's: `key` names the section (`scale`), None the top level (the default mode)."""
+    if path == "-":
+        return
+    doc: dict[str, Any] = json.loads(Path(path).read_text()) if Path(path).exists() else {}
+    doc.update(section if key is None else {key: section})
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(doc, indent=1) + "\n")
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--configs", default=",".join(CONFIGS))
@@ -487,19 +498,17 @@ def main(argv: list[str] | None = None) -> None:
         t0 = time.perf_counter()
         programs = tuple(x for x in a.scale_programs.split(",") if x)
         scale = run_scale(configs, targets, a.scale_k, programs)
-        doc: dict[str, Any] = {}
-        if a.json != "-" and Path(a.json).exists():  # the other modes' rows stay
-            doc = json.loads(Path(a.json).read_text())
-        doc["scale"] = {
-            "what": "issue 50 item 5: Llama-3.1-8B-shaped target + Llama-3.2-1B-shaped draft, "
-            "abstract bf16 weights, the batch job's programs and shardings",
-            "jax": jax.__version__,
-            "seconds": round(time.perf_counter() - t0, 1),
-            "rows": scale,
-        }
-        if a.json != "-":
-            Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-            Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+        write_section(
+            a.json,
+            "scale",
+            {
+                "what": "issue 50 item 5: Llama-3.1-8B-shaped target + Llama-3.2-1B-shaped "
+                "draft, abstract bf16 weights, the batch job's programs and shardings",
+                "jax": jax.__version__,
+                "seconds": round(time.perf_counter() - t0, 1),
+                "rows": scale,
+            },
+        )
         print(scale_table(scale))
         return
 
@@ -515,15 +524,16 @@ def main(argv: list[str] | None = None) -> None:
         a.n_ctx,
         a.shipped,
     )
-    result = {
-        "what": "deviceless compiles of specjax.generate's programs (specjax/aot.py)",
-        "jax": jax.__version__,
-        "seconds": round(time.perf_counter() - t0, 1),
-        "rows": rows,
-    }
-    if a.json != "-":
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(result, indent=1) + "\n")
+    write_section(
+        a.json,
+        None,
+        {
+            "what": "deviceless compiles of specjax.generate's programs (specjax/aot.py)",
+            "jax": jax.__version__,
+            "seconds": round(time.perf_counter() - t0, 1),
+            "rows": rows,
+        },
+    )
     print(table(rows))
 
 
