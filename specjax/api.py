@@ -784,14 +784,6 @@ def _draft_context_counts(states: tuple[Any, ...]) -> dict[str, int] | None:
     return {name: int(x) for name, x in zip(DRAFT_ROLLBACK_PATHS, total)}
 
 
-def _slot_kwargs(path: Any, save: Any, restore: Any, overwrite: bool) -> dict[str, Any]:
-    """The slot arguments `generate` hands a hybrid target (only those given)."""
-    if path is None and save is None and restore is None:
-        return {}
-    return dict(slot_save_path=path, slot_save=save, slot_restore=restore,
-                slot_overwrite=overwrite)  # fmt: skip
-
-
 #: Streaming reads the state about this often (seconds) once rounds are fast: each read costs
 #: a launch and a sync (~1 ms on a 2-core CPU), which at a fixed 8 rounds and a fast decode
 #: step was ~20% of the decode time.
