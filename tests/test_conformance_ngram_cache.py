@@ -93,11 +93,13 @@ class JaxImpl:
         pass
 
 
-def _replay_with_jax(idx: int) -> tuple[int, int]:
-    scenario = SCENARIOS[idx]
-    impl = JaxImpl(scenario)
+def replay_through_relay(impl: Any, scenario: dict[str, Any]) -> int:
+    """Every round of `scenario` through the reference relay with `impl` as its ngram-cache
+    (the other types their references); asserts each round's draft is the recorded one and
+    returns the number of rounds."""
+    params = scenario.get("params", {})
     impls = {
-        t: (impl if t == "ngram-cache" else rr.REFERENCE_FACTORIES[t](scenario["params"], 1))
+        t: (impl if t == "ngram-cache" else rr.REFERENCE_FACTORIES[t](params, 1))
         for t in rr.scenario_types(scenario)
     }
     relay = rr.RelayReference(impls, n_seq=1)
@@ -112,6 +114,13 @@ def _replay_with_jax(idx: int) -> tuple[int, int]:
         assert r.got == r.expected, f"round {r.round} (pos0 {r.pos0})"
         n += 1
     assert n == len(scenario["rounds"])
+    return n
+
+
+def _replay_with_jax(idx: int) -> tuple[int, int]:
+    scenario = SCENARIOS[idx]
+    impl = JaxImpl(scenario)
+    n = replay_through_relay(impl, scenario)
     assert int(np.asarray(impl.state.n_dropped)[0]) == 0
     return n, impl.calls
 

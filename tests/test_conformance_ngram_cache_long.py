@@ -28,6 +28,7 @@ import pytest
 from oracles import relay_reference as rr
 from oracles.ngram_cache_reference import NgramCacheImplRef
 from test_conformance import JAX_FACTORIES, compiled_calls
+from test_conformance_ngram_cache import replay_through_relay
 
 from specjax.drafters.base import PRIORITY
 from specjax.drafters.ngram_cache import NgramCache
@@ -99,24 +100,8 @@ def _check_state(impl: JaxImpl) -> None:
 def _replay(scenario: dict[str, Any]) -> JaxImpl:
     """Every round of `scenario` through the reference relay, ngram-cache the JAX drafter (the
     other types their references); returns ngram-cache's impl."""
-    params = scenario.get("params", {})
     impl = JaxImpl(DRAFTER, scenario)
-    impls = {
-        t: impl if t == "ngram-cache" else rr.REFERENCE_FACTORIES[t](params, 1)
-        for t in rr.scenario_types(scenario)
-    }
-    relay = rr.RelayReference(impls, n_seq=1)
-
-    def draft_fn(hist: list[int], id_last: int, n_max: int) -> list[int]:
-        return relay.draft([rr.DraftRequest(hist, id_last, n_max)])[0]
-
-    n = 0
-    for r in rr.replay(
-        scenario, draft_fn, lambda k: relay.accept(0, k), lambda p: relay.begin(0, p)
-    ):
-        assert r.got == r.expected, f"round {r.round} (pos0 {r.pos0})"
-        n += 1
-    assert n == len(scenario["rounds"])
+    replay_through_relay(impl, scenario)
     _check_state(impl)
     return impl
 
