@@ -11,9 +11,13 @@ Public API (see README.md):
     gen = specjax.Generator(model, spec=spec, draft=draft, n_ctx=512, batch=4)  # drafter
     result = gen.generate(prompts, max_new_tokens=64)         # state kept across calls
 
-Importing specjax turns on JAX's persistent compilation cache (see `specjax.decode.compile_cache`):
+Using specjax turns on JAX's persistent compilation cache (see `specjax.decode.compile_cache`;
+it is set up when that module is first imported, which any compiling module does):
 `specjax.set_compile_cache(path | None)` or `SPECJAX_COMPILE_CACHE=0|DIR` change that.
+`import specjax` itself imports nothing heavy: the public names load on first use.
 """
+
+from __future__ import annotations
 
 import importlib
 import importlib.abc
@@ -21,30 +25,75 @@ import importlib.util
 import sys
 import warnings
 from types import ModuleType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from specjax.api import (
-    GenerationResult,
-    Generator,
-    Model,
-    SpecReport,
-    forward,
-    generate,
-    init_model,
-    load,
-)
-from specjax.config import SpecConfig, types_from_names
-from specjax.decode.compile_cache import enable_default as _enable_compile_cache
-from specjax.decode.compile_cache import set_compile_cache
-from specjax.errors import CacheOverflowError, ModelFileError, SpecjaxError, VocabMismatchError
-from specjax.jobs.batch import BatchInputError, BatchSummary
-from specjax.jobs.batch import batch as batch
-from specjax.memory.kv import KVCache
-from specjax.models.config import ModelConfig, RopeScaling
+if TYPE_CHECKING:
+    from specjax.api import (
+        GenerationResult,
+        Generator,
+        Model,
+        SpecReport,
+        forward,
+        generate,
+        init_model,
+        load,
+    )
+    from specjax.config import SpecConfig, types_from_names
+    from specjax.decode.compile_cache import set_compile_cache
+    from specjax.errors import (
+        CacheOverflowError,
+        ModelFileError,
+        SpecjaxError,
+        VocabMismatchError,
+    )
+    from specjax.jobs.batch import BatchInputError, BatchSummary, batch
+    from specjax.memory.kv import KVCache
+    from specjax.models.config import ModelConfig, RopeScaling
 
 __version__ = "0.1.0"
 
-_enable_compile_cache()
+#: The public names, by the module that defines them. They load on first use (PEP 562), so
+#: `import specjax` stays cheap until a name is used: the `specjax` command can then catch a
+#: Ctrl-C that comes while JAX itself is still being imported (`specjax.cli.main`).
+_PUBLIC = {
+    **dict.fromkeys(
+        (
+            "GenerationResult",
+            "Generator",
+            "Model",
+            "SpecReport",
+            "forward",
+            "generate",
+            "init_model",
+            "load",
+        ),
+        "specjax.api",
+    ),
+    "SpecConfig": "specjax.config",
+    "types_from_names": "specjax.config",
+    "set_compile_cache": "specjax.decode.compile_cache",
+    **dict.fromkeys(
+        ("CacheOverflowError", "ModelFileError", "SpecjaxError", "VocabMismatchError"),
+        "specjax.errors",
+    ),
+    **dict.fromkeys(("BatchInputError", "BatchSummary", "batch"), "specjax.jobs.batch"),
+    "KVCache": "specjax.memory.kv",
+    **dict.fromkeys(("ModelConfig", "RopeScaling"), "specjax.models.config"),
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _PUBLIC.get(name)
+    if module is None:
+        raise AttributeError(f"module 'specjax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_PUBLIC})
+
 
 #: Modules that moved into the layer packages, by their old names: importing an old name gives
 #: the module where it lives now, with a DeprecationWarning.

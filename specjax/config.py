@@ -232,3 +232,55 @@ def output_limits(n_batch: int, n_parallel: int, n_draft: int) -> tuple[int, int
     per_seq = 1 + max(0, n_draft)
     total = n_parallel * per_seq
     return min(total, n_batch), min(per_seq, n_batch)
+
+
+#: (SpecConfig field, its CLI flag, the type it limits) of the draft lengths `fit_draft_limits`
+#: clamps.
+_DRAFT_LIMITS = (
+    ("draft_n_max", "--spec-draft-n-max", "draft-"),
+    ("ngram_simple_size_m", "--spec-ngram-simple-size-m", "ngram-simple"),
+    ("ngram_map_k_size_m", "--spec-ngram-map-k-size-m", "ngram-map-k"),
+    ("ngram_map_k4v_size_m", "--spec-ngram-map-k4v-size-m", "ngram-map-k4v"),
+    ("ngram_mod_n_max", "--spec-ngram-mod-n-max", "ngram-mod"),
+    ("ngram_cache_n_draft", "ngram-cache's n_draft", "ngram-cache"),
+)
+
+
+def fit_draft_limits(
+    spec: SpecConfig | None, room: int, why: str
+) -> tuple[SpecConfig | None, list[str]]:
+    """(`spec` with every draft-length limit of its types clamped to `room`, the notes saying
+    what changed). `room`: the tokens a draft can still be verified in (what the context and
+    the tokens to generate leave; `why` says so in words). The draft-model types leave the
+    chain when draft_n_max is 0 (they draft nothing); the spec is None when nothing is left
+    to draft. A static draft width sized from a limit beyond the context only costs compile
+    time (a 1,000-token draft width compiled for 211 s with a 512-token context)."""
+    if spec is None:
+        return None, []
+    notes: list[str] = []
+    if spec.draft_n_max <= 0 and any(t.startswith("draft-") for t in spec.types):
+        gone = [t for t in spec.types if t.startswith("draft-")]
+        rest = tuple(t for t in spec.types if not t.startswith("draft-"))
+        notes.append(f"--spec-draft-n-max 0 drafts nothing: {', '.join(gone)} left out")
+        if not rest:
+            notes[-1] += ", speculation off"
+            return None, notes
+        spec = dataclasses.replace(spec, types=rest)
+    if room < 1:
+        notes.append(f"no room for a draft ({why}): speculation off")
+        return None, notes
+    changes: dict[str, Any] = {}
+    clamped: list[str] = []
+    for field, flag, kind in _DRAFT_LIMITS:
+        value = int(getattr(spec, field))
+        if value > room and any(t.startswith(kind) for t in spec.types):
+            changes[field] = room
+            clamped.append(f"{flag} {value} -> {room}")
+    if "draft_n_max" in changes and spec.draft_n_min > room:
+        changes["draft_n_min"] = room
+    if "ngram_mod_n_max" in changes and spec.ngram_mod_n_min > room:
+        changes["ngram_mod_n_min"] = room
+    if changes:
+        spec = dataclasses.replace(spec, **changes)
+        notes.append(f"draft limits clamped to what is left ({why}): {', '.join(clamped)}")
+    return spec, notes

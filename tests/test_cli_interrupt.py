@@ -196,3 +196,27 @@ def test_segments_give_the_one_call_run(monkeypatch):
     stopped = specjax.generate(model, prompts, interrupt=lambda: True, max_new_tokens=8)
     assert stopped.finish_reasons == ["interrupted", "interrupted"]
     assert [len(t) for t in stopped.tokens] == [1, 1]  # the prefill's token
+
+
+def test_ctrl_c_while_jax_is_imported_is_one_line(tiny):
+    """A Ctrl-C in the first ~0.2 s, while `specjax.cli.main` is still importing JAX: `import
+    specjax` and `specjax.cli` load nothing heavy, so main's handler is already in place."""
+    d, _ = tiny
+    proc = start(d, "generate", "-m", str(d / "t.gguf"), "-p", "x", "-n", "8")
+    time.sleep(0.25)
+    assert proc.poll() is None
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=60)
+    text = err.decode()
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text and text.strip() == "specjax: interrupted (Ctrl-C)"
+
+
+def test_import_specjax_loads_no_jax():
+    """What makes the test above hold: the package and the command's module import no JAX."""
+    code = "import sys, specjax, specjax.cli; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "False", out.stderr
+    code = "import sys, specjax; specjax.SpecConfig; print('jax' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
+    assert out.stdout.strip() == "True", out.stderr

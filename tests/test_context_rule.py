@@ -176,3 +176,24 @@ def test_hybrid_timings_count_compile_prefill_and_decode_apart(tmp_path, capsys)
     assert t["prefill_seconds"] > 0 and t["decode_seconds"] > 0
     assert t["compile_seconds"] > t["decode_seconds"]  # compiling is not decoding
     assert f"prefill: {t['prompt_tokens']} tokens in {t['prefill_seconds']:.3f} s" in err
+
+
+def test_api_clamps_draft_limits_to_what_the_context_leaves(model):
+    """The API applies the CLI's draft clamp (`config.fit_draft_limits`): an n_max far beyond
+    the context is cut to what a round can still verify, with a warning naming both numbers;
+    the tokens are plain greedy's. The clamp is what keeps such a call from compiling a
+    1,000-token draft width."""
+    from specjax.config import SpecConfig
+
+    ids = prompt(20)
+    plain = specjax.generate(model, [ids], max_new_tokens=6, n_ctx=CTX)
+    spec = SpecConfig(types=("ngram-mod",), ngram_mod_n_max=1000, ngram_mod_n_min=1)
+    with pytest.warns(
+        UserWarning, match=r"\(max_new_tokens 6\): --spec-ngram-mod-n-max 1000 -> 5$"
+    ):
+        out = specjax.generate(model, [ids], max_new_tokens=6, n_ctx=CTX, spec=spec)
+    assert out.tokens == plain.tokens
+    with pytest.warns(
+        UserWarning, match=r"\(n_ctx 32, prompt of 20 tokens\): --spec-ngram-mod-n-max 1000 -> 11$"
+    ):
+        specjax.generate(model, [ids], max_new_tokens=12, n_ctx=CTX, spec=spec)

@@ -2,6 +2,6 @@
 
 import sys
 
-from specjax.cli.command import main
+from specjax.cli import main
 
 sys.exit(main())

@@ -17,12 +17,11 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from specjax.cli.interrupt import EXIT_INTERRUPTED, current_interrupt
 from specjax.cli.options import (
     _GENERATE_DEFAULTS,
-    EXIT_INTERRUPTED,
     _generate_parser,
     _spec_from_options,
-    current_interrupt,
     fit_drafts,
     load_options,
 )

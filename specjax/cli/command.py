@@ -19,12 +19,10 @@ from pathlib import Path
 from typing import Any
 
 from specjax.cli import batch as batch_command
+from specjax.cli.interrupt import EXIT_INTERRUPTED, Interrupt, current_interrupt
 from specjax.cli.options import (
-    EXIT_INTERRUPTED,
-    Interrupt,
     _load_options,
     _spec_from_options,
-    current_interrupt,
     fit_drafts,
 )
 from specjax.io.paths import check_writable

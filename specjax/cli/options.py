@@ -1,18 +1,15 @@
 """The `specjax` commands' shared options: `generate`'s flags and defaults (which `batch`
-extends), --config files, the speculative settings they make, draft limits clamped to what a
-run leaves, and Ctrl-C handling. Below both commands (`command`, `batch`): imports no cli
-module."""
+extends), --config files, the speculative settings they make, and draft limits clamped to what a
+run leaves (with a note). Below both commands (`command`, `batch`): imports no cli module;
+Ctrl-C handling is `specjax.cli.interrupt`."""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import signal
-import sys
-import threading
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
+
+from specjax.config import fit_draft_limits
 
 # --config YAML keys are the argparse destinations below (e.g. n_predict, spec_type).
 _GENERATE_DEFAULTS: dict[str, Any] = {
@@ -303,110 +300,9 @@ def _spec_from_options(opts: dict[str, Any]):
     return SpecConfig(**kwargs)
 
 
-#: (SpecConfig field, its flag, the type it limits) of the draft lengths `fit_drafts` clamps.
-_DRAFT_LIMITS = (
-    ("draft_n_max", "--spec-draft-n-max", "draft-"),
-    ("ngram_simple_size_m", "--spec-ngram-simple-size-m", "ngram-simple"),
-    ("ngram_map_k_size_m", "--spec-ngram-map-k-size-m", "ngram-map-k"),
-    ("ngram_map_k4v_size_m", "--spec-ngram-map-k4v-size-m", "ngram-map-k4v"),
-    ("ngram_mod_n_max", "--spec-ngram-mod-n-max", "ngram-mod"),
-    ("ngram_cache_n_draft", "ngram-cache's n_draft", "ngram-cache"),
-)
-
-
 def fit_drafts(spec: Any, room: int, why: str, log: Any) -> Any:
-    """`spec` with every draft-length limit of its types clamped to `room` (the tokens a
-    draft can still be verified in: what the context and -n leave), with one note on `log`
-    when one was; the draft-model types leave the chain when --spec-draft-n-max is 0 (they
-    draft nothing). None when nothing is left to draft."""
-    import dataclasses
-
-    if spec is None:
-        return None
-    notes: list[str] = []
-    if spec.draft_n_max <= 0 and any(t.startswith("draft-") for t in spec.types):
-        gone = [t for t in spec.types if t.startswith("draft-")]
-        rest = tuple(t for t in spec.types if not t.startswith("draft-"))
-        notes.append(f"--spec-draft-n-max 0 drafts nothing: {', '.join(gone)} left out")
-        spec = dataclasses.replace(spec, types=rest) if rest else None
-        if spec is None:
-            notes[-1] += ", speculation off"
-    if spec is not None and room < 1:
-        notes.append(f"no room for a draft ({why}): speculation off")
-        spec = None
-    if spec is not None:
-        changes: dict[str, int] = {}
-        clamped: list[str] = []
-        for field, flag, kind in _DRAFT_LIMITS:
-            value = int(getattr(spec, field))
-            if value > room and any(t.startswith(kind) for t in spec.types):
-                changes[field] = room
-                clamped.append(f"{flag} {value} -> {room}")
-        if "draft_n_max" in changes and spec.draft_n_min > room:
-            changes["draft_n_min"] = room
-        if "ngram_mod_n_max" in changes and spec.ngram_mod_n_min > room:
-            changes["ngram_mod_n_min"] = room
-        if changes:
-            spec = dataclasses.replace(spec, **changes)
-            notes.append(f"draft limits clamped to what is left ({why}): {', '.join(clamped)}")
+    """`specjax.config.fit_draft_limits` with its note printed on `log` (`specjax: ...`)."""
+    spec, notes = fit_draft_limits(spec, room, why)
     if notes:
         print(f"specjax: {'; '.join(notes)}", file=log)
     return spec
-
-
-class Interrupt:
-    """Ctrl-C (SIGINT) while a command runs. Once the decode loop asks (`generate(interrupt=
-    ...)`, a batch job's runner): a flag the loop reads between its segments, so it stops
-    there and what was generated is kept. Before the loop first asks (loading, compiling,
-    prefill) and at a second Ctrl-C: KeyboardInterrupt (`main`: exit 130, no traceback),
-    and the flag too, so that one raised where Python drops exceptions (a garbage-collector
-    callback, a finalizer: dropped here without a word) still stops the loop when it asks."""
-
-    def __init__(self) -> None:
-        self.asked = False
-        self.hit = False
-
-    def __call__(self) -> bool:
-        self.asked = True
-        return self.hit
-
-    def _handle(self, signum: int, frame: Any) -> None:
-        first = not self.hit
-        self.hit = True
-        if not (self.asked and first):
-            raise KeyboardInterrupt
-
-    @contextlib.contextmanager
-    def installed(self) -> Iterator[Interrupt]:
-        """The handler for SIGINT while in the block (the main thread's only: signals are)."""
-        if threading.current_thread() is not threading.main_thread():
-            yield self
-            return
-        previous = signal.signal(signal.SIGINT, self._handle)
-        unraisable = sys.unraisablehook
-
-        def hook(args: Any) -> None:
-            if args.exc_type is None or not issubclass(args.exc_type, KeyboardInterrupt):
-                unraisable(args)
-
-        sys.unraisablehook = hook
-        _ACTIVE.append(self)
-        try:
-            yield self
-        finally:
-            _ACTIVE.pop()
-            sys.unraisablehook = unraisable
-            signal.signal(signal.SIGINT, previous)
-
-
-#: The Interrupts installed (`main` installs one for the whole command).
-_ACTIVE: list[Interrupt] = []
-
-
-def current_interrupt() -> Interrupt:
-    """The command's Interrupt (a new one outside `main`)."""
-    return _ACTIVE[-1] if _ACTIVE else Interrupt()
-
-
-#: The exit status of a command stopped by Ctrl-C (128 + SIGINT, as a shell reports it).
-EXIT_INTERRUPTED = 130

@@ -20,7 +20,8 @@ Where the cache lives, in order of precedence:
    `jax.config.update("jax_compilation_cache_dir", ...)`): specjax leaves it alone;
 4. `$XDG_CACHE_HOME/specjax/jax`, else `~/.cache/specjax/jax`.
 
-Invariants: `enable_default()` runs once when `specjax` is imported and never raises (a cache
+Invariants: `enable_default()` runs once, when this module is first imported (the API, the
+engine's executables and the batch jobs all import it), and never raises (a cache
 that cannot be set up only means slower starts); while specjax's cache is on, every
 compilation is eligible (`jax_persistent_cache_min_compile_time_secs = 0`, no minimum entry
 size), because the engine's executables take well under JAX's default 1 s threshold to compile
@@ -400,3 +401,6 @@ def evict(store: Path, keep: Path | None = None, budget: int | None = None) -> l
         total -= size
         removed.append(exe)
     return removed
+
+
+enable_default()
