@@ -186,8 +186,16 @@ def _binding_text(value: Any, package: Path) -> str:
     if code is not None:
         path = Path(code.co_filename).resolve()
         if package not in path.parents and path.is_file():
-            where += hashlib.sha256(path.read_bytes()).hexdigest()
+            stat = path.stat()
+            where += _file_digest(str(path), stat.st_mtime_ns, stat.st_size)
     return where
+
+
+@functools.lru_cache(maxsize=4096)
+def _file_digest(path: str, mtime_ns: int, size: int) -> str:
+    """sha256 of a file's bytes, read once per process for each (path, mtime, size): every
+    key hashes the files of the functions specjax binds from other packages (~60 ms a key)."""
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
 
 
 def _bindings_digest() -> str:
