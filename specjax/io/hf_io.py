@@ -104,9 +104,14 @@ def config_from_hf(
         arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
     mistral = "MistralForCausalLM" in archs or (not archs and hf.get("model_type") == "mistral")
     if arch is None:
+        if "Qwen3_5ForCausalLM" in archs or hf.get("model_type") == "qwen3_5_text":
+            raise ModelFileError(
+                f"{source}: Qwen3_5ForCausalLM is the hybrid (qwen35) model: load it with "
+                "specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
+            )
         raise ModelFileError(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join(_ARCH_OF_CLASS)}"
+            f"{', '.join([*_ARCH_OF_CLASS, 'Qwen3_5ForCausalLM'])}"
         )
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{source}: mlp_bias=true is not supported")
