@@ -104,14 +104,17 @@ def config_from_hf(
         arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
     mistral = "MistralForCausalLM" in archs or (not archs and hf.get("model_type") == "mistral")
     if arch is None:
-        if "Qwen3_5ForCausalLM" in archs or hf.get("model_type") == "qwen3_5_text":
+        from specjax.io.hf_qwen35 import CLASSES as QWEN35_CLASSES
+        from specjax.io.hf_qwen35 import is_qwen35_config
+
+        if is_qwen35_config(hf):
             raise ModelFileError(
-                f"{source}: Qwen3_5ForCausalLM is the hybrid (qwen35) model: load it with "
-                "specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
+                f"{source}: {archs or hf.get('model_type')} is the hybrid (qwen35) model: load "
+                "it with specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
             )
         raise ModelFileError(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join([*_ARCH_OF_CLASS, 'Qwen3_5ForCausalLM'])}"
+            f"{', '.join([*_ARCH_OF_CLASS, *QWEN35_CLASSES])}"
         )
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{source}: mlp_bias=true is not supported")
@@ -217,6 +220,14 @@ class _Weights:
             for k in keys:
                 self.location[k] = name
         self.used: set[str] = set()
+        #: name the loader asks for -> name in the file (see `rename_prefix`)
+        self.alias: dict[str, str] = {}
+
+    def rename_prefix(self, old: str, new: str) -> None:
+        """Serve every tensor named `old`... under `new`... instead."""
+        for k in [k for k in self.location if k.startswith(old)]:
+            self.location[new + k[len(old) :]] = self.location.pop(k)
+            self.alias[new + k[len(old) :]] = k
 
     def __contains__(self, name: str) -> bool:
         return name in self.location
@@ -227,7 +238,7 @@ class _Weights:
         self.used.add(name)
         file = self.location[name]
         try:
-            arr = self.handles[file].get_tensor(name)
+            arr = self.handles[file].get_tensor(self.alias.get(name, name))
         except Exception as e:
             raise ModelFileError(f"{self.folder}/{file}: cannot read tensor {name} ({e})") from e
         if tuple(arr.shape) != shape:

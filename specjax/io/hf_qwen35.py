@@ -1,4 +1,10 @@
-"""Hugging Face Qwen3.5 folders (`Qwen3_5ForCausalLM`) -> (Qwen35Config, params, Tokenizer).
+"""Hugging Face Qwen3.5 folders -> (Qwen35Config, params, Tokenizer).
+
+Two layouts: `Qwen3_5ForCausalLM` (the text model: config.json flat, tensors model.*) and
+`Qwen3_5ForConditionalGeneration` (the released checkpoints: the text model's config under
+text_config, its tensors under model.language_model.*, a vision tower under model.visual.*
+that specjax, text only, does not load; as llama.cpp's converter, which writes the tower to a
+separate mmproj file).
 
 The params are the layout of specjax.models.qwen35 (llama.cpp's qwen35 tensors, as
 specjax.io.gguf_qwen35 reads them), so a folder and llama.cpp's conversion of it load to the
@@ -41,8 +47,8 @@ from specjax.models.qwen35 import Qwen35Config, check_params, default_rope_secti
 from specjax.types import Params
 
 #: transformers classes of the Qwen3.5 dense text model
-CLASSES = ("Qwen3_5ForCausalLM",)
-MODEL_TYPES = ("qwen3_5_text",)
+CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
 
 
 def is_qwen35_config(hf: Mapping[str, Any]) -> bool:
@@ -183,6 +189,10 @@ def load_qwen35_hf(
     source = os.path.join(folder, "config.json")
     hf = _read_config(folder)
     w = _Weights(folder)
+    if isinstance(hf.get("text_config"), dict):  # Qwen3_5ForConditionalGeneration
+        hf = {**hf, **hf["text_config"], "architectures": hf.get("architectures")}
+        w.rename_prefix("model.language_model.", "model.")
+        w.used.update(k for k in w.location if k.startswith("model.visual."))
     mtp_layers = sorted({int(k.split(".")[2]) for k in w.location if k.startswith("mtp.layers.")})
     if mtp_layers != list(range(len(mtp_layers))):
         raise ModelFileError(f"{folder}: MTP layers {mtp_layers} are not numbered 0..n-1")
