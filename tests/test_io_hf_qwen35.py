@@ -82,6 +82,10 @@ def test_folder_without_mtp_tensors_loads_the_trunk(tmp_path: Path) -> None:
         ({"mtp_num_hidden_layers": 2}, r"mtp_num_hidden_layers=2 but the weights hold 1"),
         ({"hidden_act": "gelu"}, r"hidden_act 'gelu' is not supported"),
         (
+            {"quantization_config": {"quant_method": "fp8"}},
+            r"quantized checkpoint \(quant_method 'fp8'\) is not supported",
+        ),
+        (
             {"rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e7}},
             r"RoPE type 'yarn' is not supported",
         ),

@@ -94,6 +94,18 @@ def _rope_scaling(path: str, hf: Mapping[str, Any]) -> tuple[float, RopeScaling 
     )
 
 
+def refuse_quantized(hf: Mapping[str, Any], source: str) -> None:
+    """ModelFileError for a checkpoint quantised by transformers' quantizers (GPTQ, AWQ, FP8,
+    compressed-tensors, bitsandbytes...): their packed tensors have no specjax reading."""
+    q = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, Mapping) else "?"
+        raise ModelFileError(
+            f"{source}: quantized checkpoint (quant_method {method!r}) is not supported; load "
+            "the unquantized folder, or a GGUF (quantized GGUF types load)"
+        )
+
+
 def config_from_hf(
     hf: Mapping[str, Any], *, dtype: str | None = None, source: str = "config.json"
 ) -> ModelConfig:
@@ -116,6 +128,7 @@ def config_from_hf(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
             f"{', '.join([*_ARCH_OF_CLASS, *QWEN35_CLASSES])}"
         )
+    refuse_quantized(hf, source)
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{source}: mlp_bias=true is not supported")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):

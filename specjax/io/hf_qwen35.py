@@ -41,7 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import ModelFileError
-from specjax.io.hf_io import _DTYPES, _read_config, _Weights
+from specjax.io.hf_io import _DTYPES, _read_config, _Weights, refuse_quantized
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.qwen35 import Qwen35Config, check_params, default_rope_sections
 from specjax.types import Params
@@ -101,6 +101,7 @@ def qwen35_config_from_hf(
     """Qwen35Config from a transformers Qwen3.5 text config.json dictionary."""
     if not is_qwen35_config(hf):
         raise ModelFileError(f"{source}: not a Qwen3.5 text model ({hf.get('architectures')})")
+    refuse_quantized(hf, source)
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelFileError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
     if hf.get("attention_bias"):
