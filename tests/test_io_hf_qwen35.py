@@ -52,6 +52,8 @@ def test_both_layouts_load_the_same_text_model() -> None:
         assert (config.Hk, config.Hv, config.S, config.n_rot) == (2, 4, 16, 8)
         assert config.rope_sections == (2, 1, 1, 0)
     assert not is_qwen35_folder(REFS / "qwen3")
+    gguf_config, _, _ = load_model_files(REFS / "qwen35-mtp" / "model.gguf")
+    assert gguf_config == load_model_files(REFS / "qwen35-mtp")[0]
 
 
 def test_folder_without_mtp_tensors_loads_the_trunk(tmp_path: Path) -> None:
