@@ -49,6 +49,19 @@ _CLASS_OF_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+#: transformers classes / model types of the Qwen3.5 dense text model (specjax.io.hf_qwen35)
+QWEN35_CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+QWEN35_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+
+
+def is_qwen35_config(hf: Mapping[str, Any]) -> bool:
+    """Whether a config.json dictionary is a Qwen3.5 (hybrid) text model hf_qwen35 reads."""
+    archs = hf.get("architectures") or []
+    return any(a in QWEN35_CLASSES for a in archs) or (
+        not archs and hf.get("model_type") in QWEN35_MODEL_TYPES
+    )
+
+
 _DTYPES = {
     "float32": "float32",
     "float16": "float16",
@@ -116,9 +129,6 @@ def config_from_hf(
         arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
     mistral = "MistralForCausalLM" in archs or (not archs and hf.get("model_type") == "mistral")
     if arch is None:
-        from specjax.io.hf_qwen35 import CLASSES as QWEN35_CLASSES
-        from specjax.io.hf_qwen35 import is_qwen35_config
-
         if is_qwen35_config(hf):
             raise ModelFileError(
                 f"{source}: {archs or hf.get('model_type')} is the hybrid (qwen35) model: load "

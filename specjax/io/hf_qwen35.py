@@ -41,20 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import ModelFileError
-from specjax.io.hf_io import _DTYPES, _read_config, _Weights, refuse_quantized
+from specjax.io.hf_io import (
+    _DTYPES,
+    _read_config,
+    _Weights,
+    is_qwen35_config,
+    refuse_quantized,
+)
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.qwen35 import Qwen35Config, check_params, default_rope_sections
 from specjax.types import Params
-
-#: transformers classes of the Qwen3.5 dense text model
-CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
-MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
-
-
-def is_qwen35_config(hf: Mapping[str, Any]) -> bool:
-    """Whether a config.json dictionary is a Qwen3.5 (hybrid) text model this module reads."""
-    archs = hf.get("architectures") or []
-    return any(a in CLASSES for a in archs) or (not archs and hf.get("model_type") in MODEL_TYPES)
 
 
 def is_qwen35_folder(path: str | os.PathLike[str]) -> bool:
