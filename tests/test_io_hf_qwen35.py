@@ -118,3 +118,28 @@ def test_load_hf_points_qwen35_folders_to_the_hybrid_loader() -> None:
         ModelFileError, match=r"hybrid \(qwen35\) model: load it with specjax\.load"
     ):
         load_hf(REFS / "qwen35-mtp")
+
+
+def test_bfloat16_folder_loads_as_the_float32_one_rounded(tmp_path: Path) -> None:
+    """Released checkpoints are bfloat16: such a folder loads, in bfloat16, to its float32
+    reading (1 + w norms, -exp(A_log) in float32) rounded to bfloat16 once."""
+    import jax
+    import ml_dtypes
+
+    folder = _copy(tmp_path)
+    path = folder / "model.safetensors"
+    t = safetensors.numpy.load_file(path)
+    bf16 = {k: v.astype(ml_dtypes.bfloat16) for k, v in t.items()}
+    safetensors.numpy.save_file(bf16, path, metadata={"format": "pt"})
+    _edit_config(folder, dtype="bfloat16")
+    config, params, _ = load_qwen35_hf(folder)
+    assert config.dtype == "bfloat16"
+    # the float32 reading of the same bfloat16 numbers, rounded once more to bfloat16
+    want = jax.tree.map(
+        lambda x: np.asarray(x, np.float32).astype(ml_dtypes.bfloat16),
+        load_qwen35_hf(folder, dtype="float32")[1],
+    )
+    got = jax.tree.map(np.asarray, params)
+    for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+        assert a.dtype == ml_dtypes.bfloat16
+        np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
