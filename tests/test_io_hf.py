@@ -300,6 +300,29 @@ def test_file_errors(tok, tmp_path):
         load_hf(tmp_path)
 
 
+def test_rope_factors_save_as_llama3_scaling_when_one_gives_them(tok, tmp_path):
+    """A config holding a GGUF's factors saves as the llama3 rope_scaling that reproduces
+    them; factors no llama3 scaling gives are refused by name (config.json cannot say them)."""
+    from specjax.io.gguf_io import llama3_factors
+
+    scaled = CONFIGS["llama_llama3"]
+    factors = tuple(llama3_factors(scaled).tolist())
+    config = dataclasses.replace(scaled, rope_scaling=None, rope_factors=factors)
+    params = jittered_params(config)
+    save_hf(tmp_path, config, params, tok)
+    config2, params2, _ = load_hf(tmp_path)
+    assert config2.rope_scaling is not None and config2.rope_scaling.factor == 8.0
+    np.testing.assert_allclose(
+        row_logits(config2, params2, [5, 77, 123, 8]),
+        row_logits(config, params, [5, 77, 123, 8]),
+        rtol=0,
+        atol=1e-5,
+    )
+    odd = dataclasses.replace(config, rope_factors=(1.0, 3.0) * (config.E // 4))
+    with pytest.raises(ValueError, match=r"cannot express the RoPE factors \[1\.0, 3\.0"):
+        config_to_hf(odd)
+
+
 def test_mistral_folders_load_as_llama(tok, tmp_path):
     """MistralForCausalLM is a llama whose sliding_window (when not null) covers every layer;
     a llama windowed on every layer saves as Mistral and reloads equal."""

@@ -209,6 +209,28 @@ def fit_llama3_scaling(
             high_freq_factor=(1.0 + k) * scale,
             original_max_position=cand.original_max_position,
         )
+    elif smooth.sum() == 1 and ones.any() and (factors >= factor - tol).any():
+        # one pair in the band: any band edges around it with its smooth value reproduce the
+        # factors; put the low edge close above it and solve for the high edge
+        w_s = float(wavelen[smooth][0])
+        f_s = float(factors[smooth][0])
+        s_val = (1.0 / f_s - 1.0 / factor) / (1.0 - 1.0 / factor)
+        shorter = float(wavelen[wavelen < w_s].max())
+        longer = float(wavelen[wavelen > w_s].min())
+        omp = 8192
+        for t in (0.5, 0.25, 0.1, 0.01):
+            low_w = w_s * (longer / w_s) ** t
+            high_w = 1.0 / (1.0 / low_w + (1.0 / w_s - 1.0 / low_w) / s_val)
+            if shorter < high_w < w_s:
+                cand = RopeScaling(
+                    factor=factor,
+                    low_freq_factor=omp / low_w,
+                    high_freq_factor=omp / high_w,
+                    original_max_position=omp,
+                )
+                if _factors_match(_replace_scaling(config, cand), factors):
+                    return cand
+        return None
     elif smooth.sum() == 0 and ones.any() and (~ones).any():
         hi_w = float(wavelen[ones].max())  # longest unscaled wavelength
         lo_w = float(wavelen[~ones].min())  # shortest fully scaled wavelength

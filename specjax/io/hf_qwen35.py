@@ -186,6 +186,7 @@ def load_qwen35_hf(
     source = os.path.join(folder, "config.json")
     hf = _read_config(folder)
     w = _Weights(folder)
+    w.rename_prefix("model.mtp.", "mtp.")  # some exports nest the MTP block (the converter too)
     if isinstance(hf.get("text_config"), dict):  # Qwen3_5ForConditionalGeneration
         hf = {**hf, **hf["text_config"], "architectures": hf.get("architectures")}
         w.rename_prefix("model.language_model.", "model.")
