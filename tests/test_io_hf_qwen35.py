@@ -143,3 +143,15 @@ def test_bfloat16_folder_loads_as_the_float32_one_rounded(tmp_path: Path) -> Non
     for a, b in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
         assert a.dtype == ml_dtypes.bfloat16
         np.testing.assert_array_equal(a.astype(np.float32), b.astype(np.float32))
+
+
+def test_mtp_block_nested_under_model_loads_the_same(tmp_path: Path) -> None:
+    folder = _copy(tmp_path)
+    path = folder / "model.safetensors"
+    t = safetensors.numpy.load_file(path)
+    nested = {("model." + k if k.startswith("mtp.") else k): v for k, v in t.items()}
+    safetensors.numpy.save_file(nested, path, metadata={"format": "pt"})
+    _, params, _ = load_qwen35_hf(folder)
+    _, want, _ = load_qwen35_hf(REFS / "qwen35-mtp")
+    for name, arr in want["nextn"][0].items():
+        np.testing.assert_array_equal(params["nextn"][0][name], arr, err_msg=name)
