@@ -1,0 +1,370 @@
+"""Gemma 3 (text) targets: the forward against a float64 NumPy statement of transformers'
+Gemma3ForCausalLM (tests/oracles/gemma3_reference.py), loading and its errors, and the
+sliding-window memory (specjax.memory.swa: the windowed layers' cells in a ring of
+window - 1 + k_max + 1) against a full cache, against speculative decoding's rollbacks, and
+against a transcription of llama.cpp's SWA KV cache (tests/oracles/kv_swa_reference.py)."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+import safetensors.numpy
+import tokenizers
+from oracles import gemma3_reference as ref
+from oracles import kv_swa_reference as llama_swa
+from tokenizers import models, pre_tokenizers
+
+from specjax.api import Model, generate
+from specjax.config import SpecConfig
+from specjax.decode.engine import Engine
+from specjax.errors import ModelFileError
+from specjax.io import load_hf
+from specjax.io.hf_io import config_from_hf
+from specjax.io.tokenizer import Tokenizer
+from specjax.memory import ops
+from specjax.memory.swa import SWACache, commit_swa
+from specjax.memory.target import KVTargetMemory, SWATargetMemory
+from specjax.models.llama import forward_fn, new_cache
+from specjax.testing import noisy_copy
+
+V, D, F, H, G, E, L = 64, 32, 64, 4, 2, 16, 3
+WINDOW = 8
+HF_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"],
+    "model_type": "gemma3_text",
+    "vocab_size": V,
+    "hidden_size": D,
+    "intermediate_size": F,
+    "num_hidden_layers": L,
+    "num_attention_heads": H,
+    "num_key_value_heads": G,
+    "head_dim": E,
+    "query_pre_attn_scalar": 24,  # not head_dim: the query scale shows
+    "sliding_window": WINDOW,
+    "layer_types": ["sliding_attention", "full_attention", "sliding_attention"],
+    "rope_theta": 10000.0,
+    "rope_local_base_freq": 100.0,
+    "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+    "final_logit_softcapping": 5.0,
+    "rms_norm_eps": 1e-6,
+    "tie_word_embeddings": True,
+    "torch_dtype": "float32",
+    "bos_token_id": 2,
+    "eos_token_id": 1,
+    "pad_token_id": 0,
+}
+
+
+def hf_tensors(seed: int = 0) -> dict[str, np.ndarray]:
+    """Random Gemma3ForCausalLM tensors, norms in Hugging Face's convention (scale 1 + w)."""
+    rng = np.random.default_rng(seed)
+    t = {
+        "model.embed_tokens.weight": rng.normal(0, 0.05, (V, D)),
+        "model.norm.weight": rng.normal(0, 0.3, (D,)),
+    }
+    for i in range(L):
+        p, a = f"model.layers.{i}.", f"model.layers.{i}.self_attn."
+        t |= {
+            a + "q_proj.weight": rng.normal(0, 0.4, (H * E, D)),
+            a + "k_proj.weight": rng.normal(0, 0.4, (G * E, D)),
+            a + "v_proj.weight": rng.normal(0, 0.4, (G * E, D)),
+            a + "o_proj.weight": rng.normal(0, 0.4, (D, H * E)),
+            a + "q_norm.weight": rng.normal(0, 0.3, (E,)),
+            a + "k_norm.weight": rng.normal(0, 0.3, (E,)),
+            p + "input_layernorm.weight": rng.normal(0, 0.3, (D,)),
+            p + "post_attention_layernorm.weight": rng.normal(0, 0.3, (D,)),
+            p + "pre_feedforward_layernorm.weight": rng.normal(0, 0.3, (D,)),
+            p + "post_feedforward_layernorm.weight": rng.normal(0, 0.3, (D,)),
+            p + "mlp.gate_proj.weight": rng.normal(0, 0.4, (F, D)),
+            p + "mlp.up_proj.weight": rng.normal(0, 0.4, (F, D)),
+            p + "mlp.down_proj.weight": rng.normal(0, 0.4, (D, F)),
+        }
+    return {k: v.astype(np.float32) for k, v in t.items()}
+
+
+def write_folder(folder, config: dict, tensors: dict[str, np.ndarray]) -> None:
+    folder.mkdir(parents=True, exist_ok=True)
+    safetensors.numpy.save_file(tensors, str(folder / "model.safetensors"))
+    (folder / "config.json").write_text(json.dumps(config))
+    pieces = ["<pad>", "<eos>", "<bos>", "<unk>"] + [f"\u2581w{i}" for i in range(4, V)]
+    hf = tokenizers.Tokenizer(models.Unigram([(p, -1.0) for p in pieces], unk_id=3))
+    hf.pre_tokenizer = pre_tokenizers.Metaspace()
+    Tokenizer(hf, bos_id=2, eos_id=1, pad_id=0, add_bos=False).save(str(folder / "tokenizer.json"))
+
+
+@pytest.fixture(scope="module")
+def tensors() -> dict[str, np.ndarray]:
+    return hf_tensors(0)
+
+
+@pytest.fixture(scope="module")
+def target(tmp_path_factory, tensors) -> Model:
+    folder = tmp_path_factory.mktemp("gemma3")
+    write_folder(folder, HF_CONFIG, tensors)
+    config, params, tok = load_hf(folder)
+    return Model(config=config, params=params, tokenizer=tok, eog=(1,))
+
+
+_forward = jax.jit(forward_fn, static_argnums=0)
+
+
+def full_cache_logits(model: Model, ids: list[int], pad_to: int = 0) -> np.ndarray:
+    """Logits [T, V] of one row at positions 0.. over a plain KVCache (every cell kept);
+    `pad_to`: the row padded to that length (one compiled shape for every length)."""
+    T = max(len(ids), pad_to)
+    tokens = np.zeros((1, T), np.int32)
+    tokens[0, : len(ids)] = ids
+    positions = np.where(np.arange(T) < len(ids), np.arange(T), -1)[None].astype(np.int32)
+    out = _forward(
+        model.config,
+        model.params,
+        jnp.asarray(tokens),
+        jnp.asarray(positions),
+        new_cache(model.config, 1, T, "float32"),
+    )
+    return np.asarray(out.logits[0, : len(ids)])
+
+
+# ------------------------------------------------------------------------ the forward
+def test_forward_matches_float64_reference(target, tensors):
+    ids = random.Random(0).choices(range(V), k=24)  # three times the window
+    want = ref.forward(HF_CONFIG, tensors, ids)
+    got = full_cache_logits(target, ids)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    assert target.config.sliding_window == WINDOW
+    assert target.config.swa_layers == (True, False, True)
+
+
+def test_reference_sees_every_gemma3_feature(tensors):
+    """The oracle's logits move with each Gemma 3 specific (so the comparison above tests
+    them): the query scale, the local RoPE base, linear scaling, the soft-cap, the window."""
+    ids = random.Random(1).choices(range(V), k=20)
+    base = ref.forward(HF_CONFIG, tensors, ids)
+    for change in (
+        {"query_pre_attn_scalar": E},
+        {"rope_local_base_freq": 10000.0},
+        {"rope_scaling": None},
+        {"final_logit_softcapping": None},
+        {"sliding_window": 64},
+    ):
+        assert np.abs(ref.forward({**HF_CONFIG, **change}, tensors, ids) - base).max() > 1e-3
+
+
+def test_conditional_generation_text_part(tmp_path, tensors):
+    """Gemma3ForConditionalGeneration: the language model under model.language_model.*,
+    config under text_config; the vision tower is left out, logits as the CausalLM's."""
+    multi = {k.replace("model.", "model.language_model.", 1): v for k, v in tensors.items()}
+    multi["model.vision_tower.vision_model.embeddings.patch_embedding.weight"] = np.zeros(
+        (4, 3), np.float32
+    )
+    text = {k: v for k, v in HF_CONFIG.items() if k not in ("architectures", "model_type")}
+    write_folder(
+        tmp_path,
+        {
+            "architectures": ["Gemma3ForConditionalGeneration"],
+            "model_type": "gemma3",
+            "text_config": {**text, "model_type": "gemma3_text"},
+        },
+        multi,
+    )
+    config, params, _ = load_hf(tmp_path)
+    ids = [3, 9, 27, 5, 5, 40, 12, 7, 8, 9, 10, 11]
+    np.testing.assert_allclose(
+        full_cache_logits(Model(config=config, params=params), ids),
+        ref.forward(HF_CONFIG, tensors, ids),
+        atol=1e-4,
+        rtol=0,
+    )
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"architectures": ["Gemma2ForCausalLM"], "model_type": "gemma2"}, "Gemma2ForCausalLM"),
+        ({"architectures": ["Gemma3nForCausalLM"], "model_type": "gemma3n"}, "Gemma3n"),
+        ({"architectures": ["GemmaForCausalLM"], "model_type": "gemma"}, "GemmaForCausalLM"),
+        ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping"),
+        ({"use_bidirectional_attention": True}, "bidirectional"),
+        ({"hidden_activation": "silu"}, "hidden_activation"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 8.0}}, "'yarn'"),
+        ({"layer_types": ["sliding_attention"] * 2}, "layer_types"),
+        ({"sliding_window": 0}, "sliding_window=0"),
+    ],
+)
+def test_unsupported_gemma_variants_are_clear_errors(change, message):
+    with pytest.raises(ModelFileError, match=message):
+        config_from_hf({**HF_CONFIG, **change})
+
+
+def test_transformers_default_layer_pattern():
+    """Without layer_types: transformers' sliding_window_pattern (6: every sixth layer global),
+    which is also llama.cpp's default for gemma3 GGUFs without a pattern."""
+    hf = {k: v for k, v in HF_CONFIG.items() if k != "layer_types"} | {"num_hidden_layers": 7}
+    assert config_from_hf(hf).swa_layers == (True,) * 5 + (False, True)
+
+
+# ------------------------------------------------------------------------ the ring memory
+PROMPTS = [
+    [5, 6, 7, 8, 9, 10, 11, 12] * 4 + [3, 4],  # 34 tokens: four windows
+    [20, 21, 22, 20, 21, 22, 20, 21, 22, 30],
+    [40, 41, 42],
+]
+MAX_NEW = [40, 44, 30]
+
+
+@pytest.fixture(scope="module")
+def plain(target):
+    return generate(target, PROMPTS, max_new_tokens=MAX_NEW, cache_type_k="f32", cache_type_v="f32")
+
+
+def test_engine_picks_the_ring_for_windowed_targets(target):
+    engine = Engine(target=target.config, k_max=4, capacity=128, out_capacity=64)
+    assert isinstance(engine.memory, SWATargetMemory)
+    assert engine.memory.seq_rm_type == "PART" and not engine.memory.checkpoints
+    full = Engine(target=target.config, k_max=4, capacity=128, out_capacity=64, swa_full=True)
+    assert isinstance(full.memory, KVTargetMemory)
+
+
+def test_ring_memory_bytes(target):
+    """Per row at S = 128, k_max 4, f16 K/V: the two windowed layers keep 8 - 1 + 5 = 12
+    cells instead of 128 (the full layer keeps 128)."""
+    mem = SWATargetMemory(target.config, 5, "float16", "float16").init(1, 128)
+    full = KVTargetMemory(target.config, "float16", "float16").init(1, 128)
+    assert mem.ring_cells == 12
+    kv_bytes = lambda cells: 2 * G * cells * E * 2  # noqa: E731  (K and V, f16)
+    assert full.nbytes == 3 * kv_bytes(128) + 128 * 4 + 1
+    assert mem.nbytes == kv_bytes(128) + 128 * 4 + 1 + 2 * kv_bytes(12) + 12 * 4 + 1
+    assert mem.nbytes < 0.41 * full.nbytes
+
+
+def test_ring_greedy_equals_full_cache_greedy(target, plain):
+    """Plain greedy through the engine's ring memory == greedy over a full KVCache, far past
+    the window (prompts and generations several windows long)."""
+    for prompt, n, tokens in zip(PROMPTS, MAX_NEW, plain.tokens):
+        ids = list(prompt)
+        for _ in range(n):
+            ids.append(int(np.argmax(full_cache_logits(target, ids, pad_to=96)[-1])))
+        assert tokens == ids[len(prompt) :]
+        assert len(prompt) + n > 4 * WINDOW
+
+
+def check_spec(target, plain, spec, draft=None):
+    out = generate(
+        target,
+        PROMPTS,
+        max_new_tokens=MAX_NEW,
+        spec=spec,
+        draft=draft,
+        cache_type_k="f32",
+        cache_type_v="f32",
+    )
+    assert out.tokens == plain.tokens
+    stats = out.stats.to_dict()
+    # drafts made, some accepted and some rejected (rolled back in the ring)
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    return stats
+
+
+def test_draft_simple_on_the_ring_is_lossless(target, plain):
+    spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=4)
+    check_spec(target, plain, spec, noisy_copy(target, 0.2))
+
+
+def test_ngram_simple_on_the_ring_is_lossless(target, plain):
+    spec = SpecConfig(
+        types=("ngram-simple",),
+        adaptive=False,
+        k_max=6,
+        ngram_simple_size_n=1,
+        ngram_simple_size_m=6,
+    )
+    check_spec(target, plain, spec)
+
+
+# ------------------------------------------------------------------------ seq_rm semantics
+def swa_cache(ring: int) -> SWACache:
+    return SWACache.init(
+        batch=1,
+        capacity=256,
+        ring_cells=ring,
+        swa=(True, False),
+        window=WINDOW,
+        n_kv_heads=1,
+        head_dim=2,
+        inv_freq=(1.0,),
+        inv_freq_swa=(1.0,),
+    )
+
+
+_commit = jax.jit(commit_swa)
+_seq_rm = jax.jit(lambda c, p0, p1: ops.seq_rm(c, 0, p0, p1))
+
+
+def write(cache: SWACache, positions: list[int]) -> SWACache:
+    kv = (jnp.zeros((1, len(positions), 1, 2)),) * 2
+    return _commit(cache, jnp.asarray([positions], jnp.int32), kv, kv)
+
+
+def ring_visible(cache: SWACache, q: int) -> set[int]:
+    return {int(p) for p in np.asarray(cache.ring.pos[0]) if 0 <= p <= q and q - p < WINDOW}
+
+
+@pytest.mark.parametrize("width", [1, 3, 5])
+def test_seq_rm_follows_llama_cpps_swa_cache(width):
+    """Speculative rounds (a verify batch of up to `width` tokens, then seq_rm of the
+    rejected tail, at most the whole batch) on the ring (window - 1 + width cells) and on
+    llama.cpp's SWA cache (n_swa + n_ubatch cells, lazy reuse of masked cells, purge):
+    seq_rm succeeds on both, and the next token sees the same positions on both: the whole
+    window of the history."""
+    rng = random.Random(width)
+    ours = swa_cache(WINDOW - 1 + width)
+    theirs = llama_swa.SwaKvCache(WINDOW + width, WINDOW)
+    prompt = list(range(19))
+    ours = write(ours, prompt)  # one batch; llama.cpp splits it in ubatches of n_ubatch
+    for start in range(0, len(prompt), width):
+        assert theirs.decode(prompt[start : start + width])
+    length = len(prompt)
+    for _ in range(40):
+        t = rng.randint(1, width)
+        batch = list(range(length, length + t))
+        ours = write(ours, batch)
+        assert theirs.decode(batch)
+        # id_last and the accepted drafts (the engine's rollback), or the whole batch gone
+        keep = length + rng.randint(0, t)
+        ours, ok = _seq_rm(ours, keep, -1)
+        assert bool(ok) and theirs.seq_rm(keep, -1)
+        length = keep
+        window = set(range(max(0, length - WINDOW + 1), length))
+        assert ring_visible(ours, length) == theirs.visible(length) == window
+        assert int(ours.seq_pos_max(0)) == theirs.seq_pos_max() == length - 1
+
+
+def test_rollback_probe_reports_part():
+    """llama.cpp's probe (decode two tokens, seq_rm(0, 1, -1)) succeeds on an iSWA cache:
+    PART; so does the ring's seq_rm, whatever it removes (llama.cpp's returns true too)."""
+    assert llama_swa.can_seq_rm(WINDOW + 4, WINDOW) == "PART"
+    cache = write(swa_cache(WINDOW + 3), [0, 1])
+    cache, ok = _seq_rm(cache, 1, -1)
+    assert bool(ok) and int(cache.seq_pos_max(0)) == 0
+    # below the ring's reach (k_max 3: a rollback removes at most 4 positions): succeeds on
+    # both, and both report a lowest position above what a token at 34 needs (34 - 8 + 1),
+    # the check llama.cpp's server makes before re-processing a prompt
+    deep = write(swa_cache(WINDOW + 3), list(range(40)))
+    deep, ok = _seq_rm(deep, 34, -1)
+    assert bool(ok) and int(deep.seq_pos_min(0)) > 34 - WINDOW + 1
+    theirs = llama_swa.SwaKvCache(WINDOW + 4, WINDOW)
+    for start in range(0, 40, 4):
+        assert theirs.decode(list(range(start, start + 4)))
+    assert theirs.seq_rm(34, -1) and theirs.seq_pos_min() > 34 - WINDOW + 1
+
+
+def test_unsupported_memory_operations_say_so():
+    cache = swa_cache(12)
+    with pytest.raises(NotImplementedError, match="seq_add"):
+        ops.seq_add(cache, 0, 0, -1, 3)
+    assert not cache.can_shift
