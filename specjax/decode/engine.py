@@ -83,6 +83,7 @@ from specjax.memory.target import (
     KVTargetMemory,
     SWATargetMemory,
     TargetMemory,
+    uses_swa_cache,
 )
 from specjax.models.config import ModelConfig
 from specjax.models.qwen35 import Qwen35Config
@@ -124,7 +125,7 @@ class Engine:
     #: Recurrent snapshot planes of a hybrid target (llama.cpp's n_rs_seq): > 0 is the RS
     #: rollback level, 0 FULL. Unused by attention-only targets.
     n_rs_seq: int = 0
-    #: llama.cpp's `--swa-full`: a target with sliding-window layers keeps every cell of them
+    #: llama.cpp's `--swa-full`: a gemma3 target keeps every cell of its sliding-window layers
     #: (False: those layers keep a ring of window + k_max cells, `SWATargetMemory`).
     swa_full: bool = False
 
@@ -133,8 +134,7 @@ class Engine:
         """The target's memory: what differs between targets (`specjax.memory.target`)."""
         if isinstance(self.target, Qwen35Config):
             return HybridTargetMemory(self.target, self.n_rs_seq, self.cache_type_k)
-        windowed = any(self.target.layer_window(i) for i in range(self.target.L))
-        if windowed and not self.swa_full:
+        if uses_swa_cache(self.target) and not self.swa_full:
             return SWATargetMemory(
                 self.target, self.k_max + 1, self.cache_type_k, self.cache_type_v
             )

@@ -257,6 +257,19 @@ class KVTargetMemory:
         return memory
 
 
+#: Architectures llama.cpp gives an iSWA cache (its `swa_type` set): their sliding-window
+#: layers keep a ring (`SWATargetMemory`) unless `--swa-full`. (llama.cpp's qwen2 / qwen3 /
+#: llama ignore a sliding window; specjax applies theirs as a mask over a full cache.)
+SWA_CACHE_ARCHS = ("gemma3",)
+
+
+def uses_swa_cache(config: Any) -> bool:
+    """Whether a target of `config` keeps its sliding-window layers in a ring by default."""
+    return getattr(config, "arch", None) in SWA_CACHE_ARCHS and any(
+        config.layer_window(i) for i in range(config.L)
+    )
+
+
 @dataclasses.dataclass(frozen=True)
 class SWATargetMemory:
     """An attention-only target with sliding-window layers over a `SWACache` (rollback level
