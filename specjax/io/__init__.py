@@ -21,9 +21,16 @@ __all__ = ["load_gguf", "load_hf", "load_model_files", "save_gguf", "save_hf"]
 def load_model_files(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, Tokenizer]:
-    """Load a `.gguf` file or a Hugging Face model directory (config.json + safetensors)."""
+    """Load a `.gguf` file or a Hugging Face model directory (config.json + safetensors).
+
+    EAGLE-3 / DFlash GGUFs return their head configs; Qwen3.5 folders (Qwen3_5ForCausalLM)
+    return a Qwen35Config (specjax.io.hf_qwen35)."""
     path = os.fspath(path)
     if os.path.isdir(path):
+        from specjax.io.hf_qwen35 import is_qwen35_folder, load_qwen35_hf
+
+        if is_qwen35_folder(path):  # the hybrid target: (Qwen35Config, ...)
+            return load_qwen35_hf(path, dtype=dtype)  # type: ignore[return-value]
         return load_hf(path, dtype=dtype)
     if os.path.isfile(path):
         with open(path, "rb") as f:

@@ -1,7 +1,9 @@
 """Hugging Face checkpoint directories <-> specjax (ModelConfig, params, Tokenizer).
 
-A directory holds config.json (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM, or,
-read only, Gemma3ForCausalLM / Gemma3ForConditionalGeneration's text part), model.safetensors (or shards listed in model.safetensors.index.json) and tokenizer.json.
+A directory holds config.json (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM, or, read only, Gemma3ForCausalLM / Gemma3ForConditionalGeneration's text
+part; Qwen3_5ForCausalLM folders are read by specjax.io.hf_qwen35), model.safetensors (or
+shards listed in model.safetensors.index.json) and tokenizer.json.
 
 Invariants:
 * HF projections are ``[out, in]`` in the rotate-half RoPE layout already: q/k/v rows are
@@ -11,6 +13,9 @@ Invariants:
 * qwen2 always has q/k/v biases in transformers, so a qwen2 model saved without them is
   written with zero biases and reloads with ``qkv_bias=True``.
 * ``head_dim`` is normalised: 0 in the returned config when it equals dim // n_heads.
+* Mistral loads as ``llama``: its ``sliding_window`` (when not null) is ``ModelConfig.
+  sliding_window`` on every layer, as transformers masks every layer; a llama config with a
+  window on every layer is saved as MistralForCausalLM.
 * Saving writes each file to a temp name in the directory and ``os.replace``s it, so a failed
   save never leaves a half-written file under a real name.
 """
@@ -35,10 +40,16 @@ from specjax.types import Params
 
 _ARCH_OF_CLASS = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # Llama with an optional all-layer sliding window
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
 }
-_CLASS_OF_ARCH = {v: k for k, v in _ARCH_OF_CLASS.items()}
+_ARCH_OF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_CLASS_OF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
 _DTYPES = {
     "float32": "float32",
     "float16": "float16",
@@ -158,6 +169,7 @@ def _gemma3_config(hf: Mapping[str, Any], dtype: str | None, source: str) -> Mod
         raise ModelFileError(f"{source}: unsupported dtype {raw_dtype!r}")
     scalar = float(hf.get("query_pre_attn_scalar", 256))
     cap = hf.get("final_logit_softcapping")
+    factor = float(full.get("factor", 1.0)) if kind == "linear" else 1.0
     try:
         return ModelConfig(
             arch="gemma3",
@@ -170,7 +182,8 @@ def _gemma3_config(hf: Mapping[str, Any], dtype: str | None, source: str) -> Mod
             head_dim=0 if (D % H == 0 and E == D // H) else E,
             rope_theta=float(full.get("rope_theta", 1_000_000.0)),
             rope_theta_swa=float(local.get("rope_theta", 10_000.0)),
-            rope_linear_factor=float(full.get("factor", 1.0)) if kind == "linear" else 1.0,
+            # linear scaling: every pair's frequency divided by the factor
+            rope_factors=(factor,) * (E // 2) if factor != 1.0 else (),
             attn_scale=0.0 if scalar == E else scalar**-0.5,
             final_logit_softcap=float(cap) if cap else 0.0,
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
@@ -202,12 +215,18 @@ def config_from_hf(
         return _gemma3_config(text if isinstance(text, Mapping) else hf, dtype, source)
     archs = hf.get("architectures") or []
     arch = next((_ARCH_OF_CLASS[a] for a in archs if a in _ARCH_OF_CLASS), None)
-    if arch is None and hf.get("model_type") in _CLASS_OF_ARCH:
-        arch = hf["model_type"]
+    if arch is None and hf.get("model_type") in _ARCH_OF_MODEL_TYPE:
+        arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
+    mistral = "MistralForCausalLM" in archs or (not archs and hf.get("model_type") == "mistral")
     if arch is None:
+        if "Qwen3_5ForCausalLM" in archs or hf.get("model_type") == "qwen3_5_text":
+            raise ModelFileError(
+                f"{source}: Qwen3_5ForCausalLM is the hybrid (qwen35) model: load it with "
+                "specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
+            )
         raise ModelFileError(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join(_ARCH_OF_CLASS)}"
+            f"{', '.join([*_ARCH_OF_CLASS, 'Qwen3_5ForCausalLM'])}"
         )
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{source}: mlp_bias=true is not supported")
@@ -225,6 +244,12 @@ def config_from_hf(
     theta, scaling = _rope_scaling(source, hf)
 
     window, swa = 0, ()
+    if mistral and hf.get("sliding_window") is not None:
+        # transformers' Mistral masks every layer to the window when sliding_window is set
+        # (k > q - window); null (recent configs) is full attention.
+        window = int(hf["sliding_window"])
+        if window <= 0:
+            raise ModelFileError(f"{source}: sliding_window={window} must be positive or null")
     if arch in ("qwen2", "qwen3"):
         layer_types = hf.get("layer_types")
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
@@ -495,11 +520,18 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         raise ValueError("transformers' Qwen3 always has q/k norm; set qk_norm=True")
     if config.arch != "qwen3" and config.qk_norm:
         raise ValueError(f"transformers' {_CLASS_OF_ARCH[config.arch]} has no q/k norm")
-    if config.arch == "llama" and config.sliding_window:
-        raise ValueError("transformers' LlamaForCausalLM has no sliding-window attention")
+    # a llama with a sliding window on every layer is transformers' Mistral
+    mistral = config.arch == "llama" and config.sliding_window > 0
+    if mistral and (config.swa_layers and not all(config.swa_layers)):
+        raise ValueError(
+            "transformers' MistralForCausalLM slides every layer; per-layer windows "
+            f"{config.swa_layers} have no Llama-family class"
+        )
+    if mistral and config.qkv_bias:
+        raise ValueError("transformers' MistralForCausalLM has no attention biases")
     out: dict[str, Any] = {
-        "architectures": [_CLASS_OF_ARCH[config.arch]],
-        "model_type": config.arch,
+        "architectures": ["MistralForCausalLM" if mistral else _CLASS_OF_ARCH[config.arch]],
+        "model_type": "mistral" if mistral else config.arch,
         "vocab_size": config.V,
         "hidden_size": config.D,
         "num_hidden_layers": config.L,
@@ -518,8 +550,18 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         "use_cache": True,
         "torch_dtype": config.dtype,
     }
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
+    scaling = config.rope_scaling
+    if config.rope_factors:
+        from specjax.io.gguf_io import fit_llama3_scaling
+
+        scaling = fit_llama3_scaling(config, np.asarray(config.rope_factors, np.float64))
+        if scaling is None:
+            raise ValueError(
+                f"transformers' config.json cannot express the RoPE factors "
+                f"{[round(f, 4) for f in config.rope_factors]} (no llama3 rope_scaling gives them)"
+            )
+    if scaling is not None:
+        s = scaling
         out["rope_scaling"] = {
             "rope_type": "llama3",
             "factor": s.factor,
@@ -527,7 +569,9 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position,
         }
-    if config.arch == "llama":
+    if mistral:
+        out["sliding_window"] = config.sliding_window
+    elif config.arch == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=False, pretraining_tp=1)
     elif config.arch == "qwen3":
         out["attention_bias"] = config.qkv_bias

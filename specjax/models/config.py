@@ -24,13 +24,15 @@ Parameter pytree (plain dicts/tuples; weights stored [out, in], never upcast in 
 
 RoPE uses the "rotate half" (NeoX / Hugging Face) layout: dimension i pairs with i + E/2.
 GGUF `llama` files store Q/K rows permuted for interleaved RoPE; the GGUF loader undoes that.
+Pair i turns at theta^(-2i/E) / factor_i: the factors are `rope_factors` when given (llama.cpp's
+rope_freqs tensor, whatever produced it), else computed from `rope_scaling` (llama3), else 1.
 
 Gemma 3 (`arch="gemma3"`, transformers' Gemma3ForCausalLM, llama.cpp's `gemma3`): the same
 layer with embeddings scaled by sqrt(D), the attention and MLP outputs RMS-normed before the
 residual add (`post_attn_norm`, `post_ffn_norm`), q/k norms, a GELU (tanh) gated MLP, queries
-scaled by `attn_scale`, RoPE base `rope_theta_swa` on sliding-window layers and
-`rope_theta` with linear scaling `rope_linear_factor` on the others, and an optional final
-logit soft-cap. Its RMSNorm multiplies by (1 + w): every gemma3 norm weight is stored with the
+scaled by `attn_scale`, RoPE base `rope_theta_swa` (unscaled) on sliding-window layers and
+`rope_theta` on the others (their linear scaling: `rope_factors` all equal to the factor), and
+an optional final logit soft-cap. Its RMSNorm multiplies by (1 + w): every gemma3 norm weight is stored with the
 1 added (as llama.cpp's converter stores it), so `rms_norm` is the llama one.
 """
 
@@ -68,6 +70,9 @@ class ModelConfig:
     head_dim: int = 0  # 0 -> dim // n_heads
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Per dimension pair [E/2]: the inverse frequency is divided by it (llama.cpp's rope_freqs).
+    # Empty = computed from rope_scaling; never both.
+    rope_factors: tuple[float, ...] = ()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -79,7 +84,6 @@ class ModelConfig:
     dtype: str = "float32"
     # Gemma 3 (`arch="gemma3"`; the defaults leave the other archs as they were):
     rope_theta_swa: float = 0.0  # RoPE base of the sliding-window layers (0 = rope_theta)
-    rope_linear_factor: float = 1.0  # linear RoPE scaling of the other layers (positions / f)
     attn_scale: float = 0.0  # the queries' score scale (0 = 1 / sqrt(head_dim))
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0 = off)
 
@@ -112,8 +116,17 @@ class ModelConfig:
         for name in ("rope_theta_swa", "attn_scale", "final_logit_softcap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
-        if self.rope_linear_factor <= 0:
-            raise ValueError(f"rope_linear_factor must be > 0, got {self.rope_linear_factor}")
+        if self.rope_factors:
+            if self.rope_scaling is not None:
+                raise ValueError("give rope_factors or rope_scaling, not both")
+            if len(self.rope_factors) != self.E // 2:
+                raise ValueError(
+                    f"rope_factors has {len(self.rope_factors)} entries; head_dim {self.E} "
+                    f"has {self.E // 2} dimension pairs"
+                )
+            bad = [f for f in self.rope_factors if not (math.isfinite(f) and f > 0)]
+            if bad:
+                raise ValueError(f"rope_factors must be finite and positive, got {bad[:4]}")
 
     # Short aliases matching the dimension key in specjax.types.
     @property
@@ -173,6 +186,8 @@ class ModelConfig:
             data["rope_scaling"] = RopeScaling(**scaling)
         if "swa_layers" in data and data["swa_layers"] is not None:
             data["swa_layers"] = tuple(bool(x) for x in data["swa_layers"])
+        if data.get("rope_factors") is not None:
+            data["rope_factors"] = tuple(float(x) for x in data["rope_factors"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -181,12 +196,13 @@ class ModelConfig:
 
 
 def rope_frequencies(config: ModelConfig) -> list[float]:
-    """Inverse frequencies [E/2] with optional llama3 or linear scaling (host-side, float64):
-    those of every layer but gemma3's sliding-window ones (`layer_rope_frequencies`)."""
+    """Inverse frequencies [E/2]: theta^(-2i/E) divided by `rope_factors`, or with llama3
+    scaling (host-side, float64): those of every layer but gemma3's sliding-window ones
+    (`layer_rope_frequencies`)."""
     E = config.E
-    inv = [
-        1.0 / (config.rope_theta ** (2 * i / E)) / config.rope_linear_factor for i in range(E // 2)
-    ]
+    inv = [1.0 / (config.rope_theta ** (2 * i / E)) for i in range(E // 2)]
+    if config.rope_factors:
+        return [f / d for f, d in zip(inv, config.rope_factors)]
     s = config.rope_scaling
     if s is None:
         return inv
@@ -215,6 +231,14 @@ def layer_rope_frequencies(config: ModelConfig, layer: int) -> list[float]:
         E, theta = config.E, config.rope_theta_swa or config.rope_theta
         return [1.0 / (theta ** (2 * i / E)) for i in range(E // 2)]
     return rope_frequencies(config)
+
+
+def rope_pair_factors(config: ModelConfig) -> list[float]:
+    """llama.cpp's rope_freqs [E/2] for `config`: each pair's divisor (all 1 without scaling)."""
+    if config.rope_factors:
+        return list(config.rope_factors)
+    plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
+    return [p / s for p, s in zip(plain, rope_frequencies(config))]
 
 
 class HeadDims:
