@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import random
+from pathlib import Path
 
 import jax
 import jax.numpy as jnp
@@ -19,6 +20,7 @@ from oracles import gemma3_reference as ref
 from oracles import kv_swa_reference as llama_swa
 from tokenizers import models, pre_tokenizers
 
+import specjax
 from specjax.api import Model, generate
 from specjax.config import SpecConfig
 from specjax.decode.engine import Engine
@@ -368,3 +370,51 @@ def test_unsupported_memory_operations_say_so():
     with pytest.raises(NotImplementedError, match="seq_add"):
         ops.seq_add(cache, 0, 0, -1, 3)
     assert not cache.can_shift
+
+
+# ------------------------------------------------------------------------ recorded reference
+REFERENCE = Path(__file__).resolve().parent / "fixtures" / "references" / "gemma3"
+NGRAM_1_4 = dict(ngram_simple_size_n=1, ngram_simple_size_m=4)
+
+
+def _recorded() -> tuple[list[int], list[int]]:
+    with np.load(REFERENCE / "reference.npz") as z:
+        prompt, greedy = z["prompt_ids"].tolist(), z["greedy_ids"].tolist()
+        assert z["llamacpp_ids"].tolist() == greedy  # llama-server's ids for the GGUF
+    return prompt, greedy
+
+
+_RECORDED_RUN = dict(n_ctx=128, cache_type_k="f32", cache_type_v="f32")
+
+
+@pytest.mark.parametrize("source", ["folder", "gguf"])
+def test_recorded_gemma3_generates_transformers_ids(source):
+    """The recorded Gemma3ForCausalLM (tests/fixtures/references/gemma3: six layers, the
+    last global, window 8, a 34-token prompt) from its folder and from llama.cpp's
+    conversion: greedy through the ring gives transformers' greedy ids (= llama-server's)."""
+    prompt, greedy = _recorded()
+    model = specjax.load(str(REFERENCE if source == "folder" else REFERENCE / "model.gguf"))
+    assert model.config.arch == "gemma3" and model.config.swa_layers == (True,) * 5 + (False,)
+    out = specjax.generate(model, [prompt], max_new_tokens=len(greedy), **_RECORDED_RUN)
+    assert out.tokens[0] == greedy
+
+
+@pytest.mark.slow  # ~1 min of compiles; the tiny model's speculative tests above run by default
+def test_recorded_gemma3_speculative_gives_transformers_ids():
+    """Speculative greedy on the recorded model (ngram-simple; draft-simple with a noisy copy
+    as the draft), drafts accepted and rejected: transformers' greedy ids."""
+    prompt, greedy = _recorded()
+    model = specjax.load(str(REFERENCE))
+    for spec, draft in (
+        (SpecConfig(types=("ngram-simple",), adaptive=False, k_max=4, **NGRAM_1_4), None),
+        (
+            SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=4),
+            noisy_copy(model, 0.3),
+        ),
+    ):
+        out = specjax.generate(
+            model, [prompt], max_new_tokens=len(greedy), spec=spec, draft=draft, **_RECORDED_RUN
+        )
+        assert out.tokens[0] == greedy
+        stats = out.stats.to_dict()
+        assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], spec.types
