@@ -418,3 +418,31 @@ def test_recorded_gemma3_speculative_gives_transformers_ids():
         assert out.tokens[0] == greedy
         stats = out.stats.to_dict()
         assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"], spec.types
+
+
+@pytest.mark.slow  # ~30 s of compiles
+def test_batch_job_slots_on_the_ring(target, plain, tmp_path):
+    """Continuous batching (specjax.batch: slots taken and put back, prompts prefilled in
+    chunks of 6 through the ring, two slots for three requests) gives generate's tokens."""
+    requests = [
+        {"id": i, "tokens": p, "n_predict": n} for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))
+    ]
+    out = tmp_path / "out.jsonl"
+    specjax.batch(
+        target,
+        requests,
+        out,
+        n_parallel=2,
+        n_ctx=96,
+        prefill_chunk=6,
+        cache_type_k="f32",
+        cache_type_v="f32",
+        progress=False,
+        spec=SpecConfig(types=("ngram-simple",), adaptive=False, k_max=6, ngram_simple_size_n=1),
+    )
+    got = {r["id"]: r["tokens"] for r in json_lines(out)}
+    assert [got[i] for i in range(len(PROMPTS))] == plain.tokens
+
+
+def json_lines(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
