@@ -246,7 +246,12 @@ def test_ring_memory_bytes(target):
 
 def test_ring_greedy_equals_full_cache_greedy(target, plain):
     """Plain greedy through the engine's ring memory == greedy over a full KVCache, far past
-    the window (prompts and generations several windows long)."""
+    the window (prompts and generations several windows long); prompts prefilled in chunks
+    of 5 (n_ubatch) through the ring too."""
+    chunked = generate(
+        target, PROMPTS, max_new_tokens=MAX_NEW, n_ubatch=5, cache_type_k="f32", cache_type_v="f32"
+    )
+    assert chunked.tokens == plain.tokens
     for prompt, n, tokens in zip(PROMPTS, MAX_NEW, plain.tokens):
         ids = list(prompt)
         for _ in range(n):
