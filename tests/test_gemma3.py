@@ -451,3 +451,26 @@ def test_batch_job_slots_on_the_ring(target, plain, tmp_path):
 
 def json_lines(path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+@pytest.mark.slow  # ~1 min of compiles
+def test_batch_job_mesh_on_the_ring(target, plain, tmp_path):
+    """The batch job's shardings place the ring's and the full part's K/V as a KV cache's
+    (rows over data, KV heads over model): on 2 devices (tests/conftest.py), data=2 and
+    model=2 give generate's tokens."""
+    if jax.device_count() < 2:
+        pytest.skip("needs 2 devices (XLA_FLAGS=--xla_force_host_platform_device_count=2)")
+    requests = [
+        {"id": i, "tokens": p, "n_predict": n} for i, (p, n) in enumerate(zip(PROMPTS, MAX_NEW))
+    ]
+    for name, n_parallel, mesh in (
+        ("data2", 2, {"data": 2, "model": 1}),
+        ("model2", 1, {"data": 1, "model": 2}),
+    ):
+        out = tmp_path / f"{name}.jsonl"
+        specjax.batch(
+            target, requests, out, n_parallel=n_parallel, n_ctx=96, prefill_chunk=16,
+            cache_type_k="f32", cache_type_v="f32", progress=False, mesh=mesh,
+        )  # fmt: skip
+        got = {r["id"]: r["tokens"] for r in json_lines(out)}
+        assert [got[i] for i in range(len(PROMPTS))] == plain.tokens, name
