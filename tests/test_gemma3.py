@@ -26,6 +26,7 @@ from specjax.config import SpecConfig
 from specjax.decode.engine import Engine
 from specjax.errors import ModelFileError
 from specjax.io import load_hf
+from specjax.io.gguf_io import _gemma3_keys
 from specjax.io.hf_io import config_from_hf
 from specjax.io.tokenizer import Tokenizer
 from specjax.memory import ops
@@ -474,3 +475,33 @@ def test_batch_job_mesh_on_the_ring(target, plain, tmp_path):
         )  # fmt: skip
         got = {r["id"]: r["tokens"] for r in json_lines(out)}
         assert [got[i] for i in range(len(PROMPTS))] == plain.tokens, name
+
+
+def test_slot_save_refuses_a_ring_target(target, tmp_path):
+    with pytest.raises(ValueError, match="slot save / restore is not supported for a gemma3"):
+        generate(
+            target, [PROMPTS[2]], max_new_tokens=2, slot_save_path=str(tmp_path), slot_save="a"
+        )
+
+
+def test_gguf_query_scale_follows_llama_cpp():
+    """llama.cpp's gemma3 loader scales queries by 1/sqrt(head_dim), except for the 62-layer
+    (27B) model: 1/sqrt(dim / n_heads) (there head_dim 128, query_pre_attn_scalar 168)."""
+
+    def key(name, default=None, cast=float):
+        return {"rope.freq_base_swa": 10000.0, "final_logit_softcapping": 0.0}.get(name, default)
+
+    assert _gemma3_keys("f", key, "none", 1152, 4, 26, 256)["attn_scale"] == 0.0
+    assert _gemma3_keys("f", key, "none", 5376, 32, 62, 128)["attn_scale"] == 168**-0.5
+    scaled = _gemma3_keys(
+        "f",
+        lambda n, d=None, c=float: 8.0 if n == "rope.scaling.factor" else d,
+        "linear",
+        2560,
+        8,
+        34,
+        256,
+    )
+    assert scaled["rope_factors"] == (8.0,) * 128
+    with pytest.raises(ModelFileError, match="'yarn'"):
+        _gemma3_keys("f", key, "yarn", 2560, 8, 34, 256)
