@@ -333,6 +333,7 @@ def test_gguf_round_trip(tmp_path, variant):
             draft_vocab=V // 2,
             own_lm_head=True,
             markov_w2_scale=True,
+            rope_factors=(1.0, 3.5),  # llama.cpp's rope_freqs of a llama3-scaled target
         )
         if variant != "dflash"
         else dict(own_embed=True, own_lm_head=True, fc_scale=True)
@@ -359,6 +360,17 @@ def test_gguf_round_trip(tmp_path, variant):
     cfg2, params2, tok2 = load_model_files(path)
     assert cfg2 == cfg
     assert tok2.vocab_size == tok.vocab_size  # type: ignore[attr-defined]
+    if cfg.rope_factors:
+        import gguf
+
+        from specjax.models.config import rope_frequencies
+
+        stored = {t.name: t for t in gguf.GGUFReader(path).tensors}["rope_freqs.weight"]
+        np.testing.assert_array_equal(np.asarray(stored.data), [1.0, 3.5])
+        theta = cfg.rope_theta
+        np.testing.assert_allclose(
+            rope_frequencies(cfg2.layer_config), [1.0, theta ** (-2 / 4) / 3.5], rtol=1e-12
+        )
     flat1, tree1 = jax.tree.flatten(params)
     flat2, tree2 = jax.tree.flatten(params2)
     assert tree1 == tree2

@@ -301,6 +301,8 @@ def test_gguf_round_trip(tmp_path, variant):
             norm_before_fc=True,
             norm_before_residual=True,
             head_dim=16,
+            # a llama3-scaled target's head: llama.cpp's rope_freqs, stored per pair
+            rope_factors=(1.0, 2.44, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0),
         )
     cfg = e3.Eagle3Config(
         vocab_size=V,
@@ -334,10 +336,16 @@ def test_gguf_round_trip(tmp_path, variant):
     # llama.cpp's names and keys, read back with gguf-py directly
     import gguf
 
+    from specjax.models.config import rope_frequencies
+
     r = gguf.GGUFReader(path)
     names = {t.name for t in r.tensors}
     assert {"fc.weight", "blk.0.attn_norm_2.weight", "blk.0.attn_q.weight"} <= names
     assert ("d2t" in names) == cfg.has_d2t
+    assert ("rope_freqs.weight" in names) == bool(cfg.rope_factors)
+    if cfg.rope_factors:  # the decoder layer turns pair i at theta^(-2i/E) / factor_i
+        inv = [50000.0 ** (-2 * i / 16) / f for i, f in enumerate(cfg.rope_factors)]
+        np.testing.assert_allclose(rope_frequencies(cfg2.layer_config), inv, rtol=1e-12)
     assert r.fields["general.architecture"].contents() == "eagle3"
     assert r.fields["eagle3.target_layers"].contents() == [7, 0, 8]
     assert r.fields["eagle3.target_hidden_size"].contents() == 32

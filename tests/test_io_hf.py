@@ -235,6 +235,11 @@ def test_config_from_transformers_style_json():
         ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling type 'yarn'"),
         ({"mlp_bias": True}, "mlp_bias"),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            r"quantized checkpoint \(quant_method 'gptq'\) is not supported",
+        ),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0"),
         ({"hidden_size": None}, "missing hidden_size"),
         ({"num_key_value_heads": 3}, "multiple of n_kv_heads"),
     ],

@@ -23,8 +23,8 @@ def load_model_files(
 ) -> tuple[ModelConfig, Params, Tokenizer]:
     """Load a `.gguf` file or a Hugging Face model directory (config.json + safetensors).
 
-    EAGLE-3 / DFlash GGUFs return their head configs; Qwen3.5 folders (Qwen3_5ForCausalLM)
-    return a Qwen35Config (specjax.io.hf_qwen35)."""
+    EAGLE-3 / DFlash GGUFs return their head configs; qwen35 GGUFs and Qwen3.5 folders
+    (specjax.io.hf_qwen35) a Qwen35Config."""
     path = os.fspath(path)
     if os.path.isdir(path):
         from specjax.io.hf_qwen35 import is_qwen35_folder, load_qwen35_hf
@@ -41,6 +41,10 @@ def load_model_files(
             arch = gguf_architecture(path)
             if arch == ARCH:  # an EAGLE-3 head: (Eagle3Config, ...)
                 return load_eagle3_gguf(path, dtype=dtype)  # type: ignore[return-value]
+            if arch == "qwen35":  # the hybrid target: (Qwen35Config, ...)
+                from specjax.io.gguf_qwen35 import load_qwen35_gguf
+
+                return load_qwen35_gguf(path, dtype=dtype)  # type: ignore[return-value]
             if arch == "dflash":  # a DFlash / DSpark head: (DFlashConfig, ...)
                 from specjax.io.dflash_gguf import load_dflash_gguf
 

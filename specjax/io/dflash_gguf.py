@@ -22,7 +22,9 @@ Layout, as llama.cpp's loader (src/models/dflash.cpp) and converter (conversion/
               blk.i.{attn_norm, attn_q, attn_k, attn_v, attn_output, attn_q_norm,
               attn_k_norm, ffn_norm, ffn_gate, ffn_up, ffn_down}.weight,
               DSpark: markov_w1.weight [V, R], markov_w2.weight [Vd, R], markov_w2.scale
-              (optional), conf_proj.weight [1, D + R] and conf_proj.bias [1] (optional)
+              (optional), conf_proj.weight [1, D + R] and conf_proj.bias [1] (optional),
+              rope_freqs.weight [E/2] (optional, one for every layer as llama.cpp reads it:
+              per-pair RoPE divisors; the config's rope_factors)
 
 Invariants: RoPE type NEOX (the dflash architecture), so Q/K rows are stored as specjax
 computes them (rotate-half), no permutation; 2-D weights are written as F32/F16/BF16/Q8_0
@@ -32,6 +34,7 @@ replaces the file atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -50,6 +53,7 @@ from specjax.io.gguf_io import (
     _open_reader,
     _tensor_to_numpy,
     atomic_gguf_writer,
+    rope_factors_from_tensor,
 )
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, check_params
@@ -119,6 +123,8 @@ def save_dflash_gguf(
         add("output_norm.weight", params["final_norm"])
         if config.own_lm_head:
             add("output.weight", params["lm_head"])
+        if config.rope_factors:
+            add_f32("rope_freqs.weight", config.rope_factors)
         for i, layer in enumerate(params["layers"]):
             p = f"blk.{i}."
             wqkv = np.asarray(layer["wqkv"], np.float32)
@@ -313,10 +319,10 @@ def load_dflash_gguf(
                 "w_down": get(p + "ffn_down.weight", (D, F)),
             }
         )
-        if p + "rope_freqs.weight" in tensors:
-            factors = get(p + "rope_freqs.weight", (E // 2,))
-            if not np.allclose(factors, 1.0):
-                raise ModelFileError(f"{path}: DFlash rope scaling factors are not supported")
+    if "rope_freqs.weight" in tensors:  # one tensor for every layer (llama.cpp: duplicated)
+        config = dataclasses.replace(
+            config, rope_factors=rope_factors_from_tensor(path, get("rope_freqs.weight", (E // 2,)))
+        )
     np_dtype = jnp.dtype(config.dtype)
     params: Params = {n: jnp.asarray(a, np_dtype) for n, a in raw.items()}
     params["layers"] = tuple(

@@ -14,7 +14,9 @@ Layout, as llama.cpp's loader (src/models/eagle3.cpp) and converter (conversion/
               output_norm.weight, output.weight (optional: else the target's),
               token_embd.weight (optional: else the target's), d2t (I64 absolute target ids,
               optional), blk.0.{attn_norm, attn_norm_2, attn_q, attn_k, attn_v, attn_output,
-              ffn_norm, ffn_gate, ffn_up, ffn_down}.weight
+              ffn_norm, ffn_gate, ffn_up, ffn_down}.weight, rope_freqs.weight [E/2]
+              (optional: per-pair RoPE divisors, a llama3-scaled target's; the config's
+              rope_factors)
 
 Invariants: RoPE type NORM (interleaved) as the `llama` architecture, so Q/K rows are stored
 permuted and un-permuted on load (specjax computes rotate-half); 2-D weights are written as
@@ -24,6 +26,7 @@ load fails; a save replaces the file atomically.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from typing import Any
 
@@ -45,6 +48,7 @@ from specjax.io.gguf_io import (
     atomic_gguf_writer,
     permute_qk,
     read_architecture,
+    rope_factors_from_tensor,
     unpermute_qk,
 )
 from specjax.io.tokenizer import Tokenizer
@@ -123,6 +127,8 @@ def save_eagle3_gguf(
         add(p + "ffn_gate.weight", gate_up[: config.F])
         add(p + "ffn_up.weight", gate_up[config.F :])
         add(p + "ffn_down.weight", params["w_down"])
+        if config.rope_factors:
+            w.add_tensor("rope_freqs.weight", np.asarray(config.rope_factors, np.float32))
         if config.has_d2t:
             w.add_tensor("d2t", np.asarray(params["d2t"], np.int64), raw_dtype=QT.I64)
 
@@ -231,9 +237,10 @@ def load_eagle3_gguf(
     if config.own_lm_head:
         raw["lm_head"] = get("output.weight", shapes["lm_head"])
     if "rope_freqs.weight" in tensors:
-        factors = get("rope_freqs.weight", (config.E // 2,))
-        if not np.allclose(factors, 1.0):
-            raise ModelFileError(f"{path}: EAGLE-3 rope scaling factors are not supported")
+        config = dataclasses.replace(
+            config,
+            rope_factors=rope_factors_from_tensor(path, get("rope_freqs.weight", (config.E // 2,))),
+        )
     np_dtype = jnp.dtype(config.dtype)
     params: Params = {n: _on_device(a, np_dtype) for n, a in raw.items()}
     if "d2t" in tensors:

@@ -148,6 +148,17 @@ def llama3_factors(config: ModelConfig) -> np.ndarray:
     return np.asarray(rope_pair_factors(config), np.float32)
 
 
+def rope_factors_from_tensor(path: str, factors: np.ndarray) -> tuple[float, ...]:
+    """A rope_freqs tensor as a config's `rope_factors`: as stored, () when all 1."""
+    factors = np.asarray(factors, np.float32).reshape(-1)
+    if not np.all(np.isfinite(factors) & (factors > 0)):
+        raise ModelFileError(
+            f"{path}: rope_freqs.weight factors {np.round(factors, 4).tolist()} are not all "
+            "finite and positive"
+        )
+    return () if np.all(factors == 1.0) else tuple(float(f) for f in factors)
+
+
 def _replace_scaling(config: ModelConfig, scaling: RopeScaling | None) -> ModelConfig:
     """`config` with `scaling` as its only RoPE frequency scaling (rope_factors cleared)."""
     data = config.to_dict()
@@ -501,14 +512,9 @@ def load_gguf(
             )
         if hint is not None and _factors_match(_replace_scaling(config, hint), factors):
             config = _replace_scaling(config, hint)  # a specjax-written llama3 scaling
-        elif not np.all(factors == 1.0):
-            if not np.all(np.isfinite(factors) & (factors > 0)):
-                raise ModelFileError(
-                    f"{path}: rope_freqs.weight factors {np.round(factors, 4).tolist()} are not "
-                    "all finite and positive"
-                )
+        else:
             config = dataclasses.replace(
-                config, rope_factors=tuple(float(f) for f in np.asarray(factors, np.float32))
+                config, rope_factors=rope_factors_from_tensor(path, factors)
             )
 
     np_dtype = jnp.dtype(config.dtype)

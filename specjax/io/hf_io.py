@@ -50,6 +50,19 @@ _CLASS_OF_ARCH = {
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
 }
+#: transformers classes / model types of the Qwen3.5 dense text model (specjax.io.hf_qwen35)
+QWEN35_CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
+QWEN35_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
+
+
+def is_qwen35_config(hf: Mapping[str, Any]) -> bool:
+    """Whether a config.json dictionary is a Qwen3.5 (hybrid) text model hf_qwen35 reads."""
+    archs = hf.get("architectures") or []
+    return any(a in QWEN35_CLASSES for a in archs) or (
+        not archs and hf.get("model_type") in QWEN35_MODEL_TYPES
+    )
+
+
 _DTYPES = {
     "float32": "float32",
     "float16": "float16",
@@ -198,6 +211,18 @@ def _gemma3_config(hf: Mapping[str, Any], dtype: str | None, source: str) -> Mod
         raise ModelFileError(f"{source}: invalid model hyper-parameters: {e}") from e
 
 
+def refuse_quantized(hf: Mapping[str, Any], source: str) -> None:
+    """ModelFileError for a checkpoint quantised by transformers' quantizers (GPTQ, AWQ, FP8,
+    compressed-tensors, bitsandbytes...): their packed tensors have no specjax reading."""
+    q = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, Mapping) else "?"
+        raise ModelFileError(
+            f"{source}: quantized checkpoint (quant_method {method!r}) is not supported; load "
+            "the unquantized folder, or a GGUF (quantized GGUF types load)"
+        )
+
+
 def config_from_hf(
     hf: Mapping[str, Any], *, dtype: str | None = None, source: str = "config.json"
 ) -> ModelConfig:
@@ -209,6 +234,7 @@ def config_from_hf(
                 f"{source}: Gemma variant {gemma!r} is not supported; supported: "
                 f"{', '.join(GEMMA3_CLASSES)} (its text part)"
             )
+        refuse_quantized(hf, source)
         text = hf.get("text_config")
         if isinstance(text, Mapping):  # (the multimodal config: dtype keys on its top level)
             text = {**{k: hf[k] for k in ("torch_dtype", "dtype") if k in hf}, **text}
@@ -219,15 +245,16 @@ def config_from_hf(
         arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
     mistral = "MistralForCausalLM" in archs or (not archs and hf.get("model_type") == "mistral")
     if arch is None:
-        if "Qwen3_5ForCausalLM" in archs or hf.get("model_type") == "qwen3_5_text":
+        if is_qwen35_config(hf):
             raise ModelFileError(
-                f"{source}: Qwen3_5ForCausalLM is the hybrid (qwen35) model: load it with "
-                "specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
+                f"{source}: {archs or hf.get('model_type')} is the hybrid (qwen35) model: load "
+                "it with specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
             )
         raise ModelFileError(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join([*_ARCH_OF_CLASS, 'Qwen3_5ForCausalLM'])}"
+            f"{', '.join([*_ARCH_OF_CLASS, *QWEN35_CLASSES])}"
         )
+    refuse_quantized(hf, source)
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{source}: mlp_bias=true is not supported")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
@@ -332,6 +359,14 @@ class _Weights:
             for k in keys:
                 self.location[k] = name
         self.used: set[str] = set()
+        #: name the loader asks for -> name in the file (see `rename_prefix`)
+        self.alias: dict[str, str] = {}
+
+    def rename_prefix(self, old: str, new: str) -> None:
+        """Serve every tensor named `old`... under `new`... instead."""
+        for k in [k for k in self.location if k.startswith(old)]:
+            self.location[new + k[len(old) :]] = self.location.pop(k)
+            self.alias[new + k[len(old) :]] = k
 
     def __contains__(self, name: str) -> bool:
         return name in self.location
@@ -342,7 +377,7 @@ class _Weights:
         self.used.add(name)
         file = self.location[name]
         try:
-            arr = self.handles[file].get_tensor(name)
+            arr = self.handles[file].get_tensor(self.alias.get(name, name))
         except Exception as e:
             raise ModelFileError(f"{self.folder}/{file}: cannot read tensor {name} ({e})") from e
         if tuple(arr.shape) != shape:

@@ -1,4 +1,10 @@
-"""Hugging Face Qwen3.5 folders (`Qwen3_5ForCausalLM`) -> (Qwen35Config, params, Tokenizer).
+"""Hugging Face Qwen3.5 folders -> (Qwen35Config, params, Tokenizer).
+
+Two layouts: `Qwen3_5ForCausalLM` (the text model: config.json flat, tensors model.*) and
+`Qwen3_5ForConditionalGeneration` (the released checkpoints: the text model's config under
+text_config, its tensors under model.language_model.*, a vision tower under model.visual.*
+that specjax, text only, does not load; as llama.cpp's converter, which writes the tower to a
+separate mmproj file).
 
 The params are the layout of specjax.models.qwen35 (llama.cpp's qwen35 tensors, as
 specjax.io.gguf_qwen35 reads them), so a folder and llama.cpp's conversion of it load to the
@@ -35,20 +41,16 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import ModelFileError
-from specjax.io.hf_io import _DTYPES, _read_config, _Weights
+from specjax.io.hf_io import (
+    _DTYPES,
+    _read_config,
+    _Weights,
+    is_qwen35_config,
+    refuse_quantized,
+)
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.qwen35 import Qwen35Config, check_params, default_rope_sections
 from specjax.types import Params
-
-#: transformers classes of the Qwen3.5 dense text model
-CLASSES = ("Qwen3_5ForCausalLM",)
-MODEL_TYPES = ("qwen3_5_text",)
-
-
-def is_qwen35_config(hf: Mapping[str, Any]) -> bool:
-    """Whether a config.json dictionary is a Qwen3.5 (hybrid) text model this module reads."""
-    archs = hf.get("architectures") or []
-    return any(a in CLASSES for a in archs) or (not archs and hf.get("model_type") in MODEL_TYPES)
 
 
 def is_qwen35_folder(path: str | os.PathLike[str]) -> bool:
@@ -95,6 +97,7 @@ def qwen35_config_from_hf(
     """Qwen35Config from a transformers Qwen3.5 text config.json dictionary."""
     if not is_qwen35_config(hf):
         raise ModelFileError(f"{source}: not a Qwen3.5 text model ({hf.get('architectures')})")
+    refuse_quantized(hf, source)
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
         raise ModelFileError(f"{source}: hidden_act {hf.get('hidden_act')!r} is not supported")
     if hf.get("attention_bias"):
@@ -183,6 +186,10 @@ def load_qwen35_hf(
     source = os.path.join(folder, "config.json")
     hf = _read_config(folder)
     w = _Weights(folder)
+    if isinstance(hf.get("text_config"), dict):  # Qwen3_5ForConditionalGeneration
+        hf = {**hf, **hf["text_config"], "architectures": hf.get("architectures")}
+        w.rename_prefix("model.language_model.", "model.")
+        w.used.update(k for k in w.location if k.startswith("model.visual."))
     mtp_layers = sorted({int(k.split(".")[2]) for k in w.location if k.startswith("mtp.layers.")})
     if mtp_layers != list(range(len(mtp_layers))):
         raise ModelFileError(f"{folder}: MTP layers {mtp_layers} are not numbered 0..n-1")

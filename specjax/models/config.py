@@ -40,10 +40,20 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import struct
 from typing import Any, ClassVar, Self
 
 ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 DTYPES = ("float32", "float16", "bfloat16")
+
+
+def float32_factors(values: Any) -> tuple[float, ...]:
+    """RoPE factors as the float32 values a GGUF's rope_freqs tensor holds (so a config and its
+    saved-and-loaded copy compare equal)."""
+    try:
+        return tuple(struct.unpack(f"{len(values)}f", struct.pack(f"{len(values)}f", *values)))
+    except (OverflowError, struct.error) as e:
+        raise ValueError(f"rope_factors must be float32 numbers: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -70,8 +80,8 @@ class ModelConfig:
     head_dim: int = 0  # 0 -> dim // n_heads
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
-    # Per dimension pair [E/2]: the inverse frequency is divided by it (llama.cpp's rope_freqs).
-    # Empty = computed from rope_scaling; never both.
+    # Per dimension pair [E/2]: the inverse frequency is divided by it (llama.cpp's rope_freqs;
+    # kept as float32 values, as the tensor holds them). Empty = from rope_scaling; never both.
     rope_factors: tuple[float, ...] = ()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
@@ -116,6 +126,7 @@ class ModelConfig:
         for name in ("rope_theta_swa", "attn_scale", "final_logit_softcap"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        object.__setattr__(self, "rope_factors", float32_factors(self.rope_factors))
         if self.rope_factors:
             if self.rope_scaling is not None:
                 raise ValueError("give rope_factors or rope_scaling, not both")
@@ -270,6 +281,8 @@ class HeadDims:
             raise ValueError(f"unknown {cls.KIND} config keys: {', '.join(unknown)}")
         if "target_layers" in data:
             data["target_layers"] = tuple(data["target_layers"])
+        if data.get("rope_factors") is not None:
+            data["rope_factors"] = tuple(float(x) for x in data["rope_factors"])
         return cls(**data)
 
     def check_head_dims(self) -> None:

@@ -48,7 +48,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.memory.kv import KVCache, used_cells
-from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
+from specjax.models.config import HeadDims, ModelConfig, float32_factors, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
     LINEAR_WEIGHTS,
@@ -81,6 +81,9 @@ class DFlashConfig(HeadDims):
     ffn_dim: int
     head_dim: int = 0  # 0 -> dim // n_heads
     rope_theta: float = 10000.0
+    #: per dimension pair divisors of the inverse frequency (llama.cpp's rope_freqs; a
+    #: llama3-scaled target's head has them); empty = none
+    rope_factors: tuple[float, ...] = ()
     norm_eps: float = 1e-6
     target_hidden: int
     target_layers: tuple[int, ...]
@@ -99,6 +102,7 @@ class DFlashConfig(HeadDims):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+        object.__setattr__(self, "rope_factors", float32_factors(self.rope_factors))
         if not self.target_layers:
             raise ValueError("DFlash needs at least one target layer (target_layers)")
         if any(i < 0 for i in self.target_layers):
@@ -147,6 +151,7 @@ class DFlashConfig(HeadDims):
             ffn_dim=self.ffn_dim,
             head_dim=self.head_dim,
             rope_theta=self.rope_theta,
+            rope_factors=self.rope_factors,
             norm_eps=self.norm_eps,
             max_position=self.max_position,
             qk_norm=True,

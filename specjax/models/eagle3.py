@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.memory.kv import KVCache, used_cells
-from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
+from specjax.models.config import HeadDims, ModelConfig, float32_factors, rope_frequencies
 from specjax.models.llama import (
     CACHE_CHUNK,
     ExtraKV,
@@ -74,6 +74,9 @@ class Eagle3Config(HeadDims):
     ffn_dim: int
     head_dim: int = 0  # 0 -> dim // n_heads
     rope_theta: float = 10000.0
+    #: per dimension pair divisors of the inverse frequency (llama.cpp's rope_freqs; a
+    #: llama3-scaled target's head has them); empty = none
+    rope_factors: tuple[float, ...] = ()
     norm_eps: float = 1e-5
     target_hidden: int  # n_embd_tgt
     target_layers: tuple[int, ...]  # extract_layers (3 ids)
@@ -86,6 +89,7 @@ class Eagle3Config(HeadDims):
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
+        object.__setattr__(self, "rope_factors", float32_factors(self.rope_factors))
         if len(self.target_layers) != N_TARGET_LAYERS:
             raise ValueError(
                 f"EAGLE-3 needs exactly {N_TARGET_LAYERS} target layers (extract_layers), "
@@ -119,6 +123,7 @@ class Eagle3Config(HeadDims):
             ffn_dim=self.ffn_dim,
             head_dim=self.head_dim,
             rope_theta=self.rope_theta,
+            rope_factors=self.rope_factors,
             norm_eps=self.norm_eps,
             max_position=self.max_position,
             dtype=self.dtype,
