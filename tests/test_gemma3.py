@@ -22,6 +22,7 @@ from tokenizers import models, pre_tokenizers
 
 import specjax
 from specjax.api import Model, generate
+from specjax.cli.options import _load_options as cli_options
 from specjax.config import SpecConfig
 from specjax.decode.engine import Engine
 from specjax.errors import ModelFileError
@@ -259,6 +260,19 @@ def test_ring_greedy_equals_full_cache_greedy(target, plain):
             ids.append(int(np.argmax(full_cache_logits(target, ids, pad_to=96)[-1])))
         assert tokens == ids[len(prompt) :]
         assert len(prompt) + n > 4 * WINDOW
+
+
+def test_swa_full_keeps_every_cell_and_gives_the_same_tokens(target, plain):
+    """`swa_full=True` (llama.cpp's --swa-full; `specjax generate --swa-full`): a full cache
+    for every layer, the same greedy ids, more KV bytes."""
+    full = generate(
+        target, PROMPTS, max_new_tokens=MAX_NEW, swa_full=True, cache_type_k="f32",
+        cache_type_v="f32",
+    )  # fmt: skip
+    assert full.tokens == plain.tokens
+    assert plain.timings["kv_cache_bytes"] < 0.75 * full.timings["kv_cache_bytes"]
+    assert cli_options(["-m", "x", "--swa-full"])["swa_full"] is True
+    assert cli_options(["-m", "x"])["swa_full"] is False
 
 
 def check_spec(target, plain, spec, draft=None):
