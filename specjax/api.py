@@ -456,6 +456,7 @@ def generate(
     slot_overwrite: bool = False,
     return_drafter_states: bool = False,
     n_rs_seq: int | None = None,
+    swa_full: bool = False,
 ) -> GenerationResult:
     """Generate continuations for `prompts` (strings or token-id lists), all rows at once.
 
@@ -509,6 +510,10 @@ def generate(
     decodes without drafts, with a warning. Its KV cache keeps the model's dtype, the draft
     governor is off (its prices are measured for attention targets only) and repeat
     penalties are refused.
+
+    A gemma3 model's sliding-window layers keep a ring of window + K cells per row (llama.cpp's
+    iSWA cache, `specjax.memory.swa`; `timings["kv_cache_bytes"]` shows the saving);
+    `swa_full=True` keeps every cell of them (llama.cpp's `--swa-full`): the same tokens.
     """
     if isinstance(n_ubatch, bool) or not isinstance(n_ubatch, int | np.integer) or n_ubatch < 0:
         raise ValueError(f"n_ubatch must be an integer >= 0 (0 = whole prompt), got {n_ubatch!r}")
@@ -606,6 +611,7 @@ def generate(
         cache_type_v=None if hybrid else cache_dtype(cache_type_v),
         n_ubatch=int(n_ubatch),
         n_rs_seq=rs_planes,
+        swa_full=bool(swa_full),
     )
     cost = cost_model(
         None if hybrid else spec,

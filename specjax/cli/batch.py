@@ -209,4 +209,5 @@ def _run(
         log=log,
         repair=bool(opts.get("repair")),
         interrupt=interrupt,
+        swa_full=bool(opts.get("swa_full")),
     )

@@ -282,6 +282,7 @@ def generate_main(argv: list[str]) -> int:
             spec=spec,
             draft=draft,
             n_ubatch=int(opts["ubatch_size"] or 0),
+            swa_full=bool(opts["swa_full"]),
             **slot_kwargs,
             return_drafter_states=saves_dynamic_cache,
         )

@@ -19,6 +19,7 @@ _GENERATE_DEFAULTS: dict[str, Any] = {
     "n_predict": 64,
     "ctx_size": 0,
     "ubatch_size": 0,
+    "swa_full": False,
     "temp": 0.0,
     "top_k": 0,
     "top_p": 1.0,
@@ -97,6 +98,13 @@ def _generate_parser() -> argparse.ArgumentParser:
         type=int,
         help="prefill the prompt in chunks of this many tokens, each chunk processed by the "
         "drafters (llama.cpp's n_ubatch; 0 = the whole prompt at once)",
+    )
+    p.add_argument(
+        "--swa-full",
+        action="store_true",
+        default=None,
+        help="keep every cell of a gemma3 model's sliding-window layers (llama.cpp's "
+        "--swa-full; default: a ring of window + draft length cells)",
     )
     p.add_argument("--temp", type=float)
     p.add_argument("--top-k", type=int)

@@ -2,7 +2,8 @@
 
 One engine for every target: what differs between targets is their memory, reached only
 through `Engine.memory` (`specjax.memory.target`: an attention-only model's KV cache, PART;
-a qwen35 hybrid's KV cache + recurrent state, RS or FULL). Plain decoding, speculative
+with sliding-window layers, their cells in a ring, PART; a qwen35 hybrid's KV cache +
+recurrent state, RS or FULL). Plain decoding, speculative
 decoding, streaming, continuous batching (`specjax.jobs.continuous`) and batch jobs all run this
 prefill and this round.
 
@@ -80,7 +81,9 @@ from specjax.memory.target import (
     H_NEXTN,
     HybridTargetMemory,
     KVTargetMemory,
+    SWATargetMemory,
     TargetMemory,
+    uses_swa_cache,
 )
 from specjax.models.config import ModelConfig
 from specjax.models.qwen35 import Qwen35Config
@@ -122,12 +125,19 @@ class Engine:
     #: Recurrent snapshot planes of a hybrid target (llama.cpp's n_rs_seq): > 0 is the RS
     #: rollback level, 0 FULL. Unused by attention-only targets.
     n_rs_seq: int = 0
+    #: llama.cpp's `--swa-full`: a gemma3 target keeps every cell of its sliding-window layers
+    #: (False: those layers keep a ring of window + k_max cells, `SWATargetMemory`).
+    swa_full: bool = False
 
     @property
     def memory(self) -> TargetMemory:
         """The target's memory: what differs between targets (`specjax.memory.target`)."""
         if isinstance(self.target, Qwen35Config):
             return HybridTargetMemory(self.target, self.n_rs_seq, self.cache_type_k)
+        if uses_swa_cache(self.target) and not self.swa_full:
+            return SWATargetMemory(
+                self.target, self.k_max + 1, self.cache_type_k, self.cache_type_v
+            )
         return KVTargetMemory(self.target, self.cache_type_k, self.cache_type_v)
 
     @property
@@ -225,7 +235,8 @@ class Replay:
 
 @pytree_dataclass
 class GenState:
-    #: The target's memory (`Engine.memory`): a `KVCache`, or a qwen35 `HybridMemory`.
+    #: The target's memory (`Engine.memory`): a `KVCache`, a `SWACache`, or a qwen35
+    #: `HybridMemory`.
     cache: Any
     history: Array  # [B, S] int32
     length: Array  # [B] int32

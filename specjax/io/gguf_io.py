@@ -1,8 +1,9 @@
 """GGUF model files (llama.cpp's format) <-> specjax (ModelConfig, params, Tokenizer).
 
 Invariants:
-* Architectures: ``llama``, ``qwen2``, ``qwen3`` (``general.architecture``); anything else is a
-  `ModelFileError`.
+* Architectures: ``llama``, ``qwen2``, ``qwen3``, and ``gemma3`` (loading only: llama.cpp's
+  converter stores its norms with Gemma3RMSNorm's 1 added, as specjax does)
+  (``general.architecture``); anything else is a `ModelFileError`.
 * GGUF stores weights with ggml dims ``[in, out]``, which numpy (and GGUFReader) sees as
   ``[out, in]``: the specjax layout, so no transposes are needed.
 * ``llama`` files store Q/K rows permuted for interleaved RoPE (convert_hf_to_gguf.py's
@@ -92,6 +93,9 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         out[p + "ffn_norm"] = (D,)
         out[p + "w_gate_up"] = (2 * F, D)
         out[p + "w_down"] = (D, F)
+        if config.arch == "gemma3":
+            out[p + "post_attn_norm"] = (D,)
+            out[p + "post_ffn_norm"] = (D,)
     return out
 
 
@@ -374,6 +378,30 @@ def _tensor_to_numpy(path: str, t: Any, *, keep_f16: bool = False) -> np.ndarray
     return np.asarray(arr, np.float32).reshape(shape)
 
 
+def _gemma3_keys(
+    path: str, key: Any, scaling_type: str, D: int, H: int, L: int, E: int
+) -> dict[str, Any]:
+    """The gemma3 `ModelConfig` fields from a GGUF's metadata, as llama.cpp's gemma3 loader
+    reads them: `rope.freq_base_swa` (10000 when absent) for the sliding layers, linear
+    `rope.scaling` for the others, `final_logit_softcapping`, and the query scale
+    1/sqrt(head_dim), or 1/sqrt(dim / n_heads) for the 62-layer (27B) model."""
+    factor = 1.0
+    if scaling_type == "linear":
+        factor = key("rope.scaling.factor", 0.0, _f32) or key("rope.scale_linear", 0.0, _f32)
+        factor = factor or 1.0
+    elif scaling_type not in ("none", ""):
+        raise ModelFileError(
+            f"{path}: gemma3 RoPE scaling type {scaling_type!r} is not supported (none, linear)"
+        )
+    scale = 1.0 / math.sqrt(D / H) if L == 62 else 0.0
+    return dict(
+        rope_theta_swa=key("rope.freq_base_swa", 10000.0, _f32),
+        rope_factors=(factor,) * (E // 2) if factor != 1.0 else (),
+        attn_scale=0.0 if scale and abs(scale - 1.0 / math.sqrt(E)) < 1e-12 else scale,
+        final_logit_softcap=key("final_logit_softcapping", 0.0, _f32),
+    )
+
+
 def _config_dtype(tensors: Mapping[str, Any]) -> str:
     t = tensors.get("blk.0.attn_q.weight") or tensors.get("token_embd.weight")
     if t is None:
@@ -385,7 +413,7 @@ def _config_dtype(tensors: Mapping[str, Any]) -> str:
 def load_gguf(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, Tokenizer]:
-    """Read a llama / qwen2 / qwen3 GGUF file into (config, params, tokenizer).
+    """Read a llama / qwen2 / qwen3 / gemma3 GGUF file into (config, params, tokenizer).
 
     `dtype` ("float32" / "float16" / "bfloat16") is the parameter dtype; default: the file's
     float type (F16 -> float16, BF16 -> bfloat16, F32 and quantised types -> float32)."""
@@ -432,12 +460,17 @@ def load_gguf(
             f"{path}: partial RoPE (rope.dimension_count={n_rot}, head dim {E}) is not supported"
         )
     scaling_type = fields.get(f"{arch}.rope.scaling.type", "none")
-    if scaling_type not in ("none", ""):
+    gemma: dict[str, Any] = {}
+    if arch == "gemma3":
+        gemma = _gemma3_keys(path, key, scaling_type, D, H, L, E)
+    elif scaling_type not in ("none", ""):
         raise ModelFileError(
             f"{path}: RoPE scaling type {scaling_type!r} is not supported (only llama3 rope_freqs)"
         )
     window = key("attention.sliding_window", 0)
     pattern = fields.get(f"{arch}.attention.sliding_window_pattern")
+    if arch == "gemma3" and pattern is None:
+        pattern = 6  # llama.cpp's gemma3 default (`load_swa_pattern(ml, 6)`)
     swa_layers: tuple[bool, ...] = ()
     if window and isinstance(pattern, list):
         swa_layers = tuple(bool(x) for x in pattern[:L])
@@ -468,6 +501,7 @@ def load_gguf(
             swa_layers=swa_layers,
             max_position=key("context_length"),
             dtype=dtype or _config_dtype(tensors),
+            **gemma,
         )
     except ValueError as e:
         if isinstance(e, ModelFileError):
@@ -545,6 +579,9 @@ def load_gguf(
         if qk_norm:
             layer["q_norm"] = get(p + "attn_q_norm.weight", (E,))
             layer["k_norm"] = get(p + "attn_k_norm.weight", (E,))
+        if arch == "gemma3":  # (norms stored with Gemma3RMSNorm's 1 added, as specjax's)
+            layer["post_attn_norm"] = get(p + "post_attention_norm.weight", (D,))
+            layer["post_ffn_norm"] = get(p + "post_ffw_norm.weight", (D,))
         layers.append({n: _on_device(a, np_dtype) for n, a in layer.items()})
 
     params: Params = {
@@ -571,6 +608,8 @@ def load_gguf(
 
 # --------------------------------------------------------------------------- saving
 def _validate_for_gguf(config: ModelConfig) -> None:
+    if config.arch == "gemma3":
+        raise ValueError("saving a gemma3 model as GGUF is not supported (only loading)")
     if config.arch == "llama" and config.qk_norm:
         raise ValueError("llama.cpp's llama architecture has no q/k norm; use arch='qwen3'")
     if config.arch == "qwen2":

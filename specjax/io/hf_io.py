@@ -1,8 +1,9 @@
 """Hugging Face checkpoint directories <-> specjax (ModelConfig, params, Tokenizer).
 
 A directory holds config.json (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
-Qwen3ForCausalLM; Qwen3_5ForCausalLM folders are read by specjax.io.hf_qwen35),
-model.safetensors (or shards listed in model.safetensors.index.json) and tokenizer.json.
+Qwen3ForCausalLM, or, read only, Gemma3ForCausalLM / Gemma3ForConditionalGeneration's text
+part; Qwen3_5ForCausalLM folders are read by specjax.io.hf_qwen35), model.safetensors (or
+shards listed in model.safetensors.index.json) and tokenizer.json.
 
 Invariants:
 * HF projections are ``[out, in]`` in the rotate-half RoPE layout already: q/k/v rows are
@@ -107,6 +108,109 @@ def _rope_scaling(path: str, hf: Mapping[str, Any]) -> tuple[float, RopeScaling 
     )
 
 
+#: Gemma architectures specjax reads (the multimodal one: its text part only).
+GEMMA3_CLASSES = ("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration")
+
+
+def _gemma_class(hf: Mapping[str, Any]) -> str | None:
+    """The checkpoint's Gemma class name (any Gemma), else None."""
+    archs = hf.get("architectures") or []
+    named = [a for a in archs if a.startswith("Gemma") or a.startswith("EmbeddingGemma")]
+    if named:
+        return str(named[0])
+    if str(hf.get("model_type", "")).startswith("gemma"):
+        return str(hf["model_type"])
+    return None
+
+
+def _gemma3_config(hf: Mapping[str, Any], dtype: str | None, source: str) -> ModelConfig:
+    """ModelConfig (arch gemma3) from a Gemma3ForCausalLM config (or the text_config of a
+    Gemma3ForConditionalGeneration): transformers' Gemma3TextConfig defaults where a key is
+    absent; a variant specjax does not run is a ModelFileError naming it."""
+    if hf.get("use_bidirectional_attention"):
+        raise ModelFileError(f"{source}: bidirectional Gemma 3 (embedding models) is not supported")
+    if hf.get("attn_logit_softcapping") is not None:
+        raise ModelFileError(
+            f"{source}: attn_logit_softcapping is not supported (Gemma 3 has none; llama.cpp's "
+            "converter refuses it too)"
+        )
+    act = hf.get("hidden_activation") or hf.get("hidden_act") or "gelu_pytorch_tanh"
+    if act not in ("gelu_pytorch_tanh", "gelu_tanh"):
+        raise ModelFileError(f"{source}: Gemma 3 hidden_activation {act!r} is not supported")
+    if hf.get("attention_bias"):
+        raise ModelFileError(f"{source}: attention_bias=true is not supported for Gemma 3")
+    D, H = int(hf.get("hidden_size", 2304)), int(hf.get("num_attention_heads", 8))
+    L = int(hf.get("num_hidden_layers", 26))
+    E = int(hf.get("head_dim") or 256)
+    layer_types = hf.get("layer_types")
+    if not layer_types:
+        n = int(hf.get("sliding_window_pattern", 6))
+        layer_types = ["sliding_attention" if (i + 1) % n else "full_attention" for i in range(L)]
+    unknown = sorted(set(layer_types) - {"sliding_attention", "full_attention"})
+    if unknown or len(layer_types) != L:
+        raise ModelFileError(
+            f"{source}: layer_types must name {L} layers 'sliding_attention' / "
+            f"'full_attention', got {list(layer_types)[:8]}"
+        )
+    flags = tuple(t == "sliding_attention" for t in layer_types)
+    window = int(hf.get("sliding_window") or 0) if any(flags) else 0
+    if any(flags) and window <= 0:
+        raise ModelFileError(f"{source}: sliding layers but sliding_window={window}")
+
+    # RoPE: new-style rope_parameters per layer type, or rope_theta / rope_local_base_freq /
+    # rope_scaling (transformers' Gemma3TextConfig.convert_rope_params_to_dict)
+    params = hf.get("rope_parameters") or {}
+    if "full_attention" in params or "sliding_attention" in params:
+        full = dict(params.get("full_attention") or {})
+        local = dict(params.get("sliding_attention") or {})
+    else:
+        full = dict(hf.get("rope_scaling") or {})
+        full.setdefault("rope_theta", hf.get("rope_theta", 1_000_000.0))
+        local = {"rope_theta": hf.get("rope_local_base_freq", 10_000.0)}
+    kind = full.get("rope_type", full.get("type", "default"))
+    if kind not in ("default", "linear"):
+        raise ModelFileError(
+            f"{source}: Gemma 3 RoPE scaling {kind!r} is not supported (default, linear)"
+        )
+    local_kind = local.get("rope_type", local.get("type", "default"))
+    if local_kind != "default":
+        raise ModelFileError(
+            f"{source}: RoPE scaling {local_kind!r} on sliding layers is not supported"
+        )
+    raw_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if raw_dtype not in _DTYPES:
+        raise ModelFileError(f"{source}: unsupported dtype {raw_dtype!r}")
+    scalar = float(hf.get("query_pre_attn_scalar", 256))
+    cap = hf.get("final_logit_softcapping")
+    factor = float(full.get("factor", 1.0)) if kind == "linear" else 1.0
+    try:
+        return ModelConfig(
+            arch="gemma3",
+            vocab_size=int(hf.get("vocab_size", 262_208)),
+            dim=D,
+            n_layers=L,
+            n_heads=H,
+            n_kv_heads=int(hf.get("num_key_value_heads") or 4),
+            ffn_dim=int(hf.get("intermediate_size", 9216)),
+            head_dim=0 if (D % H == 0 and E == D // H) else E,
+            rope_theta=float(full.get("rope_theta", 1_000_000.0)),
+            rope_theta_swa=float(local.get("rope_theta", 10_000.0)),
+            # linear scaling: every pair's frequency divided by the factor
+            rope_factors=(factor,) * (E // 2) if factor != 1.0 else (),
+            attn_scale=0.0 if scalar == E else scalar**-0.5,
+            final_logit_softcap=float(cap) if cap else 0.0,
+            norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            tie_embeddings=bool(hf.get("tie_word_embeddings", True)),
+            qk_norm=True,
+            sliding_window=window,
+            swa_layers=() if all(flags) else flags,
+            max_position=int(hf.get("max_position_embeddings", 131_072)),
+            dtype=_DTYPES[raw_dtype],
+        )
+    except ValueError as e:
+        raise ModelFileError(f"{source}: invalid model hyper-parameters: {e}") from e
+
+
 def refuse_quantized(hf: Mapping[str, Any], source: str) -> None:
     """ModelFileError for a checkpoint quantised by transformers' quantizers (GPTQ, AWQ, FP8,
     compressed-tensors, bitsandbytes...): their packed tensors have no specjax reading."""
@@ -123,6 +227,18 @@ def config_from_hf(
     hf: Mapping[str, Any], *, dtype: str | None = None, source: str = "config.json"
 ) -> ModelConfig:
     """ModelConfig from a transformers config.json dictionary."""
+    gemma = _gemma_class(hf)
+    if gemma is not None:
+        if gemma not in GEMMA3_CLASSES and gemma not in ("gemma3", "gemma3_text"):
+            raise ModelFileError(
+                f"{source}: Gemma variant {gemma!r} is not supported; supported: "
+                f"{', '.join(GEMMA3_CLASSES)} (its text part)"
+            )
+        refuse_quantized(hf, source)
+        text = hf.get("text_config")
+        if isinstance(text, Mapping):  # (the multimodal config: dtype keys on its top level)
+            text = {**{k: hf[k] for k in ("torch_dtype", "dtype") if k in hf}, **text}
+        return _gemma3_config(text if isinstance(text, Mapping) else hf, dtype, source)
     archs = hf.get("architectures") or []
     arch = next((_ARCH_OF_CLASS[a] for a in archs if a in _ARCH_OF_CLASS), None)
     if arch is None and hf.get("model_type") in _ARCH_OF_MODEL_TYPE:
@@ -290,6 +406,9 @@ def load_hf(
         _read_config(folder), dtype=dtype, source=os.path.join(folder, "config.json")
     )
     w = _Weights(folder)
+    if config.arch == "gemma3":
+        gemma = _gemma3_params(folder, config, w)
+        return config, gemma, Tokenizer.from_file(os.path.join(folder, "tokenizer.json"))
     E, D, F, H, G, V = config.E, config.D, config.F, config.H, config.G, config.V
     dt = jnp.dtype(config.dtype)
 
@@ -357,8 +476,81 @@ def load_hf(
     return config, params, tokenizer
 
 
+def _gemma3_params(folder: str, config: ModelConfig, w: _Weights) -> Params:
+    """A gemma3 checkpoint's parameters: Gemma3ForCausalLM's `model.*` tensors, or the
+    language model of a Gemma3ForConditionalGeneration (`model.language_model.*` or the
+    older `language_model.model.*`; its vision tower and projector are left out). Norm
+    weights get their 1 added (Gemma3RMSNorm's (1 + w), in float32), as llama.cpp's
+    converter stores them."""
+    E, D, F, H, G, V = config.E, config.D, config.F, config.H, config.G, config.V
+    dt = jnp.dtype(config.dtype)
+    prefix, head = "model.", "lm_head.weight"
+    if "model.language_model.embed_tokens.weight" in w:
+        prefix = "model.language_model."
+    elif "language_model.model.embed_tokens.weight" in w:
+        prefix, head = "language_model.model.", "language_model.lm_head.weight"
+    if prefix != "model.":  # the multimodal checkpoint: its text part only
+        for name in w.location:
+            if not name.startswith(prefix) and name != head:
+                w.used.add(name)
+
+    def arr(x: np.ndarray) -> Any:
+        return jnp.asarray(np.asarray(x, np.float32) if x.dtype != dt else x, dt)
+
+    def norm(name: str, n: int) -> Any:
+        return jnp.asarray(np.asarray(w.get(name, (n,)), np.float32) + 1.0, dt)
+
+    layers = []
+    for i in range(config.L):
+        p = f"{prefix}layers.{i}."
+        a = p + "self_attn."
+        wqkv = np.concatenate(
+            [
+                w.get(a + "q_proj.weight", (H * E, D)),
+                w.get(a + "k_proj.weight", (G * E, D)),
+                w.get(a + "v_proj.weight", (G * E, D)),
+            ]
+        )
+        w_gate_up = np.concatenate(
+            [w.get(p + "mlp.gate_proj.weight", (F, D)), w.get(p + "mlp.up_proj.weight", (F, D))]
+        )
+        layers.append(
+            {
+                "attn_norm": norm(p + "input_layernorm.weight", D),
+                "wqkv": arr(wqkv),
+                "q_norm": norm(a + "q_norm.weight", E),
+                "k_norm": norm(a + "k_norm.weight", E),
+                "wo": arr(w.get(a + "o_proj.weight", (D, H * E))),
+                "post_attn_norm": norm(p + "post_attention_layernorm.weight", D),
+                "ffn_norm": norm(p + "pre_feedforward_layernorm.weight", D),
+                "w_gate_up": arr(w_gate_up),
+                "w_down": arr(w.get(p + "mlp.down_proj.weight", (D, F))),
+                "post_ffn_norm": norm(p + "post_feedforward_layernorm.weight", D),
+            }
+        )
+    params: Params = {
+        "embed": arr(w.get(prefix + "embed_tokens.weight", (V, D))),
+        "layers": tuple(layers),
+        "final_norm": norm(prefix + "norm.weight", D),
+    }
+    if config.tie_embeddings:
+        if head in w:
+            w.used.add(head)  # transformers ties it to the embedding anyway
+    else:
+        params["lm_head"] = arr(w.get(head, (V, D)))
+    unused = w.unused()
+    if unused:
+        raise ModelFileError(
+            f"{folder}: tensors specjax's gemma3 model has no slot for: "
+            f"{', '.join(unused[:8])}" + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
+        )
+    return params
+
+
 def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dict[str, Any]:
     """transformers config.json for `config` (ValueError if transformers cannot express it)."""
+    if config.arch == "gemma3":
+        raise ValueError("saving a gemma3 model as a Hugging Face folder is not supported")
     if config.arch == "qwen3" and not config.qk_norm:
         raise ValueError("transformers' Qwen3 always has q/k norm; set qk_norm=True")
     if config.arch != "qwen3" and config.qk_norm:

@@ -554,6 +554,7 @@ def batch(
     log: Any = None,
     repair: bool = False,
     interrupt: Any = None,
+    swa_full: bool = False,
 ) -> BatchSummary:
     """Run every request of `requests` (a JSONL path, or an iterable of request dicts) with
     `n_parallel` slots of continuous batching and append one result line per request to
@@ -571,6 +572,8 @@ def batch(
     `interrupt()`: asked after each segment of rounds; when it returns True the job stops
     there, with every finished request written whole and those in the slots left for the
     next run (resume), and `BatchSummary.interrupted` set (the CLI's Ctrl-C).
+    `swa_full`: a gemma3 model keeps every cell of its sliding-window layers (llama.cpp's
+    `--swa-full`) instead of a ring of window + K (`specjax.memory.swa`).
     """
     log = sys.stderr if log is None else log
     if isinstance(n_parallel, bool) or not isinstance(n_parallel, int) or n_parallel < 1:
@@ -649,6 +652,7 @@ def batch(
         prefill_chunk=prefill_chunk,
         segment_rounds=segment_rounds,
         mesh=mesh,
+        swa_full=swa_full,
     )
     writer = _Appender(out, fsync_interval)
     bar = None
@@ -718,6 +722,7 @@ class _Runner:
         prefill_chunk: int,
         segment_rounds: int,
         mesh: dict[str, int] | None = None,
+        swa_full: bool = False,
     ) -> None:
         self.model, self.spec, self.B = model, spec, n_parallel
         self.drafters, self.drafter_params = build_drafters(spec, model, draft)
@@ -730,6 +735,7 @@ class _Runner:
             eog_ids=model.eog_ids,
             cache_type_k=cache_dtype(cache_type_k),
             cache_type_v=cache_dtype(cache_type_v),
+            swa_full=bool(swa_full),
         )
         self.chunk = int(prefill_chunk)
         self.segment_rounds = int(segment_rounds)

@@ -93,14 +93,15 @@ def state_shardings(
         return NamedSharding(mesh, P("data", *([None] * (x.ndim - 1))))
 
     B = state.length.shape[0]
-    heads = _model_dim(mesh, state.cache.k[0].shape[1]) if state.cache.k else None
+    cache = engine.memory.kv(state.cache)  # (a gemma3 ring's K/V sit a level deeper)
+    heads = _model_dim(mesh, cache.k[0].shape[1]) if cache.k else None
     kv = NamedSharding(mesh, P("data", heads, None, None))
 
     def place(path: tuple[Any, ...], x: Any) -> NamedSharding:
         names = [str(getattr(k, "name", "")) for k in path]
         if names[0] in ("stats", "n_rounds"):
             return rep
-        if names[0] == "cache" and names[1] in ("k", "v"):
+        if names[0] == "cache" and {"k", "v"} & set(names[1:3]):
             return kv
         if names[0] in ("governor", "lookup_seen") and not (x.ndim and x.shape[0] == B):
             return rep

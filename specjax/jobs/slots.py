@@ -53,6 +53,7 @@ from specjax.errors import SpecjaxError
 from specjax.memory import checkpoint as sc
 from specjax.memory.hybrid import HybridMemory
 from specjax.memory.kv import cache_dtype
+from specjax.memory.target import uses_swa_cache
 from specjax.models import qwen35
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import replace
@@ -439,6 +440,11 @@ def prepare(
         if any(n is not None for n in save_names + restore_names):
             raise ValueError("slot_save / slot_restore need slot_save_path (a directory)")
         return [None] * B, {}
+    if uses_swa_cache(model.config):
+        raise ValueError(
+            f"slot save / restore is not supported for a {model.config.arch} target yet (its "
+            "sliding-window layers keep a ring of cells, not the whole prompt)"
+        )
     for b, (s, r) in enumerate(zip(save_names, restore_names)):
         if s is not None and r is not None:
             raise ValueError(f"prompt {b} both restores slot {r!r} and saves slot {s!r}")

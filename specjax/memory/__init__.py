@@ -2,8 +2,9 @@
 
 `kv` (the attention KV cache: cells with positions, PART rollback), `ops` (llama.h's
 `seq_rm` / `seq_cp` / `seq_keep` / `seq_add` / `seq_div` on it), `hybrid` (a qwen35 hybrid's
-KV cache + recurrent state with snapshot planes, and the NO / PART / FULL / RS probe),
-`target` (the one interface the engine's round uses, over either), `checkpoint` (orbax
+KV cache + recurrent state with snapshot planes, and the NO / PART / FULL / RS probe), `swa`
+(a KV cache whose sliding-window layers keep a ring of cells, llama.cpp's iSWA cache, PART),
+`target` (the one interface the engine's round uses, over any of them), `checkpoint` (orbax
 PARTIAL_ONLY checkpoints of slots). Imports nothing above `models`.
 
 `specjax.memory.seq_rm` and the other operations stay reachable here (they lived in a

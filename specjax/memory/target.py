@@ -14,11 +14,17 @@ differs between targets is their memory, and only through this interface:
     take_row(memory, slot) / put_row(memory, slot, row)      one row as a batch of one
                                                              (continuous batching's slots)
 
-Two memories (both frozen, hashable: a field of the engine, static under jit):
+Three memories (all frozen, hashable: a field of the engine, static under jit):
 
 * `KVTargetMemory`: an attention-only model (`specjax.models.llama`) over a `KVCache`. Its
   rollback level is PART: `seq_rm(row, keep, -1)` drops the rejected cells (`keep_prefix`),
   so a rejected draft never needs a checkpoint (`checkpoints` False; `settle` returns None).
+  A model with sliding-window layers over it keeps every cell (llama.cpp's `--swa-full`).
+* `SWATargetMemory`: an attention-only model with sliding-window layers (gemma3) over a
+  `SWACache` (`specjax.memory.swa`: those layers' cells in a ring of W - 1 + k_max + 1, the
+  others' in S cells), llama.cpp's iSWA cache without `--swa-full`. PART as the KV memory:
+  the rollback keeps id_last, so it removes at most the verify batch, which the ring still
+  holds with everything a later token sees; the probe's seq_rm succeeds, as llama.cpp's.
 * `HybridTargetMemory`: a qwen35 hybrid recurrent model over a `HybridMemory` (KV cache of
   the attention layers + recurrent state with `n_rs_seq` snapshot planes). Its level is RS
   when n_rs_seq > 0, else FULL. A rejected tail of at most n_rs_seq tokens rolls back by a
@@ -44,8 +50,9 @@ import jax.numpy as jnp
 
 from specjax.memory.hybrid import HybridMemory, forward_memory_hidden, select_recurrent
 from specjax.memory.kv import KVCache, keep_prefix, row_high_water
+from specjax.memory.swa import SWACache, commit_swa, keep_prefix_swa, ring_cells
 from specjax.models import qwen35
-from specjax.models.config import ModelConfig
+from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
 from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import replace
 from specjax.types import Array, Params
@@ -248,6 +255,132 @@ class KVTargetMemory:
 
     def kv(self, memory: KVCache) -> KVCache:
         return memory
+
+
+#: Architectures llama.cpp gives an iSWA cache (its `swa_type` set): their sliding-window
+#: layers keep a ring (`SWATargetMemory`) unless `--swa-full`. (llama.cpp's qwen2 / qwen3 /
+#: llama ignore a sliding window; specjax applies theirs as a mask over a full cache.)
+SWA_CACHE_ARCHS = ("gemma3",)
+
+
+def uses_swa_cache(config: Any) -> bool:
+    """Whether a target of `config` keeps its sliding-window layers in a ring by default."""
+    return getattr(config, "arch", None) in SWA_CACHE_ARCHS and any(
+        config.layer_window(i) for i in range(config.L)
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class SWATargetMemory:
+    """An attention-only target with sliding-window layers over a `SWACache` (rollback level
+    PART): `batch_width` is the widest batch that may be rolled back (k_max + 1)."""
+
+    config: ModelConfig
+    batch_width: int
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+
+    checkpoints = False
+    seq_rm_type = "PART"
+
+    def __post_init__(self) -> None:
+        if not any(self.config.layer_window(i) for i in range(self.config.L)):
+            raise ValueError(f"{self.config.arch} target has no sliding-window layer")
+        if self.batch_width < 1:
+            raise ValueError(f"batch_width must be >= 1, got {self.batch_width}")
+
+    def init(self, batch: int, capacity: int) -> SWACache:
+        c = self.config
+        swa = tuple(c.layer_window(i) > 0 for i in range(c.L))
+        k_dtype = self.cache_type_k or c.dtype
+        return SWACache.init(
+            batch=batch,
+            capacity=capacity,
+            ring_cells=ring_cells(c.sliding_window, self.batch_width, capacity),
+            swa=swa,
+            window=c.sliding_window,
+            n_kv_heads=c.G,
+            head_dim=c.E,
+            inv_freq=tuple(rope_frequencies(c)),
+            inv_freq_swa=tuple(layer_rope_frequencies(c, swa.index(True))),
+            dtype=k_dtype,
+            v_dtype=self.cache_type_v or k_dtype,
+        )
+
+    def forward(
+        self,
+        params: Params,
+        tokens_BT: Array,
+        positions_BT: Array,
+        memory: SWACache,
+        hidden_layers: tuple[int, ...] = (),
+        *,
+        fresh: bool = False,
+        logit_index: Array | None = None,
+    ) -> TargetForward:
+        # as KVTargetMemory.forward, the high-water mark being the full part's
+        high_water = None if fresh else row_high_water(memory.full.pos)
+        out = forward_compute(
+            self.config,
+            params,
+            tokens_BT,
+            positions_BT,
+            memory,
+            hidden_layers,
+            cache_empty=fresh,
+            logit_index=logit_index,
+            high_water_B=high_water,
+        )
+        assert out.logits is not None
+        after = None if fresh else out.logits
+        memory = commit_swa(
+            memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water
+        )
+        return TargetForward(out.logits, memory, tuple(out.hidden))
+
+    def settle(
+        self,
+        before: SWACache,
+        after: SWACache,
+        length_B: Array,
+        n_drafted_B: Array,
+        n_accepted_B: Array,
+        active_B: Array,
+        replaying_B: Array | None,
+    ) -> tuple[SWACache, None, Array]:
+        """PART: `seq_rm(row, keep, -1)` on both parts; keep >= length + 1, so the ring
+        still holds everything the next token sees (`specjax.memory.swa`)."""
+        paths = part_rollback_counts(active_B & (n_drafted_B > 0), n_drafted_B - n_accepted_B)
+        keep = jnp.where(active_B, length_B + n_accepted_B + 1, length_B)
+        return keep_prefix_swa(after, keep), None, paths
+
+    def drop_from(self, memory: SWACache, start_B: Array) -> SWACache:
+        memory = keep_prefix_swa(memory, start_B)
+        full = memory.full
+        return replace(memory, full=replace(full, overflow=full.overflow & (start_B > 0)))
+
+    def take_row(self, memory: SWACache, slot: Array) -> SWACache:
+        return replace(memory, full=_kv_row(memory.full, slot), ring=_kv_row(memory.ring, slot))
+
+    def put_row(self, memory: SWACache, slot: Array, row: SWACache) -> SWACache:
+        return replace(
+            memory,
+            full=_kv_put_row(memory.full, slot, row.full),
+            ring=_kv_put_row(memory.ring, slot, row.ring),
+        )
+
+    def kv(self, memory: SWACache) -> KVCache:
+        """The memory as one `KVCache` for the host's checks: every layer's K/V in model
+        order (ring layers with R cells), the full part's positions and overflow flags
+        (its `nbytes` leaves out only the ring's [B, R] positions)."""
+        layers = [memory.part(i) for i in range(self.config.L)]
+        return KVCache(
+            k=tuple(part.k[j] for part, j in layers),
+            v=tuple(part.v[j] for part, j in layers),
+            pos=memory.full.pos,
+            overflow=memory.full.overflow,
+            inv_freq=memory.full.inv_freq,
+        )
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,14 @@ Parameter pytree (plain dicts/tuples; weights stored [out, in], never upcast in 
           "attn_norm": [D],
           "wqkv":      [(H + 2G) * E, D],  # rows: H query heads, then G key heads, then G value heads
           "bqkv":      [(H + 2G) * E],     # only when config.qkv_bias (qwen2)
-          "q_norm":    [E],                # only when config.qk_norm (qwen3)
-          "k_norm":    [E],                # only when config.qk_norm (qwen3)
+          "q_norm":    [E],                # only when config.qk_norm (qwen3, gemma3)
+          "k_norm":    [E],                # only when config.qk_norm (qwen3, gemma3)
           "wo":        [D, H * E],
+          "post_attn_norm": [D],           # only gemma3 (norm of the attention output)
           "ffn_norm":  [D],
           "w_gate_up": [2F, D],            # rows: F gate rows, then F up rows
           "w_down":    [D, F],
+          "post_ffn_norm": [D],            # only gemma3 (norm of the MLP output)
         }, ...),
       "final_norm": [D],
       "lm_head":    [V, D],            # absent when config.tie_embeddings
@@ -24,6 +26,14 @@ RoPE uses the "rotate half" (NeoX / Hugging Face) layout: dimension i pairs with
 GGUF `llama` files store Q/K rows permuted for interleaved RoPE; the GGUF loader undoes that.
 Pair i turns at theta^(-2i/E) / factor_i: the factors are `rope_factors` when given (llama.cpp's
 rope_freqs tensor, whatever produced it), else computed from `rope_scaling` (llama3), else 1.
+
+Gemma 3 (`arch="gemma3"`, transformers' Gemma3ForCausalLM, llama.cpp's `gemma3`): the same
+layer with embeddings scaled by sqrt(D), the attention and MLP outputs RMS-normed before the
+residual add (`post_attn_norm`, `post_ffn_norm`), q/k norms, a GELU (tanh) gated MLP, queries
+scaled by `attn_scale`, RoPE base `rope_theta_swa` (unscaled) on sliding-window layers and
+`rope_theta` on the others (their linear scaling: `rope_factors` all equal to the factor), and
+an optional final logit soft-cap. Its RMSNorm multiplies by (1 + w): every gemma3 norm weight is stored with the
+1 added (as llama.cpp's converter stores it), so `rms_norm` is the llama one.
 """
 
 from __future__ import annotations
@@ -33,7 +43,7 @@ import math
 import struct
 from typing import Any, ClassVar, Self
 
-ARCHS = ("llama", "qwen2", "qwen3")
+ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -82,6 +92,10 @@ class ModelConfig:
     swa_layers: tuple[bool, ...] = ()
     max_position: int = 4096  # training context (metadata only; capacity is per cache)
     dtype: str = "float32"
+    # Gemma 3 (`arch="gemma3"`; the defaults leave the other archs as they were):
+    rope_theta_swa: float = 0.0  # RoPE base of the sliding-window layers (0 = rope_theta)
+    attn_scale: float = 0.0  # the queries' score scale (0 = 1 / sqrt(head_dim))
+    final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0 = off)
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -107,6 +121,11 @@ class ModelConfig:
             )
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.arch == "gemma3" and not self.qk_norm:
+            raise ValueError("gemma3 has q/k norms: qk_norm must be True")
+        for name in ("rope_theta_swa", "attn_scale", "final_logit_softcap"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         object.__setattr__(self, "rope_factors", float32_factors(self.rope_factors))
         if self.rope_factors:
             if self.rope_scaling is not None:
@@ -162,6 +181,7 @@ class ModelConfig:
         per_layer = 2 * D + (H + 2 * G) * E * D + D * H * E + 3 * D * F
         per_layer += (H + 2 * G) * E if self.qkv_bias else 0
         per_layer += 2 * E if self.qk_norm else 0
+        per_layer += 2 * D if self.arch == "gemma3" else 0
         total = V * D + self.L * per_layer + D
         return total if self.tie_embeddings else total + V * D
 
@@ -188,7 +208,8 @@ class ModelConfig:
 
 def rope_frequencies(config: ModelConfig) -> list[float]:
     """Inverse frequencies [E/2]: theta^(-2i/E) divided by `rope_factors`, or with llama3
-    scaling (host-side, float64)."""
+    scaling (host-side, float64): those of every layer but gemma3's sliding-window ones
+    (`layer_rope_frequencies`)."""
     E = config.E
     inv = [1.0 / (config.rope_theta ** (2 * i / E)) for i in range(E // 2)]
     if config.rope_factors:
@@ -211,6 +232,16 @@ def rope_frequencies(config: ModelConfig) -> list[float]:
             )
             out.append((1 - smooth) * f / s.factor + smooth * f)
     return out
+
+
+def layer_rope_frequencies(config: ModelConfig, layer: int) -> list[float]:
+    """Inverse frequencies [E/2] of `layer`: a gemma3 sliding-window layer's from
+    `rope_theta_swa` unscaled (llama.cpp's `rope_freq_base_train_swa`, scale 1), every other
+    layer's `rope_frequencies`."""
+    if config.arch == "gemma3" and config.layer_window(layer) > 0:
+        E, theta = config.E, config.rope_theta_swa or config.rope_theta
+        return [1.0 / (theta ** (2 * i / E)) for i in range(E // 2)]
+    return rope_frequencies(config)
 
 
 def rope_pair_factors(config: ModelConfig) -> list[float]:

@@ -1,4 +1,8 @@
-"""Llama-family decoder (llama / qwen2 / qwen3) as a pure function of (params, tokens, positions, cache).
+"""Llama-family decoder (llama / qwen2 / qwen3 / gemma3) as a pure function of (params, tokens, positions, cache).
+
+gemma3's differences are static branches on `config.arch` (specjax.models.config's docstring
+lists them); its cache may be a `SWACache` (specjax.memory.swa: the sliding-window layers'
+cells in a ring), read and written per layer part by `forward_compute` / `commit_swa`.
 
 Invariants:
 * `positions[b, t] == -1` marks padding: its K/V are not written and its logits are garbage
@@ -33,7 +37,8 @@ import numpy as np
 from specjax.control import cpu_control_flow
 from specjax.kernels import cpu as cpu_kernels
 from specjax.memory.kv import KVCache, used_cells, write_layer, write_positions
-from specjax.models.config import ModelConfig, rope_frequencies
+from specjax.memory.swa import SWACache
+from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -335,6 +340,31 @@ def _layer_attention(
 ) -> Array:
     """Attention of the new tokens over the used cached cells (the first `used`), `extra`
     cells and each other; `native`: on `cpu_kernels.attend_cache` where it takes the dtypes."""
+    cached = None
+    if n_chunks is not None:
+        cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
+    return _attention_over_cells(
+        config, layer_index, q_BTHE, k_BTGE, v_BTGE, positions_BT, cached, n_chunks, extra,
+        native, used,
+    )  # fmt: skip
+
+
+def _attention_over_cells(
+    config: ModelConfig,
+    layer_index: int,
+    q_BTHE: Array,
+    k_BTGE: Array,
+    v_BTGE: Array,
+    positions_BT: Array,
+    cached: tuple[Array, Array, Array] | None,
+    n_chunks: Array | None,
+    extra: ExtraKV | None,
+    native: bool,
+    used: Array | None,
+) -> Array:
+    """`_layer_attention` over the layer's cached cells `cached` (k, v [B, G, S, E], pos
+    [B, S]; None: a prompt into an empty cache), whichever cache holds them (a `KVCache`, or
+    a `SWACache`'s ring or full part)."""
     B, T, H, E = q_BTHE.shape
     G = config.G
     q = q_BTHE.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, E]
@@ -342,9 +372,6 @@ def _layer_attention(
     own = [(k_BTGE.transpose(0, 2, 1, 3), v_BTGE.transpose(0, 2, 1, 3), positions_BT)]
     if extra is not None:
         own.append((extra.k[layer_index], extra.v[layer_index], extra.pos))
-    cached = None
-    if n_chunks is not None:
-        cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
     if cached is None and extra is None and not _takes_native(native, q, own, cached):
         out = _attend_prompt(q, *own[0], window)  # a prompt into an empty cache
     else:
@@ -434,6 +461,45 @@ def _native_attention(q_BGRTE: Array, segment: tuple[Array, Array, Array]) -> bo
     return all(c.dtype in (jnp.float16, jnp.float32) for c in segment[:2])
 
 
+def cached_dtype(cache: KVCache | SWACache, layer: int, kind: str) -> jnp.dtype:
+    """The dtype of `layer`'s cached K (`kind` "k") or V ("v")."""
+    part, j = cache.part(layer) if isinstance(cache, SWACache) else (cache, layer)
+    return (part.k if kind == "k" else part.v)[j].dtype
+
+
+_Cells = tuple[tuple[Array, Array, Array] | None, Array | None, Array | None]
+
+
+def _cached_cells(
+    config: ModelConfig,
+    cache: KVCache | SWACache,
+    cache_empty: bool,
+    high_water_B: Array | None,
+) -> list[_Cells]:
+    """Per layer: its cached cells (k, v, pos; None with `cache_empty`), the chunks of
+    CACHE_CHUNK cells below the high-water mark and the mark. A `SWACache` (gemma3 without
+    `swa_full`) reads its sliding-window layers from the ring, the others from the full part
+    (`high_water_B` is the full part's)."""
+    if cache_empty:
+        return [(None, None, None)] * config.L
+
+    def marks(part: KVCache, high_water: Array | None) -> tuple[Array, Array]:
+        chunk = min(CACHE_CHUNK, part.capacity)
+        used = used_cells(part.pos) if high_water is None else jnp.max(high_water)
+        return (used + chunk - 1) // chunk, used
+
+    if not isinstance(cache, SWACache):
+        n_chunks, used = marks(cache, high_water_B)
+        return [((cache.k[i], cache.v[i], cache.pos), n_chunks, used) for i in range(config.L)]
+    full, ring = marks(cache.full, high_water_B), marks(cache.ring, None)
+    out: list[_Cells] = []
+    for i in range(config.L):
+        part, j = cache.part(i)
+        n_chunks, used = ring if cache.swa[i] else full
+        out.append(((part.k[j], part.v[j], part.pos), n_chunks, used))
+    return out
+
+
 class ForwardCompute(NamedTuple):
     logits: Array | None  # [B, T, V] float32 ([B, 1, V] with `logit_index`; None if not asked)
     k: tuple[Array, ...]  # per layer [B, T, G, E], rotated at the token positions
@@ -446,7 +512,7 @@ def forward_compute(
     params: Params,
     tokens_BT: Array,
     positions_BT: Array,
-    cache: KVCache,
+    cache: KVCache | SWACache,
     hidden_layers: tuple[int, ...] = (),
     *,
     cache_empty: bool = False,
@@ -468,17 +534,20 @@ def forward_compute(
     also commits passes the same to `commit_kv`: one pass over the cells instead of two).
     """
     E, H, G = config.E, config.H, config.G
-    inv_freq = jnp.asarray(rope_frequencies(config), jnp.float32)
-    cos, sin = _materialised(rope_angles, positions_BT, inv_freq)
-    n_chunks = used = None
+    # one set of RoPE angles per distinct frequencies (gemma3: sliding-window and global)
+    layer_freqs = [tuple(layer_rope_frequencies(config, i)) for i in range(config.L)]
+    angles = {
+        f: _materialised(rope_angles, positions_BT, jnp.asarray(f, jnp.float32))
+        for f in dict.fromkeys(layer_freqs)
+    }
     # Decode weights in the native kernel's form mean the native kernels are in use.
     native = bool(params["layers"]) and isinstance(params["layers"][0].get("wqkv"), KernelWeight)
-    if not cache_empty:
-        chunk = min(CACHE_CHUNK, cache.capacity)
-        used = used_cells(cache.pos) if high_water_B is None else jnp.max(high_water_B)
-        n_chunks = (used + chunk - 1) // chunk
+    cells = _cached_cells(config, cache, cache_empty, high_water_B)
+    gemma = config.arch == "gemma3"
 
     x = params["embed"][tokens_BT]
+    if gemma:  # (HF rounds the scale to the weights' dtype: sqrt(3072) is 55.5 in bfloat16)
+        x = x * jnp.asarray(math.sqrt(config.D), x.dtype)
     B, T, _ = x.shape
     hidden: dict[int, Array] = {}
     new_k, new_v = [], []
@@ -495,21 +564,28 @@ def forward_compute(
         if config.qk_norm:
             q = rms_norm(q, layer["q_norm"], config.norm_eps)
             k = rms_norm(k, layer["k_norm"], config.norm_eps)
+        cos, sin = angles[layer_freqs[i]]
         q = apply_rope(q, cos, sin)
+        if config.attn_scale:  # attention scales scores by 1/sqrt(E): the queries make up the rest
+            q = (q.astype(jnp.float32) * (config.attn_scale * math.sqrt(E))).astype(q.dtype)
+        cached, n_chunks, used = cells[i]
         # Rounded to the cache dtypes first, so a token reads its batch-mates exactly as it
         # would read them from the cache: a verify batch equals one-token-at-a-time decoding.
-        k = apply_rope(k, cos, sin).astype(cache.k[i].dtype)
-        v = v.astype(cache.v[i].dtype)
+        k = apply_rope(k, cos, sin).astype(cached_dtype(cache, i, "k"))
+        v = v.astype(cached_dtype(cache, i, "v"))
         new_k.append(k)
         new_v.append(v)
-        attn = _layer_attention(
-            config, i, q, k, v, positions_BT, cache, n_chunks, extra, native, used
+        attn = _attention_over_cells(
+            config, i, q, k, v, positions_BT, cached, n_chunks, extra, native, used
         )
-        x = x + linear(attn, layer["wo"])
+        out = linear(attn, layer["wo"])
+        x = x + (rms_norm(out, layer["post_attn_norm"], config.norm_eps) if gemma else out)
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
         gate_up = linear(h, layer["w_gate_up"])
         gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
+        act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+        out = linear(act * up, layer["w_down"])
+        x = x + (rms_norm(out, layer["post_ffn_norm"], config.norm_eps) if gemma else out)
     if config.L in hidden_layers:
         hidden[config.L] = x
     out_logits = None
@@ -521,6 +597,9 @@ def forward_compute(
         tied = config.tie_embeddings and "lm_head" not in params
         head = params["embed"] if tied else params["lm_head"]
         out_logits = linear(x, head, preferred_element_type=jnp.float32)
+        if config.final_logit_softcap:
+            c = config.final_logit_softcap
+            out_logits = c * jnp.tanh(out_logits / c)
     return ForwardCompute(
         out_logits, tuple(new_k), tuple(new_v), tuple(hidden[i] for i in hidden_layers)
     )
@@ -628,6 +707,9 @@ def init_params(config: ModelConfig, key: Array) -> Params:
         if config.qk_norm:
             layer["q_norm"] = jnp.ones((E,), dtype)
             layer["k_norm"] = jnp.ones((E,), dtype)
+        if config.arch == "gemma3":
+            layer["post_attn_norm"] = jnp.ones((D,), dtype)
+            layer["post_ffn_norm"] = jnp.ones((D,), dtype)
         layers.append(layer)
     params: Params = {
         "embed": normal(next(keys), (V, D), std),
