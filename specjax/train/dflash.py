@@ -51,7 +51,6 @@ from specjax.models.config import ModelConfig
 from specjax.train import heads
 from specjax.train.draft import GeneratedData, RowSampler, target_rows
 from specjax.train.target import (
-    DataConfig,
     OptimConfig,
     TokenSampler,
     _from_dict,
@@ -62,29 +61,20 @@ from specjax.types import Array, Params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopConfig:
+class LoopConfig(heads.HeadLoop):
+    """`heads.HeadLoop` plus the block loss's anchors and weights."""
+
     run_dir: str = "runs/code-dflash"
-    seed: int = 0
-    steps: int = 1000
-    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
     anchors: int = 16  # blocks per window
     decay: float = 0.8  # position weight decay along the block
     ce_weight: float = 0.1  # DSpark
     tv_weight: float = 0.9  # DSpark
     conf_weight: float = 1.0  # DSpark
-    log_every: int = 10
-    eval_every: int = 200
-    eval_windows: int = 16
-    save_every: int = 100
-    init_from: str = ""  # a run directory: start from its head (fresh optimiser state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DFlashTrainConfig:
+class DFlashTrainConfig(heads.HeadRecipe):
     head: dict[str, Any]
-    target: str
-    data: DataConfig
-    optim: OptimConfig
     train: LoopConfig
     #: train on the target's own continuations (`specjax.train.draft.GeneratedData`) instead
     #: of corpus windows; validation stays on corpus windows

@@ -45,7 +45,6 @@ from specjax.models.config import ModelConfig
 from specjax.train import heads
 from specjax.train.heads import finish_head_run, head_cli, target_outputs
 from specjax.train.target import (
-    DataConfig,
     OptimConfig,
 )
 from specjax.types import Array, Params
@@ -56,27 +55,17 @@ __all__ = ["finish_head_run", "head_cli", "target_outputs"]
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopConfig:
+class LoopConfig(heads.HeadLoop):
+    """`heads.HeadLoop` plus the training-time test's rollout length and step weights."""
+
     run_dir: str = "runs/code-eagle3"
-    seed: int = 0
-    steps: int = 1000
-    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
     ttt_steps: int = 4
     step_decay: float = 0.8
-    log_every: int = 10
-    eval_every: int = 200
-    eval_windows: int = 16
-    save_every: int = 100
-    #: a run directory whose params.npz starts this run (fresh optimiser state); "" = init
-    init_from: str = ""
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Eagle3TrainConfig:
+class Eagle3TrainConfig(heads.HeadRecipe):
     head: dict[str, Any]
-    target: str
-    data: DataConfig
-    optim: OptimConfig
     train: LoopConfig
 
 

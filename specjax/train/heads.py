@@ -4,14 +4,17 @@
 (loss, metrics)`); what they share is here:
 
 * the recipe: one YAML with sections ``target``, ``data``, ``optim`` (`specjax.train.target`),
-  ``train`` (the head's `LoopConfig`) and the head's own extra sections (`read_recipe`,
-  `recipe_sections`), the head config completed from the target (`head_config_for`);
+  ``train`` (the head's `LoopConfig`, a `HeadLoop`) and the head's own extra sections
+  (`read_recipe`, `recipe_sections`, `HeadRecipe`), the head config completed from the target
+  (`head_config_for`), the corpus (`corpus`) and the optimiser (`init_optimizer`);
 * the frozen target's outputs over a window (`target_outputs`) and the soft cross-entropy
   against its distribution (`soft_cross_entropy`);
 * the optimiser step (`make_head_step`: value_and_grad, optax update, the schedule's learning
   rate), the validation windows (`validation_batch`), the loop with its log, evaluation,
-  checkpoints and wall-time stop (`run_loop`), the run's summary (`finish_head_run`) and the
-  command line (`head_cli`, with `specjax.train.target.add_overrides_arg`).
+  checkpoints and wall-time stop (`run_loop`), the run's summary (`finish_head_run`), the
+  feature heads' whole driver (`train_feature_head`), the checkpoint files (`save_npz`,
+  `load_npz`), the export (`export_head_gguf`) and the command line (`head_cli`, with
+  `specjax.train.target.add_overrides_arg`).
 
 Invariants: the batch at step s is a pure function of (seed, s) (the caller's `batches`); the
 loop saves every `save_every` steps and at the end, and logs step 0, every `log_every` steps
@@ -21,6 +24,7 @@ and the last step; the params at a step depend only on the recipe (no host state
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -55,6 +59,33 @@ RECIPE_SECTIONS = ("target", "data", "optim", "train")
 
 
 # ------------------------------------------------------------------------------- the recipe
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadLoop:
+    """The `train` section fields every head trainer has (what `run_loop` reads); each
+    trainer's `LoopConfig` adds its loss's and sets its own `run_dir`."""
+
+    run_dir: str = "runs/head"
+    seed: int = 0
+    steps: int = 1000
+    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
+    log_every: int = 10
+    eval_every: int = 200
+    eval_windows: int = 16
+    save_every: int = 100
+    #: a run directory whose saved head starts this run (fresh optimiser state); "" = init
+    init_from: str = ""
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class HeadRecipe:
+    """The sections every head recipe has (`recipe_sections`)."""
+
+    target: str
+    data: DataConfig
+    optim: OptimConfig
+    train: HeadLoop
+
+
 def read_recipe(
     path: str | Path, overrides: Sequence[str] = (), extra: Collection[str] = ()
 ) -> dict[str, Any]:
@@ -203,7 +234,7 @@ def _emit(log: list[dict[str, Any]], row: dict[str, Any]) -> None:
 
 
 def run_loop(
-    loop: Any,
+    loop: HeadLoop,
     params: Any,
     opt_state: Any,
     step: Callable[[Any, Any, Array, Array, Any], tuple[Any, Any, dict[str, Array]]],
@@ -213,8 +244,7 @@ def run_loop(
     val_batch: Array | None = None,
     eval_first: bool = False,
 ) -> dict[str, Any]:
-    """`loop.steps` optimiser steps (`loop`: a head's LoopConfig with `run_dir`, `steps`,
-    `max_seconds`, `log_every`, `eval_every`, `save_every`): `step(params, opt_state, i,
+    """`loop.steps` optimiser steps: `step(params, opt_state, i,
     total, batches(i))`, logged, evaluated on `val_batch` (also before the first step with
     `eval_first`), saved (`save(params, n_steps)`) and summarised (`finish_head_run`)."""
     run_dir = Path(loop.run_dir)

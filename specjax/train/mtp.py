@@ -34,7 +34,6 @@ from specjax.models import qwen35
 from specjax.models.qwen35_mtp import new_nextn_cache, nextn_forward
 from specjax.train import heads
 from specjax.train.target import (
-    DataConfig,
     OptimConfig,
 )
 from specjax.types import Array, Params
@@ -43,21 +42,17 @@ OBJECTIVES = ("target", "data")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopConfig:
+class LoopConfig(heads.HeadLoop):
+    """`heads.HeadLoop` plus the objective and where the block starts from (`init_from`: a
+    run directory whose nextn.npz starts this run, e.g. a head trained on an earlier trunk;
+    "" = the GGUF's block, or a fresh one with `reinit`)."""
+
     run_dir: str = "runs/code-hybrid-mtp"
-    seed: int = 0
-    steps: int = 1000
-    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
     objective: str = "target"
-    log_every: int = 10
     eval_every: int = 100
-    eval_windows: int = 16
     save_every: int = 50
     #: re-initialise the block (N(0, 0.02)) instead of starting from the GGUF's
     reinit: bool = False
-    #: a run directory whose nextn.npz starts this run (e.g. a head trained on an earlier
-    #: trunk; fresh optimiser state); "" = the GGUF's block (or reinit)
-    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -65,10 +60,7 @@ class LoopConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MtpTrainConfig:
-    target: str
-    data: DataConfig
-    optim: OptimConfig
+class MtpTrainConfig(heads.HeadRecipe):
     train: LoopConfig
 
 
