@@ -29,6 +29,12 @@ from specjax.models.config import HeadDims, ModelConfig, rope_frequencies
 from specjax.models.llama import CACHE_CHUNK, kernel_weight, linear, rope_angles
 from specjax.types import Array, Params
 
+#: The head's fields its layers' llama config (`layer_config`) takes as they are.
+_LAYER_FIELDS = (
+    *("vocab_size", "dim", "n_heads", "n_kv_heads", "ffn_dim", "head_dim", "rope_theta"),
+    *("norm_eps", "max_position", "dtype"),
+)
+
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class FeatureHeadConfig(HeadDims):
@@ -85,20 +91,12 @@ class FeatureHeadConfig(HeadDims):
     def layer_config(self) -> ModelConfig:
         """The head's layers as a llama-family config (cache layout, RoPE frequencies and the
         attention code)."""
+        fields = self.to_dict()
         return ModelConfig(
             arch=self.LAYER_ARCH,
-            vocab_size=self.vocab_size,
-            dim=self.dim,
             n_layers=self.L,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            ffn_dim=self.ffn_dim,
-            head_dim=self.head_dim,
-            rope_theta=self.rope_theta,
-            norm_eps=self.norm_eps,
-            max_position=self.max_position,
             qk_norm=self.LAYER_QK_NORM,
-            dtype=self.dtype,
+            **{k: fields[k] for k in _LAYER_FIELDS},
         )
 
 
