@@ -130,3 +130,31 @@ def machine() -> dict[str, Any]:
         "cpu_count": os.cpu_count(),
         "jax": jax.__version__,
     }
+
+
+def run_mode(
+    modes: dict[str, Callable[[list[str]], None]],
+    doc: str,
+    argv: list[str] | None = None,
+    default: str | None = None,
+) -> None:
+    """The command line of a benchmark script with modes: `SCRIPT MODE [options]` runs
+    `modes[MODE]` on the remaining arguments (each mode parses its own, `SCRIPT MODE --help`
+    lists them); with a `default` mode, `SCRIPT [options]` runs it. `SCRIPT --help` prints
+    `doc` (the script's docstring, which describes every mode)."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in modes:
+        modes[args[0]](args[1:])
+        return
+    if default is not None and not (args and args[0] in ("-h", "--help")):
+        modes[default](args)
+        return
+    print(doc.strip() + "\n\nmodes: " + ", ".join(modes), file=sys.stderr)
+    raise SystemExit(0 if args and args[0] in ("-h", "--help") else 2)
+
+
+def mode_parser(mode: str, doc: str) -> Any:
+    """The argument parser of one mode of a benchmark script (prog `SCRIPT MODE`)."""
+    import argparse
+
+    return argparse.ArgumentParser(prog=f"{Path(sys.argv[0]).name} {mode}", description=doc)

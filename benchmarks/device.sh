@@ -6,7 +6,7 @@
 # Results go to $OUT (the device tool's folder) or benchmarks/results/. Packages the machine
 # lacks (gguf) travel as wheels in .whl/ (see the device tool's README): they are installed
 # into /tmp/site first. Pass `tiny` to smoke-test the script on a CPU in a few minutes, and
-# `profile` for benchmarks/gpu_profile.py (where a decode step's time goes, ~3-5 minutes)
+# `profile` for `benchmarks/gpu.py profile` (where a decode step's time goes, ~3-5 minutes)
 # instead. The first run on an H200 (2026-12-04) took 488 s of command time and 41 s to start;
 # a 15-minute lease holds one full run, or a profile run and then the full run back to back
 # (a machine stays warm for 30 s after a call).
@@ -32,9 +32,9 @@ if [[ "${1:-}" == profile ]]; then  # where a decode step's time goes (~3-5 minu
     nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
     mkdir -p /tmp/gguf
     for b in 1 32; do
-        timeout 280 $PY benchmarks/gpu_profile.py --dir /tmp/gguf --batch $b \
+        timeout 280 $PY benchmarks/gpu.py profile --dir /tmp/gguf --batch $b \
             --out "$RESULTS/gpu-profile-B$b.json" 2> >(tee -a "$RESULTS/profile.log" >&2) ||
-            echo "gpu_profile.py B=$b ended with status $?" >&2
+            echo "gpu.py profile B=$b ended with status $?" >&2
     done
     exit
 fi

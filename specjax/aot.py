@@ -350,20 +350,20 @@ def parse_hlo(text: str) -> dict[str, Computation]:
 
 def fused_computations(comps: dict[str, Computation]) -> set[str]:
     """Names of computations called by fusions (their instructions are not kernels)."""
-    out: set[str] = set()
-    todo = [
-        c for comp in comps.values() for i in comp.instrs if i.opcode == "fusion" for c in i.called
-    ]
-    while todo:
-        name = todo.pop()
-        if name in out or name not in comps:
-            continue
-        out.add(name)
-        todo += [c for i in comps[name].instrs for c in i.called]
-    return out
+    return reachable(
+        comps,
+        [
+            c
+            for comp in comps.values()
+            for i in comp.instrs
+            if i.opcode == "fusion"
+            for c in i.called
+        ],
+    )
 
 
 def reachable(comps: dict[str, Computation], starts: Iterable[str]) -> set[str]:
+    """Names of the computations `starts` name and those they call, transitively."""
     seen: set[str] = set()
     todo = list(starts)
     while todo:

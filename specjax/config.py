@@ -113,7 +113,7 @@ class SpecConfig:
     cost_draft_step: float | None = None
     #: Fixed cost of a round in which the drafters are asked, in 1-token target steps. None =
     #: the chain's price (`prices.chain_call_price`): on CPU the engine's own part of an asked
-    #: round plus each drafter's measured `ask_steps` (benchmarks/ask_cost.py); elsewhere
+    #: round plus each drafter's measured `ask_steps` (benchmarks/governor.py ask); elsewhere
     #: the engine's part alone.
     cost_call: float | None = None
     #: Measure `cost_verify_token` and `cost_draft_step` (draft-simple) on this device at the

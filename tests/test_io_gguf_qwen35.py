@@ -20,6 +20,7 @@ from specjax.errors import ModelFileError
 from specjax.io.gguf_qwen35 import load_qwen35_gguf, save_qwen35_gguf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import qwen35 as q
+from specjax.testing import tiny_qwen35_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,25 +31,14 @@ def _tokenizer() -> Tokenizer:
 
 
 def _config(**kw: object) -> q.Qwen35Config:
-    base = dict(
-        vocab_size=_tokenizer().vocab_size,
-        dim=64,
-        n_layers=4,
-        n_heads=4,
-        n_kv_heads=2,
-        head_dim=16,
-        ffn_dim=96,
-        rope_dim=8,
-        rope_theta=100.0,  # every rotated pair turns by > 0.1 rad per position
-        ssm_state_size=16,
-        ssm_k_heads=2,
-        ssm_v_heads=4,
-        full_attention_interval=2,
-        n_nextn=1,
-        max_position=512,
-    )
+    """`tiny_qwen35_config` wider, with an MTP block and a slow RoPE base: every rotated pair
+    turns by > 0.1 rad per position."""
+    base: dict[str, object] = dict(
+        vocab_size=_tokenizer().vocab_size, dim=64, ffn_dim=96, rope_theta=100.0,
+        ssm_state_size=16, n_nextn=1, max_position=512,
+    )  # fmt: skip
     base.update(kw)
-    return q.Qwen35Config(**base)  # type: ignore[arg-type]
+    return tiny_qwen35_config(**base)
 
 
 def _save(tmp_path: Path, cfg: q.Qwen35Config, dtype: str = "f32") -> tuple[Path, dict]:

@@ -1,6 +1,6 @@
 """draft-mtp in llama.cpp on the shipped hybrid GGUF: `llama-speculative-simple --spec-type
 draft-mtp` (the GGUF's own nextn block is the drafter) runs, and at temperature 0 its mean
-acceptance length on the same prompt is within 10% of specjax's (benchmarks/mtp.py does the
+acceptance length on the same prompt is within 10% of specjax's (benchmarks/heads.py mtp does the
 same run and prints both; skipped without SPECJAX_LLAMACPP_BIN or the shipped GGUF)."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ PROMPT = ROOT / "benchmarks" / "prompts" / "repetitive.py"
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_mtp", ROOT / "benchmarks" / "mtp.py")
+    spec = importlib.util.spec_from_file_location("bench_mtp", ROOT / "benchmarks" / "heads.py")
     assert spec is not None and spec.loader is not None
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)

@@ -124,7 +124,7 @@ def test_measured_prices_on_this_machine_are_prices(shipped, monkeypatch):
 
 def test_the_governor_prices_asking_each_drafter_of_the_chain(shipped, monkeypatch):
     """Without `cost_call` the price of an asked round is the engine's part plus each
-    drafter's measured ask (benchmarks/ask_cost.py: an ngram-mod ask cost an eighth of a
+    drafter's measured ask (benchmarks/governor.py ask: an ngram-mod ask cost an eighth of a
     plain round, an ngram-simple ask a fifteenth); a given `cost_call` wins; on an
     accelerator, where asks were not timed, the engine's part alone. Pricing every chain at
     the engine's part (the old default) fails the first asserts."""
@@ -175,7 +175,7 @@ def test_generate_prices_the_chain_it_built(shipped, monkeypatch):
 
 def test_a_feature_head_is_priced_by_its_measured_ask(shipped, monkeypatch):
     """On CPU an EAGLE-3 ask (a head step per drafted token, ~100 small kernels each) costs
-    ~2.6 plain rounds of the shipped target and a DFlash block ~1.25 (benchmarks/ask_cost.py
+    ~2.6 plain rounds of the shipped target and a DFlash block ~1.25 (benchmarks/governor.py ask
     --heads). Priced so, no EAGLE-3 draft pays at B = 1, not even one the governor's prior
     expects accepted in full (0.95 a token), and the governor leaves it off from the first
     round, while a DFlash block is still worth probing. Priced at the engine's part alone

@@ -786,11 +786,11 @@ def spec_round(
     the compiled program for the rounds drafting is off and the rounds nothing was found
     (with the asked round finishing in a copy of its own, a governed run over text the
     drafter cannot match ran 5-8% slower on XLA CPU at about the same kernel count: the copy
-    only rare rounds run is cold in the caches; benchmarks/loop_ab.py measured it)."""
+    only rare rounds run is cold in the caches; benchmarks/rounds.py ab measured it)."""
     B = state.length.shape[0]
     # Draft columns of this round's arrays: none in an off round, whose verify batch is the
     # 1-token one (K-wide arrays there only add small kernels to a round that should cost
-    # what a plain one costs; benchmarks/idle_rounds.py counts them).
+    # what a plain one costs; benchmarks/rounds.py idle counts them).
     K = 0 if off else engine.k_max
     active = ~state.done
     with jax.named_scope("plan"):

@@ -21,7 +21,7 @@ simple cost model, from what it measured on earlier rounds:
                 drafter's measured ask on CPU, from 0.07 for ngram-simple to 0.13 for
                 ngram-mod, 1.25 for draft-dflash's block and 2.15 for draft-eagle3 beyond
                 its draft steps, against the shipped target's round, scaled down for a
-                larger target; benchmarks/ask_cost.py)
+                larger target; benchmarks/governor.py ask)
 
     k* = argmax_k  sum_r E_r(min(k, budget_r)) / cost(k),  k in 0..K
 
@@ -50,7 +50,7 @@ K = 4), while one that finds drafts again is back at full speed after a single h
 backoff trades what probing a drafter that finds nothing costs against how late a run of
 repeated text is noticed: with 1/2^6 (about one round in 22) ngram-map-k over code that
 repeats a block took 211 rounds for 256 tokens where llama.cpp, asking every round, took
-~153; with 1/2^5, 179 (benchmarks/governor_rounds.py counts these). The prior (hit 1.0,
+~153; with 1/2^5, 179 (benchmarks/governor.py rounds counts these). The prior (hit 1.0,
 accept 0.95) is optimistic enough that a batch of up to 4 rows probes under those prices,
 so the governor measures a drafter before it turns it off; with accept 0.8 it judged
 drafting not worth a probe at B >= 2 and never measured it.
@@ -60,14 +60,14 @@ occurred before (`specjax.drafters.lookup_index`, `possible_B` of `choose_budget
 off whatever the estimates, so over text that does not repeat the chain costs no asks, and
 the estimates measure the chain where it could draft. Over the norepeat prompt (ngram-map-k,
 an n-gram nothing matches) that is 0 asks in 256 rounds, where probing from the prior asked
-43 (benchmarks/governor_rounds.py).
+43 (benchmarks/governor.py rounds).
 A row earns wider verifies (`reach`, with the engine's `caps`): its budget is cut to the
 narrowest cap (first verify width less one, 4 at K >= 16) until a draft filled it, then
 the next; a rejection sets it to the narrowest cap above the accepted tokens (`observe`).
 The geometric model above prices a 16-token draft from the acceptance of 4-token ones, and
 n-gram drafts that run on often stop at once: over the main prompt ngram-simple and
 ngram-map-k were asked for 16-token drafts, a width-17 verify costing ~7 rounds on CPU,
-rejected at their first token (benchmarks/governor_model.py prices the difference).
+rejected at their first token (benchmarks/governor.py model prices the difference).
 Every choice is traced (no recompilation) and counted: `throttled` rounds drafted shorter
 than the budget allowed, `off` rounds did not draft at all although the budget allowed it.
 

@@ -78,7 +78,7 @@ def chain_call_price(
     """The governor's price `call` of asking the chain `drafters` for drafts (when
     `SpecConfig.cost_call` is None): `ASK_OVERHEAD` plus, on CPU, every drafter's
     `ask_steps` (the relay may ask each of them). Those were measured on CPU against the
-    shipped target's plain round (benchmarks/ask_cost.py: an ngram-mod ask cost 0.12 of a
+    shipped target's plain round (benchmarks/governor.py ask: an ngram-mod ask cost 0.12 of a
     round, an ngram-cache ask 0.07 on its native kernel, an ngram-simple ask 0.07; with
     `--heads`, a draft-eagle3 ask 2.6 rounds and a draft-dflash block 1.25); on
     accelerators asks have not been timed, so the engine's part stands alone there.

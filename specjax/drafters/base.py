@@ -200,7 +200,7 @@ class Drafter:
     #: one's buffers (`engine.renewed`); without it a fresh state is `init`'s.
     can_renew: ClassVar[bool] = False
     #: What one ask for a draft costs on CPU, in plain rounds of the shipped target
-    #: (benchmarks/ask_cost.py): the draft governor's price of asking this drafter
+    #: (benchmarks/governor.py ask): the draft governor's price of asking this drafter
     #: (`prices.chain_call_price`, used when `SpecConfig.cost_call` is None).
     ask_steps: ClassVar[float] = 0.0
     #: The governor's price terms beyond an ask (`prices.cost_model`, `prices.chain_cost`):

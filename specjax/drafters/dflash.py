@@ -37,20 +37,18 @@ import dataclasses
 import warnings
 from typing import TYPE_CHECKING, Any, ClassVar
 
-import jax
 import jax.numpy as jnp
 
-from specjax import sampling
 from specjax.control import run_once
 from specjax.drafters.base import (
     Drafter,
     DraftInput,
     DraftOutput,
     TargetBatch,
-    TokenHistory,
     empty_draft,
 )
-from specjax.drafters.draft_simple import DRAFT_TOP_K
+from specjax.drafters.draft_tokens import pick_draft_token
+from specjax.drafters.feature_head import LOG_ROWS, FeatureHeadDrafter
 from specjax.memory.kv import KVCache, keep_prefix
 from specjax.models import dflash as df
 from specjax.models.llama import commit_kv, new_cache
@@ -59,10 +57,6 @@ from specjax.types import Array
 
 if TYPE_CHECKING:
     from specjax.config import SpecConfig
-
-#: Rows `record` keeps per row before it injects them (one batched injection per LOG_ROWS
-#: idle rounds).
-LOG_ROWS = 32
 
 
 @pytree_dataclass
@@ -89,23 +83,18 @@ def clamp_draft_sizes(
 
 
 @dataclasses.dataclass(frozen=True)
-class DFlashDrafter(Drafter):
+class DFlashDrafter(FeatureHeadDrafter):
     name: ClassVar[str] = "draft-dflash"
-    reads_target_hidden: ClassVar[bool] = True
-    params_form: ClassVar[str] = "head"
+    head_module: ClassVar[Any] = df
+    KIND: ClassVar[str] = "DFlash"
 
     config: df.DFlashConfig
-    hidden_layers: tuple[int, ...] = dataclasses.field()
-    #: the longest draft (static): the block width is max_draft_len (+ 1 without the anchor)
-    max_draft_len: int = dataclasses.field()
+    #: (max_draft_len: the block width is max_draft_len (+ 1 without the anchor))
     dspark: bool = False
-    top_k: int = DRAFT_TOP_K
-    #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
-    idle_record: ClassVar[bool] = True
     #: What one ask (one block forward) costs on CPU, in plain rounds of the shipped target:
     #: the governor's price (`prices.chain_call_price`; the cost model has no per-token draft
-    #: step for block drafters). benchmarks/ask_cost.py --heads at gap 8, n_max 4, the
-    #: shipped DFlash head (block 8): 1.25 rounds (benchmarks/results/ask-cost-heads.json).
+    #: step for block drafters). benchmarks/governor.py ask --heads at gap 8, n_max 4, the
+    #: shipped DFlash head (block 8): 1.25 rounds (benchmarks/results/governor-ask.json).
     ask_steps: ClassVar[float] = 1.25
 
     @classmethod
@@ -127,15 +116,7 @@ class DFlashDrafter(Drafter):
         if dspark and spec.draft_p_min > 0 and not cfg.has_confidence:
             raise ValueError("DSpark draft has no confidence head: please set --spec-draft-p-min 0")
         tc = target.config
-        if cfg.target_hidden != tc.D:
-            raise ValueError(
-                f"DFlash head expects target hidden size {cfg.target_hidden}, the target has {tc.D}"
-            )
-        for layer in cfg.target_layers:
-            if layer > tc.L:
-                raise ValueError(f"DFlash: target layer id {layer} exceeds target n_layer {tc.L}")
-        if cfg.V != tc.V:
-            raise ValueError(f"DFlash head vocabulary {cfg.V} differs from the target's {tc.V}")
+        cls.check_target(cfg, tc)
         if (not cfg.own_embed or not cfg.own_lm_head) and cfg.D != tc.D:
             raise ValueError(
                 f"DFlash head of width {cfg.D} shares the target's embeddings / LM head "
@@ -144,11 +125,7 @@ class DFlashDrafter(Drafter):
         drafter, warning = make_drafter(cfg, dspark, spec.draft_n_max, spec.draft_n_min, spec.k_max)
         if warning is not None:
             warnings.warn(f"{kind}: {warning}", stacklevel=3)
-        params = {
-            "head": draft.params,
-            "shared": df.shared_weights(cfg, target.params, tc.tie_embeddings),
-        }
-        return drafter, params
+        return drafter, cls.head_params(cfg, draft, target)
 
     def __post_init__(self) -> None:
         limit = self.config.max_draft(self.dspark)
@@ -167,11 +144,6 @@ class DFlashDrafter(Drafter):
     def block_width(self) -> int:
         return self.max_draft_len + (0 if self.anchor else 1)
 
-    @staticmethod
-    def head_kernel_params(head: Any) -> Any:
-        """The head's products as `KernelWeight`s (`df.kernel_params`)."""
-        return df.kernel_params(head)
-
     def init(self, batch: int, capacity: int) -> DFlashState:
         return DFlashState(
             cache=new_cache(self.config.layer_config, batch, capacity),
@@ -179,10 +151,6 @@ class DFlashDrafter(Drafter):
             log_pos=jnp.full((batch, LOG_ROWS), -1, jnp.int32),
             log_n=jnp.zeros((batch,), jnp.int32),
         )
-
-    def begin(self, state: DFlashState, history: TokenHistory) -> DFlashState:
-        del history  # upstream only warns when process() missed a prefill chunk
-        return state
 
     def process(self, params: Any, state: DFlashState, batch: TargetBatch) -> DFlashState:
         state = self.flush(params, state)
@@ -201,36 +169,22 @@ class DFlashDrafter(Drafter):
         """The logged rows injected (a loop run 0 or 1 times: nothing when the log is
         empty), the log emptied."""
 
-        def apply(state: DFlashState) -> DFlashState:
-            return dataclasses.replace(
-                state,
-                cache=self._inject(params, state.cache, state.log_feats, state.log_pos),
-                log_pos=jnp.full_like(state.log_pos, -1),
-                log_n=jnp.zeros_like(state.log_n),
-            )
-
-        return run_once(jnp.any(state.log_n > 0), apply, state)
+        return self.flush_log(
+            state, lambda s: self._inject(params, s.cache, s.log_feats, s.log_pos)
+        )
 
     def record(self, params: Any, state: DFlashState, batch: TargetBatch) -> DFlashState:
         """`process` of a batch with at most one evaluated token per row (no draft),
         deferred: the row's features logged (see the module docstring)."""
-        state = run_once(jnp.any(state.log_n >= LOG_ROWS), lambda s: self.flush(params, s), state)
-        pos = batch.positions.astype(jnp.int32)
-        valid = pos >= 0
-        has = jnp.any(valid, axis=1)
-        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)[:, None]
-        at_beg = {
-            i: jnp.take_along_axis(h, beg[..., None], axis=1) for i, h in batch.hidden.items()
-        }
+        state = self.flush_if_full(params, state)
+        has, _, pos_beg, at_beg = self.first_row(batch)
         feats = df.gather_features(self.config, at_beg)[:, 0].astype(jnp.float32)  # [B, F]
         slot = jnp.where(has, state.log_n, LOG_ROWS)  # LOG_ROWS: dropped
-        rows = jnp.arange(pos.shape[0])
+        rows = jnp.arange(has.shape[0])
         return dataclasses.replace(
             state,
             log_feats=state.log_feats.at[rows, slot].set(feats, mode="drop"),
-            log_pos=state.log_pos.at[rows, slot].set(
-                jnp.take_along_axis(pos, beg, axis=1)[:, 0], mode="drop"
-            ),
+            log_pos=state.log_pos.at[rows, slot].set(pos_beg, mode="drop"),
             log_n=state.log_n + has.astype(jnp.int32),
         )
 
@@ -239,10 +193,6 @@ class DFlashDrafter(Drafter):
     ) -> DFlashState:
         del n_accepted, is_other, active  # upstream: no-op
         return state
-
-    def rollback(self, state: DFlashState, keep: Array) -> DFlashState:
-        log_pos = jnp.where(state.log_pos >= keep[:, None], -1, state.log_pos)
-        return dataclasses.replace(state, cache=keep_prefix(state.cache, keep), log_pos=log_pos)
 
     def block_inputs(self, inp: DraftInput, k_max: int) -> tuple[Array, Array, Array, Array]:
         """(tokens [B, W], positions, mask positions, n_draft [B]) of the drafting rows'
@@ -279,9 +229,8 @@ class DFlashDrafter(Drafter):
             beg = 0 if self.anchor else 1
             logits = out.logits[:, beg:]  # [B, n, V]: draft index i = block row beg + i
             n = logits.shape[1]
-            top_vals, top_ids = sampling.small_top_k(logits, self.top_k)
-            probs = jax.nn.softmax(top_vals, axis=-1)[..., 0]
-            ids = top_ids[..., 0].astype(jnp.int32)
+            pick = pick_draft_token(logits, self.top_k)
+            probs, ids = pick.prob, pick.token
             i = jnp.arange(n)[None, :]
             ok = i < n_draft[:, None]
             if self.dspark:

@@ -47,21 +47,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax import sampling
 from specjax.drafters.base import (
     Drafter,
     DraftInput,
     DraftOutput,
     TargetBatch,
     TokenHistory,
-    boundary_blob,
     empty_draft,
     put_scratch_kv,
-    read_boundary_blob,
 )
-from specjax.drafters.draft_simple import DRAFT_TOP_K
+from specjax.drafters.draft_tokens import DRAFT_TOP_K, keep_draft_token, pick_draft_token
+from specjax.drafters.feature_head import PendingBoundary, batch_span
 from specjax.memory.kv import KVCache, keep_prefix
 from specjax.memory.target import H_NEXTN  # (the id the target hands h_nextn under)
 from specjax.models import qwen35
@@ -85,8 +82,10 @@ class MtpState:
 
 
 @dataclasses.dataclass(frozen=True)
-class MtpDrafter(Drafter):
+class MtpDrafter(PendingBoundary, Drafter):
     name: ClassVar[str] = "draft-mtp"
+    PENDING: ClassVar[str] = "pending_h"
+    VERIFY: ClassVar[str] = "verify_h"
     #: reads no trunk layer by id (`hidden_layers` (), the engine's llama path);
     #: `reads_nextn` asks the hybrid engine for the target's h_nextn under H_NEXTN instead
     reads_nextn: ClassVar[bool] = True
@@ -165,12 +164,8 @@ class MtpDrafter(Drafter):
         tokens, pos = batch.tokens, batch.positions
         T = tokens.shape[1]
         h = batch.hidden[H_NEXTN].astype(jnp.float32)  # [B, T, D]
-        valid = pos >= 0
-        has = jnp.any(valid, axis=1)
-        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)
-        end = (T - 1 - jnp.argmax(valid[:, ::-1], axis=1)).astype(jnp.int32)
-        pos_beg = jnp.take_along_axis(pos, beg[:, None], axis=1)[:, 0]
-        pos_end = jnp.take_along_axis(pos, end[:, None], axis=1)[:, 0]
+        span = batch_span(batch)
+        beg = span.beg
         first_h = state.pending_h
         shifted = jnp.concatenate([first_h[:, None], h[:, :-1]], axis=1)
         col = jnp.arange(T)[None, :]
@@ -183,36 +178,9 @@ class MtpDrafter(Drafter):
             after = out.hidden if after is None else after + out.hidden
         cache = commit_kv(state.cache, pos, tuple(ks), tuple(vs), after=after)
 
-        idx = jnp.clip(beg[:, None] + jnp.arange(T)[None, :], 0, T - 1)
-        h_rows = jnp.take_along_axis(h, idx[..., None], axis=1)
-        S = state.verify_h.shape[1]
-        if T > S:
-            h_rows = h_rows[:, :S]
-        new_vh = jax.lax.dynamic_update_slice_in_dim(state.verify_h, h_rows, 0, axis=1)
-        h_end = jnp.take_along_axis(h, end[:, None, None], axis=1)[:, 0]
-        return MtpState(
-            cache=cache,
-            pending_h=jnp.where(has[:, None], h_end, state.pending_h),
-            pending_pos=jnp.where(has, pos_end, state.pending_pos).astype(jnp.int32),
-            verify_h=jnp.where(has[:, None, None], new_vh, state.verify_h),
-            verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
-            verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
-        )
+        return self.snapshot(state, span, h, cache=cache)
 
-    # ------------------------------------------------------------------------------ accept
-    def accept(
-        self, state: MtpState, n_accepted: Array, is_other: Array, active: Array
-    ) -> MtpState:
-        del is_other  # upstream moves the pairing whoever drafted
-        rows = active & (state.verify_rows > 0)
-        i = jnp.maximum(jnp.minimum(n_accepted, state.verify_rows - 1), 0).astype(jnp.int32)
-        h_i = jnp.take_along_axis(state.verify_h, i[:, None, None], axis=1)[:, 0]
-        return replace(
-            state,
-            pending_pos=jnp.where(rows, state.verify_pos_first + i, state.pending_pos),
-            pending_h=jnp.where(rows[:, None], h_i, state.pending_h),
-        )
-
+    # (accept: `PendingBoundary`)
     def rollback(self, state: MtpState, keep: Array) -> MtpState:
         return replace(state, cache=keep_prefix(state.cache, keep))
 
@@ -240,17 +208,11 @@ class MtpDrafter(Drafter):
         self, i: Any, logits: Array, alive: Array, n: Array, tokens: Array, valid: Array,
         p_min: Array, limit: Array,
     ) -> tuple[Array, Array, Array, Array, Array]:  # fmt: skip
-        """Top-10 softmax, argmax; keep it unless p < p_min; stop at `limit` tokens."""
-        top_vals, top_ids = sampling.small_top_k(logits, min(self.top_k, logits.shape[-1]))
-        probs = jax.nn.softmax(top_vals, axis=-1)
-        token = top_ids[:, 0].astype(jnp.int32)
-        keep = alive & (probs[:, 0] >= p_min)
-        tokens = jax.lax.dynamic_update_slice_in_dim(
-            tokens, jnp.where(keep, token, 0)[:, None], i, 1
-        )
-        valid = jax.lax.dynamic_update_slice_in_dim(valid, keep[:, None], i, 1)
-        n = n + keep.astype(jnp.int32)
-        return token, keep & (n < limit), n, tokens, valid
+        """Top-10 softmax, argmax; keep it unless p < p_min; stop at `limit` tokens
+        (`draft_tokens.pick_draft_token` / `keep_draft_token`)."""
+        pick = pick_draft_token(logits, self.top_k)
+        alive, n, tokens, valid = keep_draft_token(i, pick, alive, n, tokens, valid, p_min, limit)
+        return pick.token, alive, n, tokens, valid
 
     def _draft_standard(
         self, params: Params, state: MtpState, inp: DraftInput, drafting: Array, limit: Array,
@@ -326,32 +288,4 @@ class MtpDrafter(Drafter):
         return tokens, valid, n
 
     # ------------------------------------------------------------------------ checkpoints
-    def get_state(self, state: MtpState, row: int) -> bytes | None:
-        """One row's pairing: int32 pending_pos + D float32 pending_h (None: none yet)."""
-        return boundary_blob(
-            int(np.asarray(state.pending_pos)[row]), np.asarray(state.pending_h)[row]
-        )
-
-    def spec_state(self, state: MtpState) -> dict[str, Array]:
-        """Every row's pairing (the traced form of `get_state`: a checkpoint's data_spec)."""
-        return {"pending_pos": state.pending_pos, "pending_h": state.pending_h}
-
-    def set_spec_state(self, state: MtpState, saved: dict[str, Array], rows_B: Array) -> MtpState:
-        """Restore the pairing of the rows `rows_B` from `spec_state`'s data."""
-        return replace(
-            state,
-            pending_pos=jnp.where(rows_B, saved["pending_pos"], state.pending_pos),
-            pending_h=jnp.where(rows_B[:, None], saved["pending_h"], state.pending_h),
-        )
-
-    def set_state(self, state: MtpState, row: int, blob: bytes) -> MtpState:
-        """Restore one row's pairing from `get_state`'s blob; a wrong-sized blob is ignored."""
-        read = read_boundary_blob(blob, self.config.D)
-        if read is None:
-            return state
-        pos, h = read
-        return replace(
-            state,
-            pending_pos=state.pending_pos.at[row].set(pos),
-            pending_h=state.pending_h.at[row].set(h),
-        )
+    # (get_state, set_state, spec_state, set_spec_state: `PendingBoundary`)

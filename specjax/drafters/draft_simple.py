@@ -64,14 +64,15 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.control import run_once
+from specjax.drafters import draft_tokens
 from specjax.drafters.base import (
     Drafter,
     DraftInput,
     DraftOutput,
     TargetBatch,
     TokenHistory,
-    empty_draft,
 )
+from specjax.drafters.draft_tokens import DRAFT_TOP_K
 from specjax.errors import VocabMismatchError
 from specjax.memory.hybrid import HybridMemory, forward_memory, select_recurrent
 from specjax.memory.kv import KVCache, keep_prefix
@@ -89,7 +90,6 @@ SPEC_VOCAB_MAX_SIZE_DIFFERENCE = 128
 SPEC_VOCAB_CHECK_START_TOKEN_ID = 5
 #: `spec_retune` mixes the target seed so draft and target RNG streams differ.
 DRAFT_SEED_XOR = 0x85EBCA6B
-DRAFT_TOP_K = 10
 #: Width of one catch-up forward over history tokens the draft cache does not hold yet.
 CATCH_UP = 16
 #: Width of one batch-1 catch-up forward of a row more than CATCH_UP tokens behind (a
@@ -320,7 +320,6 @@ class DraftSimple(Drafter):
             drafting = inp.drafting & (limit > 0)
             state = self._catch_up(params, state, inp.history, drafting)
             temp = inp.temperature.astype(jnp.float32)
-            rows = jnp.arange(B)
             carry0 = self._loop_start(state, B, k_max)
 
             def cond(carry):
@@ -333,35 +332,21 @@ class DraftSimple(Drafter):
                 logits, model = self._loop_step(params, state, model, tok, pos, i)
                 logits = logits[:, :n_shared]
                 # upstream clamps its top-k sampler to the vocabulary (a draft may have < 10)
-                top_vals, top_ids = sampling.small_top_k(logits, min(self.top_k, n_shared))
-                probs = jax.nn.softmax(top_vals, axis=-1)
-                token = top_ids[:, 0]
                 if self.probabilistic:
-                    sampled_mode = temp > 0
-                    t = jnp.where(sampled_mode, temp, 1.0)[:, None]
-                    tempered = jax.nn.softmax(top_vals / t, axis=-1)
                     keys = sampling.make_keys(
                         draft_seed, inp.history.length + i + 1, sampling.ROLE_DRAFT
                     )
-                    choice = jax.vmap(jax.random.categorical)(keys, jnp.log(tempered))
-                    sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=1)[:, 0]
-                    token = jnp.where(sampled_mode, sampled, token)
-                    probs = jnp.where(sampled_mode[:, None], tempered, probs)
-                    q_row = jnp.zeros((B, V), jnp.float32).at[rows[:, None], top_ids].set(tempered)
-                    q = q.at[:, i].set(jnp.where(alive[:, None], q_row, 0.0))
-                keep = alive & (probs[:, 0] >= inp.p_min)
-                tokens = tokens.at[:, i].set(jnp.where(keep, token, 0).astype(jnp.int32))
-                valid = valid.at[:, i].set(keep)
-                n = n + keep.astype(jnp.int32)
-                alive = keep & (n < limit)
-                reads = reads + top_vals[0, 0]
-                return i + 1, model, token.astype(jnp.int32), alive, n, tokens, valid, q, reads
+                    pick = draft_tokens.pick_draft_token(logits, self.top_k, temp, keys, q_width=V)
+                    q = draft_tokens.record_q(i, pick, alive, q)
+                else:
+                    pick = draft_tokens.pick_draft_token(logits, self.top_k)
+                alive, n, tokens, valid = draft_tokens.keep_draft_token(
+                    i, pick, alive, n, tokens, valid, inp.p_min, limit
+                )
+                reads = reads + pick.top_vals[0, 0]
+                return i + 1, model, pick.token, alive, n, tokens, valid, q, reads
 
-            q0 = (
-                jnp.zeros((B, k_max, V), jnp.float32)
-                if self.probabilistic
-                else jnp.zeros((), jnp.float32)
-            )
+            q0 = draft_tokens.zero_q(B, k_max, V, self.probabilistic)
             init = (
                 jnp.zeros((), jnp.int32),
                 carry0,
@@ -380,11 +365,7 @@ class DraftSimple(Drafter):
             return state, out
 
         def skip(state: Any) -> tuple[Any, DraftOutput]:
-            out = empty_draft(B, k_max)
-            if self.probabilistic:
-                out = DraftOutput(
-                    tokens=out.tokens, valid=out.valid, q=jnp.zeros((B, k_max, V), jnp.float32)
-                )
+            out = draft_tokens.empty_draft_q(B, k_max, V, self.probabilistic)
             return state, out
 
         # a loop run 0 or 1 times, not lax.cond: a cond's branches copy the draft's cache

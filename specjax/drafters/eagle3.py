@@ -56,7 +56,6 @@ from typing import TYPE_CHECKING, Any, ClassVar
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from specjax import sampling
 from specjax.config import DRAFT_K_MIN
@@ -66,13 +65,22 @@ from specjax.drafters.base import (
     DraftInput,
     DraftOutput,
     TargetBatch,
-    TokenHistory,
-    boundary_blob,
-    empty_draft,
     put_scratch_kv,
-    read_boundary_blob,
 )
-from specjax.drafters.draft_simple import DRAFT_SEED_XOR, DRAFT_TOP_K
+from specjax.drafters.draft_simple import DRAFT_SEED_XOR
+from specjax.drafters.draft_tokens import (
+    empty_draft_q,
+    keep_draft_token,
+    pick_draft_token,
+    record_q,
+    zero_q,
+)
+from specjax.drafters.feature_head import (
+    LOG_ROWS,
+    FeatureHeadDrafter,
+    PendingBoundary,
+    batch_span,
+)
 from specjax.memory.kv import KVCache, keep_prefix
 from specjax.models import eagle3 as e3
 from specjax.models.llama import ExtraKV, commit_kv, new_cache
@@ -81,10 +89,6 @@ from specjax.types import Array
 
 if TYPE_CHECKING:
     from specjax.config import SpecConfig
-
-#: Decoder rows `record` keeps per row before it runs them through the head (a log that fills
-#: is applied by the `record` that finds it full: one batched pass per LOG_ROWS idle rounds).
-LOG_ROWS = 32
 
 
 @pytree_dataclass
@@ -116,26 +120,21 @@ def _bridges(state: Eagle3State, has: Array, pos_beg: Array) -> Array:
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Drafter(Drafter):
+class Eagle3Drafter(PendingBoundary, FeatureHeadDrafter):
     name: ClassVar[str] = "draft-eagle3"
-    reads_target_hidden: ClassVar[bool] = True
     #: a head step per drafted token (its `draft_step` priced from the head's size)
     prices: ClassVar[frozenset[str]] = frozenset({"draft_step"})
-    params_form: ClassVar[str] = "head"
+    head_module: ClassVar[Any] = e3
+    KIND: ClassVar[str] = "EAGLE-3"
+    PENDING: ClassVar[str] = "pending_g"
+    VERIFY: ClassVar[str] = "verify_g"
 
     config: e3.Eagle3Config
-    #: target layer ids whose inputs `process` reads (the head's extract_layers)
-    hidden_layers: tuple[int, ...] = dataclasses.field()
-    #: the longest draft this drafter produces (static: part of the chain's draft width)
-    max_draft_len: int = dataclasses.field()
     probabilistic: bool = False
-    top_k: int = DRAFT_TOP_K
-    #: `process` must see every verify batch; in a round no row may draft, `record` keeps it
-    idle_record: ClassVar[bool] = True
     #: What one ask costs on CPU beyond the cost model's per-token `draft_step` (0.125 of a
     #: target step for code-eagle3), in plain rounds of the shipped target: the governor's
-    #: price (`prices.chain_call_price`). benchmarks/ask_cost.py --heads at gap 8 and n_max 4:
-    #: 2.64 rounds an ask (benchmarks/results/ask-cost-heads.json), less 4 x 0.125. A head
+    #: price (`prices.chain_call_price`). benchmarks/governor.py ask --heads at gap 8 and n_max 4:
+    #: 2.64 rounds an ask (benchmarks/results/governor-ask.json), less 4 x 0.125. A head
     #: step is ~100 small kernels (its decoder, the shared LM head, the top-k), each launch
     #: a few us on XLA CPU: on this target the ask outweighs what even accepted drafts win,
     #: so on CPU the governor leaves the drafter off.
@@ -154,16 +153,7 @@ class Eagle3Drafter(Drafter):
                 f"layers), got {getattr(cfg, 'arch', type(cfg).__name__)!r}"
             )
         tc = target.config
-        if cfg.target_hidden != tc.D:
-            raise ValueError(
-                f"EAGLE-3 head expects target hidden size {cfg.target_hidden}, the target has "
-                f"{tc.D}"
-            )
-        for layer in cfg.target_layers:
-            if layer > tc.L:
-                raise ValueError(f"EAGLE3: target layer id {layer} exceeds target n_layer {tc.L}")
-        if cfg.V != tc.V:
-            raise ValueError(f"EAGLE-3 head vocabulary {cfg.V} differs from the target's {tc.V}")
+        cls.check_target(cfg, tc)
         if not cfg.own_embed and cfg.D != tc.D:
             raise ValueError(
                 f"EAGLE-3 head of width {cfg.D} has no token embeddings and cannot use the "
@@ -179,16 +169,7 @@ class Eagle3Drafter(Drafter):
             max_draft_len=max(spec.draft_n_max, DRAFT_K_MIN) if spec.k_max is None else spec.k_max,
             probabilistic=spec.draft_sampling == "probabilistic",
         )
-        params = {
-            "head": draft.params,
-            "shared": e3.shared_weights(cfg, target.params, tc.tie_embeddings),
-        }
-        return drafter, params
-
-    @staticmethod
-    def head_kernel_params(head: Any) -> Any:
-        """The head's products as `KernelWeight`s (`e3.kernel_params`)."""
-        return e3.kernel_params(head)
+        return drafter, cls.head_params(cfg, draft, target)
 
     def init(self, batch: int, capacity: int) -> Eagle3State:
         D = self.config.D
@@ -205,10 +186,6 @@ class Eagle3Drafter(Drafter):
             log_n=jnp.zeros((batch,), jnp.int32),
         )
 
-    def begin(self, state: Eagle3State, history: TokenHistory) -> Eagle3State:
-        del history  # upstream only warns when process() missed a prefill chunk
-        return state
-
     # ----------------------------------------------------------------------------- process
     def process(self, params: Any, state: Eagle3State, batch: TargetBatch) -> Eagle3State:
         state = self.flush(params, state)
@@ -216,16 +193,12 @@ class Eagle3Drafter(Drafter):
         head = params["head"]
         tokens, pos = batch.tokens, batch.positions
         B, T = tokens.shape
-        valid = pos >= 0
-        has = jnp.any(valid, axis=1)
-        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)
-        end = (T - 1 - jnp.argmax(valid[:, ::-1], axis=1)).astype(jnp.int32)
-        pos_beg = jnp.take_along_axis(pos, beg[:, None], axis=1)[:, 0]
-        pos_end = jnp.take_along_axis(pos, end[:, None], axis=1)[:, 0]
+        span = batch_span(batch)
+        has, beg, end = span.has, span.beg, span.end
         feats = e3.gather_features(cfg, batch.hidden)
         g = e3.encode(cfg, head, feats).astype(jnp.float32)  # [B, T, D]
 
-        bridge = _bridges(state, has, pos_beg)
+        bridge = _bridges(state, has, span.pos_beg)
         col = jnp.arange(T)[None, :]
         main = has[:, None] & (col >= beg[:, None]) & (col < end[:, None])
         next_tok = jnp.concatenate([tokens[:, 1:], jnp.zeros((B, 1), tokens.dtype)], axis=1)
@@ -241,19 +214,7 @@ class Eagle3Drafter(Drafter):
         ).astype(jnp.int32)
         cache = self._write_rows(params, state.cache, dec_tok, dec_g, dec_pos)
 
-        idx = jnp.clip(beg[:, None] + jnp.arange(T)[None, :], 0, T - 1)
-        g_rows = jnp.take_along_axis(g, idx[..., None], axis=1)
-        new_vg = jax.lax.dynamic_update_slice_in_dim(state.verify_g, g_rows, 0, axis=1)
-        g_end = jnp.take_along_axis(g, end[:, None, None], axis=1)[:, 0]
-        return replace(
-            state,
-            cache=cache,
-            pending_g=jnp.where(has[:, None], g_end, state.pending_g),
-            pending_pos=jnp.where(has, pos_end, state.pending_pos).astype(jnp.int32),
-            verify_g=jnp.where(has[:, None, None], new_vg, state.verify_g),
-            verify_pos_first=jnp.where(has, pos_beg, state.verify_pos_first).astype(jnp.int32),
-            verify_rows=jnp.where(has, end - beg + 1, state.verify_rows).astype(jnp.int32),
-        )
+        return self.snapshot(state, span, g, cache=cache)
 
     def _write_rows(
         self, params: Any, cache: KVCache, tokens: Array, g: Array, pos: Array
@@ -271,38 +232,23 @@ class Eagle3Drafter(Drafter):
     def flush(self, params: Any, state: Eagle3State) -> Eagle3State:
         """The logged rows' K/V written into the cache (a loop run 0 or 1 times: nothing
         when the log is empty), the log emptied."""
-
-        def apply(state: Eagle3State) -> Eagle3State:
-            return replace(
-                state,
-                cache=self._write_rows(
-                    params, state.cache, state.log_tokens, state.log_g, state.log_pos
-                ),
-                log_pos=jnp.full_like(state.log_pos, -1),
-                log_n=jnp.zeros_like(state.log_n),
-            )
-
-        return run_once(jnp.any(state.log_n > 0), apply, state)
+        return self.flush_log(
+            state,
+            lambda s: self._write_rows(params, s.cache, s.log_tokens, s.log_g, s.log_pos),
+        )
 
     def record(self, params: Any, state: Eagle3State, batch: TargetBatch) -> Eagle3State:
         """`process` of a batch with at most one evaluated token per row (no draft), its one
         cache row logged (see the module docstring)."""
         cfg = self.config
-        state = run_once(jnp.any(state.log_n >= LOG_ROWS), lambda s: self.flush(params, s), state)
-        tokens, pos = batch.tokens, batch.positions
-        valid = pos >= 0
-        has = jnp.any(valid, axis=1)
-        beg = jnp.argmax(valid, axis=1).astype(jnp.int32)[:, None]
-        token = jnp.take_along_axis(tokens, beg, axis=1)[:, 0]
-        pos_beg = jnp.take_along_axis(pos, beg, axis=1)[:, 0]
-        at_beg = {
-            i: jnp.take_along_axis(h, beg[..., None], axis=1) for i, h in batch.hidden.items()
-        }
+        state = self.flush_if_full(params, state)
+        has, beg, pos_beg, at_beg = self.first_row(batch)
+        token = jnp.take_along_axis(batch.tokens, beg, axis=1)[:, 0]
         g = e3.encode(cfg, params["head"], e3.gather_features(cfg, at_beg))  # [B, 1, D]
         g = g.astype(jnp.float32)[:, 0]
         bridge = _bridges(state, has, pos_beg)
         slot = jnp.where(bridge, state.log_n, LOG_ROWS)  # LOG_ROWS: dropped
-        rows = jnp.arange(pos.shape[0])
+        rows = jnp.arange(has.shape[0])
         return replace(
             state,
             log_tokens=state.log_tokens.at[rows, slot].set(token, mode="drop"),
@@ -313,24 +259,7 @@ class Eagle3Drafter(Drafter):
             pending_pos=jnp.where(has, pos_beg, state.pending_pos).astype(jnp.int32),
         )
 
-    # ------------------------------------------------------------------------------ accept
-    def accept(
-        self, state: Eagle3State, n_accepted: Array, is_other: Array, active: Array
-    ) -> Eagle3State:
-        del is_other  # upstream moves the boundary whoever drafted
-        rows = active & (state.verify_rows > 0)
-        i = jnp.minimum(n_accepted, state.verify_rows - 1).astype(jnp.int32)
-        i = jnp.maximum(i, 0)
-        g_i = jnp.take_along_axis(state.verify_g, i[:, None, None], axis=1)[:, 0]
-        return replace(
-            state,
-            pending_pos=jnp.where(rows, state.verify_pos_first + i, state.pending_pos),
-            pending_g=jnp.where(rows[:, None], g_i, state.pending_g),
-        )
-
-    def rollback(self, state: Eagle3State, keep: Array) -> Eagle3State:
-        log_pos = jnp.where(state.log_pos >= keep[:, None], -1, state.log_pos)
-        return replace(state, cache=keep_prefix(state.cache, keep), log_pos=log_pos)
+    # (accept: `PendingBoundary`)
 
     # ------------------------------------------------------------------------------- draft
     def draft(
@@ -363,7 +292,6 @@ class Eagle3Drafter(Drafter):
             )
             cache = commit_kv(cache, seed_pos, out.k, out.v, after=out.logits)
             temp = inp.temperature.astype(jnp.float32)
-            rows = jnp.arange(B)
             lc = cfg.layer_config
             shape = (B, lc.G, k_max, lc.E)
             scratch0 = ExtraKV(
@@ -373,28 +301,18 @@ class Eagle3Drafter(Drafter):
             )
 
             def sample(i: Array, logits: Array, alive: Array, n: Array, tokens, valid, q):
-                top_vals, top_ids = sampling.small_top_k(logits, self.top_k)
-                probs = jax.nn.softmax(top_vals, axis=-1)
-                token = top_ids[:, 0]
                 if self.probabilistic:
-                    sampled_mode = temp > 0
-                    t = jnp.where(sampled_mode, temp, 1.0)[:, None]
-                    tempered = jax.nn.softmax(top_vals / t, axis=-1)
                     keys = sampling.make_keys(
                         draft_seed, inp.history.length + i + 1, sampling.ROLE_DRAFT
                     )
-                    choice = jax.vmap(jax.random.categorical)(keys, jnp.log(tempered))
-                    sampled = jnp.take_along_axis(top_ids, choice[:, None], axis=1)[:, 0]
-                    token = jnp.where(sampled_mode, sampled, token)
-                    probs = jnp.where(sampled_mode[:, None], tempered, probs)
-                    q_row = jnp.zeros((B, V), jnp.float32).at[rows[:, None], top_ids].set(tempered)
-                    q = q.at[:, i].set(jnp.where(alive[:, None], q_row, 0.0))
-                keep = alive & (probs[:, 0] >= inp.p_min)
-                tokens = tokens.at[:, i].set(jnp.where(keep, token, 0).astype(jnp.int32))
-                valid = valid.at[:, i].set(keep)
-                n = n + keep.astype(jnp.int32)
-                alive = keep & (n < limit)
-                return token.astype(jnp.int32), alive, n, tokens, valid, q
+                    pick = pick_draft_token(logits, self.top_k, temp, keys)
+                    q = record_q(i, pick, alive, q)
+                else:
+                    pick = pick_draft_token(logits, self.top_k)
+                alive, n, tokens, valid = keep_draft_token(
+                    i, pick, alive, n, tokens, valid, inp.p_min, limit
+                )
+                return pick.token, alive, n, tokens, valid, q
 
             def cond(carry):
                 i, _, _, _, alive, _, _, _, _ = carry
@@ -429,11 +347,7 @@ class Eagle3Drafter(Drafter):
                 )
                 return i + 1, scratch, logits, g, alive, n, tokens, valid, q
 
-            q0 = (
-                jnp.zeros((B, k_max, V), jnp.float32)
-                if self.probabilistic
-                else jnp.zeros((), jnp.float32)
-            )
+            q0 = zero_q(B, k_max, V, self.probabilistic)
             init = (
                 jnp.zeros((), jnp.int32),
                 scratch0,
@@ -453,11 +367,7 @@ class Eagle3Drafter(Drafter):
             )
 
         def skip(state: Eagle3State) -> tuple[Eagle3State, DraftOutput]:
-            out = empty_draft(B, k_max)
-            if self.probabilistic:
-                out = DraftOutput(
-                    tokens=out.tokens, valid=out.valid, q=jnp.zeros((B, k_max, V), jnp.float32)
-                )
+            out = empty_draft_q(B, k_max, V, self.probabilistic)
             return state, out
 
         # a loop run 0 or 1 times, not lax.cond: its branches would copy the state (the cache
@@ -465,34 +375,4 @@ class Eagle3Drafter(Drafter):
         return run_once(jnp.any(drafting), lambda c: run(c[0]), skip(state))
 
     # ------------------------------------------------------------------------ checkpoints
-    def get_state(self, state: Eagle3State, row: int) -> bytes | None:
-        """Upstream's blob for one row: int32 pending_pos + D float32 (None: no boundary)."""
-        return boundary_blob(
-            int(np.asarray(state.pending_pos)[row]), np.asarray(state.pending_g)[row]
-        )
-
-    def spec_state(self, state: Eagle3State) -> dict[str, Array]:
-        """Every row's boundary (the traced form of `get_state`)."""
-        return {"pending_pos": state.pending_pos, "pending_g": state.pending_g}
-
-    def set_spec_state(
-        self, state: Eagle3State, saved: dict[str, Array], rows_B: Array
-    ) -> Eagle3State:
-        """Restore the boundary of the rows `rows_B` from `spec_state`'s data."""
-        return replace(
-            state,
-            pending_pos=jnp.where(rows_B, saved["pending_pos"], state.pending_pos),
-            pending_g=jnp.where(rows_B[:, None], saved["pending_g"], state.pending_g),
-        )
-
-    def set_state(self, state: Eagle3State, row: int, blob: bytes) -> Eagle3State:
-        """Restore one row's boundary from `get_state`'s blob; a wrong-sized blob is ignored."""
-        read = read_boundary_blob(blob, self.config.D)
-        if read is None:
-            return state
-        pos, g = read
-        return replace(
-            state,
-            pending_pos=state.pending_pos.at[row].set(pos),
-            pending_g=state.pending_g.at[row].set(g),
-        )
+    # (get_state, set_state, spec_state, set_spec_state: `PendingBoundary`)

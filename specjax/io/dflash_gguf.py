@@ -40,21 +40,9 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
-from specjax.errors import ModelFileError
-from specjax.io.gguf_io import (
-    _FILE_TYPE,
-    SAVE_DTYPES,
-    _config_dtype,
-    _encode_tensor,
-    _f32,
-    _field_values,
-    _open_reader,
-    _tensor_to_numpy,
-    atomic_gguf_writer,
-    rope_factors_from_tensor,
-)
+from specjax.io.gguf_file import GGUFFile, add_d2t, check_save, tensor_adder, write_hparams
+from specjax.io.gguf_io import atomic_gguf_writer
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, check_params
 from specjax.types import Params
@@ -72,32 +60,15 @@ def save_dflash_gguf(
     """Write a DFlash / DSpark head llama.cpp loads (`-md` with `--spec-type draft-dflash` or
     `draft-dspark`)."""
     path = os.fspath(path)
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
-    check_params(config, params)
-    if tokenizer.vocab_size > config.V:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the head's vocabulary is {config.V}"
-        )
+    check_save(config, params, tokenizer, dtype, check_params, "the head's vocabulary")
     if config.own_embed and not config.own_lm_head:
         raise ValueError(
             "a DFlash head with its own token embeddings but the target's LM head has no GGUF "
             "form: llama.cpp ties output to token_embd when output.weight is absent"
         )
     with atomic_gguf_writer(path, ARCH) as w:
-        w.add_name("specjax-dspark" if config.is_dspark else "specjax-dflash")
-        w.add_file_type(_FILE_TYPE[dtype])
-        w.add_context_length(config.max_position)
-        w.add_embedding_length(config.D)
-        w.add_block_count(config.L)
-        w.add_feed_forward_length(config.F)
-        w.add_head_count(config.H)
-        w.add_head_count_kv(config.G)
-        w.add_key_length(config.E)
-        w.add_value_length(config.E)
-        w.add_rope_dimension_count(config.E)
-        w.add_rope_freq_base(config.rope_theta)
-        w.add_layer_norm_rms_eps(config.norm_eps)
+        name = "specjax-dspark" if config.is_dspark else "specjax-dflash"
+        write_hparams(w, config, dtype, name, block_count=config.L, rope_dims=config.E)
         w.add_uint32(f"{ARCH}.block_size", config.block_size)
         w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
         if config.is_dspark:
@@ -106,9 +77,7 @@ def save_dflash_gguf(
         tokenizer.write_gguf_metadata(w, config.V)
         w.add_mask_token_id(config.mask_token_id)
 
-        def add(name: str, arr: Any) -> None:
-            data, raw = _encode_tensor(np.asarray(arr, np.float32), dtype)
-            w.add_tensor(name, data, raw_dtype=raw)
+        add = tensor_adder(w, dtype)
 
         def add_f32(name: str, arr: Any) -> None:
             w.add_tensor(name, np.asarray(arr, np.float32))
@@ -149,7 +118,7 @@ def save_dflash_gguf(
                 add("conf_proj.weight", params["conf_proj"])
                 add_f32("conf_proj.bias", params["conf_proj_b"])
         if config.has_d2t:
-            w.add_tensor("d2t", np.asarray(params["d2t"], np.int64), raw_dtype=QT.I64)
+            add_d2t(w, params["d2t"])
 
 
 def _as_bool(value: Any) -> bool:
@@ -163,25 +132,11 @@ def load_dflash_gguf(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[DFlashConfig, Params, Tokenizer]:
     """Read a `dflash` GGUF into (config, params, tokenizer); d2t becomes int32."""
-    path = os.fspath(path)
-    reader = _open_reader(path)
-    fields = _field_values(reader)
-    arch = fields.get("general.architecture")
-    if arch != ARCH:
-        raise ModelFileError(f"{path}: architecture {arch!r} is not {ARCH!r}")
-    tensors = {t.name: t for t in reader.tensors}
-
-    def key(name: str, default: Any = ..., cast: Any = int) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in fields:
-            if default is ...:
-                raise ModelFileError(f"{path}: missing metadata key {full}")
-            return default
-        return cast(fields[full])
-
+    f = GGUFFile(path, ARCH)
+    fields, tensors, key = f.fields, f.tensors, f.key
     layers = fields.get(f"{ARCH}.target_layers")
     if not isinstance(layers, list) or not layers:
-        raise ModelFileError(f"{path}: DFlash model requires 'target_layers' in GGUF metadata")
+        raise f.error("DFlash model requires 'target_layers' in GGUF metadata")
     unsupported = [
         k
         for k in (
@@ -198,21 +153,13 @@ def load_dflash_gguf(
         if f"{ARCH}.{k}" in fields
     ]
     if unsupported:
-        raise ModelFileError(f"{path}: DFlash features not supported by specjax: {unsupported}")
+        raise f.error(f"DFlash features not supported by specjax: {unsupported}")
     if _as_bool(fields.get(f"{ARCH}.attention.causal", False)):
-        raise ModelFileError(f"{path}: causal DFlash drafts are not supported by specjax")
+        raise f.error("causal DFlash drafts are not supported by specjax")
     if "tokenizer.ggml.mask_token_id" not in fields:
-        raise ModelFileError(f"{path}: DFlash needs a mask token (tokenizer.ggml.mask_token_id)")
-    D = key("embedding_length")
-    H = key("attention.head_count")
-    G = key("attention.head_count_kv", H)
-    E = key("attention.key_length", D // H if H else 0)
-    if key("attention.value_length", E) != E:
-        raise ModelFileError(f"{path}: key_length != value_length is not supported")
-    if "tokenizer.ggml.tokens" in fields:
-        V = len(fields["tokenizer.ggml.tokens"])
-    else:
-        V = key("vocab_size")
+        raise f.error("DFlash needs a mask token (tokenizer.ggml.mask_token_id)")
+    D, H, G, E = f.attention_dims()
+    V = f.vocab_size()
     Vd = int(tensors["d2t"].shape[0]) if "d2t" in tensors else V
     R = 0
     if "markov_w1.weight" in tensors:
@@ -222,21 +169,11 @@ def load_dflash_gguf(
     n_layers = key("block_count")
     Dt_total = int(tensors["fc.weight"].shape[0]) if "fc.weight" in tensors else 0
     if Dt_total % len(layers):
-        raise ModelFileError(
-            f"{path}: fc input width {Dt_total} is not a multiple of {len(layers)} target layers"
-        )
-    try:
-        config = DFlashConfig(
-            vocab_size=V,
-            draft_vocab=0 if Vd == V else Vd,
-            dim=D,
+        raise f.error(f"fc input width {Dt_total} is not a multiple of {len(layers)} target layers")
+    config = f.hparams(
+        lambda: DFlashConfig(
+            **f.head_fields(V, Vd, dtype),
             n_layers=n_layers,
-            n_heads=H,
-            n_kv_heads=G,
-            ffn_dim=key("feed_forward_length"),
-            head_dim=0 if (D % H == 0 and E == D // H) else E,
-            rope_theta=key("rope.freq_base", 10000.0, _f32),
-            norm_eps=key("attention.layer_norm_rms_epsilon", cast=_f32),
             target_hidden=Dt_total // len(layers),
             target_layers=tuple(int(i) for i in layers),
             block_size=key("block_size", DEFAULT_BLOCK_SIZE),
@@ -248,28 +185,10 @@ def load_dflash_gguf(
             markov_w2_scale="markov_w2.scale" in tensors,
             own_embed=own_embed,
             own_lm_head=own_embed or "output.weight" in tensors,
-            max_position=key("context_length", 4096),
-            dtype=dtype or _config_dtype(tensors),
-        )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid DFlash hyper-parameters: {e}") from e
-
-    used: set[str] = set()
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise ModelFileError(f"{path}: missing tensor {name}")
-        used.add(name)
-        arr = _tensor_to_numpy(path, tensors[name])
-        if arr.size == int(np.prod(shape)) and len(shape) == 1:
-            arr = arr.reshape(shape)
-        if arr.shape != shape:
-            raise ModelFileError(
-                f"{path}: tensor {name} has shape {arr.shape} (numpy order), expected {shape}"
-            )
-        return arr
+        ),
+        "DFlash",
+    )
+    get = f.get
 
     shapes = config.param_shapes()
     E, F = config.E, config.F
@@ -284,7 +203,7 @@ def load_dflash_gguf(
         raw["embed"] = get("token_embd.weight", (V, D))
     if tied:
         if Vd != V:
-            raise ModelFileError(f"{path}: a reduced-vocabulary head needs its own output.weight")
+            raise f.error("a reduced-vocabulary head needs its own output.weight")
         raw["lm_head"] = raw["embed"]
     elif config.own_lm_head:
         raw["lm_head"] = get("output.weight", shapes["lm_head"])
@@ -319,26 +238,15 @@ def load_dflash_gguf(
                 "w_down": get(p + "ffn_down.weight", (D, F)),
             }
         )
-    if "rope_freqs.weight" in tensors:  # one tensor for every layer (llama.cpp: duplicated)
-        config = dataclasses.replace(
-            config, rope_factors=rope_factors_from_tensor(path, get("rope_freqs.weight", (E // 2,)))
-        )
+    # one tensor for every layer (llama.cpp reads the same rope_freqs in each)
+    config = dataclasses.replace(config, rope_factors=f.rope_factors(E // 2))
     np_dtype = jnp.dtype(config.dtype)
     params: Params = {n: jnp.asarray(a, np_dtype) for n, a in raw.items()}
     params["layers"] = tuple(
         {n: jnp.asarray(a, np_dtype) for n, a in lay.items()} for lay in layer_list
     )
-    if "d2t" in tensors:
-        used.add("d2t")
-        d2t = np.asarray(tensors["d2t"].data).reshape(-1).astype(np.int64)
-        if d2t.shape != (Vd,) or np.any((d2t < 0) | (d2t >= V)):
-            raise ModelFileError(f"{path}: d2t target ids out of range for vocabulary {V}")
-        params["d2t"] = jnp.asarray(d2t.astype(np.int32))
-    unused = sorted(set(tensors) - used)
-    if unused:
-        raise ModelFileError(f"{path}: tensors the dflash head has no slot for: {unused[:8]}")
-    try:
-        tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
-    except ValueError as e:
-        raise ModelFileError(f"{path}: invalid tokenizer metadata: {e}") from e
-    return config, params, tokenizer
+    d2t = f.d2t(Vd, V)
+    if d2t is not None:
+        params["d2t"] = d2t
+    f.refuse_unused("the dflash head")
+    return config, params, f.tokenizer()

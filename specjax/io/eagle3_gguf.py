@@ -28,27 +28,22 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
-from specjax.errors import ModelFileError
+from specjax.io.gguf_file import (
+    GGUFFile,
+    add_d2t,
+    check_save,
+    tensor_adder,
+    write_hparams,
+)
 from specjax.io.gguf_io import (
-    _FILE_TYPE,
-    SAVE_DTYPES,
-    _config_dtype,
-    _encode_tensor,
-    _f32,
-    _field_values,
     _on_device,
-    _open_reader,
-    _tensor_to_numpy,
     atomic_gguf_writer,
     permute_qk,
     read_architecture,
-    rope_factors_from_tensor,
     unpermute_qk,
 )
 from specjax.io.tokenizer import Tokenizer
@@ -72,38 +67,16 @@ def save_eagle3_gguf(
 ) -> None:
     """Write an EAGLE-3 head llama.cpp loads (`-md` with `--spec-type draft-eagle3`)."""
     path = os.fspath(path)
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
-    check_params(config, params)
-    if tokenizer.vocab_size > config.V:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the head's vocabulary is {config.V}"
-        )
+    check_save(config, params, tokenizer, dtype, check_params, "the head's vocabulary")
     with atomic_gguf_writer(path, ARCH) as w:
-        w.add_name("specjax-eagle3")
-        w.add_file_type(_FILE_TYPE[dtype])
-        w.add_context_length(config.max_position)
-        w.add_embedding_length(config.D)
-        w.add_block_count(1)
-        w.add_feed_forward_length(config.F)
-        w.add_head_count(config.H)
-        w.add_head_count_kv(config.G)
-        w.add_key_length(config.E)
-        w.add_value_length(config.E)
-        w.add_rope_dimension_count(config.E)
-        w.add_rope_freq_base(config.rope_theta)
-        w.add_layer_norm_rms_eps(config.norm_eps)
+        write_hparams(w, config, dtype, "specjax-eagle3", block_count=1, rope_dims=config.E)
         w.add_vocab_size(config.V)
         w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
         w.add_uint32(f"{ARCH}.target_hidden_size", config.target_hidden)
         w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
         w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
         tokenizer.write_gguf_metadata(w, config.V)
-
-        def add(name: str, arr: Any) -> None:
-            data, raw = _encode_tensor(np.asarray(arr, np.float32), dtype)
-            w.add_tensor(name, data, raw_dtype=raw)
-
+        add = tensor_adder(w, dtype)
         H, G, E = config.H, config.G, config.E
         wqkv = np.asarray(params["wqkv"], np.float32)
         q, k, v = wqkv[: H * E], wqkv[H * E : (H + G) * E], wqkv[(H + G) * E :]
@@ -130,86 +103,38 @@ def save_eagle3_gguf(
         if config.rope_factors:
             w.add_tensor("rope_freqs.weight", np.asarray(config.rope_factors, np.float32))
         if config.has_d2t:
-            w.add_tensor("d2t", np.asarray(params["d2t"], np.int64), raw_dtype=QT.I64)
+            add_d2t(w, params["d2t"])
 
 
 def load_eagle3_gguf(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[Eagle3Config, Params, Tokenizer]:
     """Read an `eagle3` GGUF into (config, params, tokenizer); d2t becomes int32."""
-    path = os.fspath(path)
-    reader = _open_reader(path)
-    fields = _field_values(reader)
-    arch = fields.get("general.architecture")
-    if arch != ARCH:
-        raise ModelFileError(f"{path}: architecture {arch!r} is not {ARCH!r}")
-    tensors = {t.name: t for t in reader.tensors}
-
-    def key(name: str, default: Any = ..., cast: Any = int) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in fields:
-            if default is ...:
-                raise ModelFileError(f"{path}: missing metadata key {full}")
-            return default
-        return cast(fields[full])
-
-    layers = fields.get(f"{ARCH}.target_layers")
+    f = GGUFFile(path, ARCH)
+    key, tensors = f.key, f.tensors
+    layers = f.fields.get(f"{ARCH}.target_layers")
     if layers is None:
-        raise ModelFileError(f"{path}: EAGLE3 model requires 'extract_layers' in GGUF metadata")
+        raise f.error("EAGLE3 model requires 'extract_layers' in GGUF metadata")
     if not isinstance(layers, list) or len(layers) != 3:
-        raise ModelFileError(f"{path}: EAGLE3 requires exactly 3 entries in 'extract_layers'")
+        raise f.error("EAGLE3 requires exactly 3 entries in 'extract_layers'")
     if key("block_count") != 1:
-        raise ModelFileError(f"{path}: EAGLE3 has one decoder layer, got {key('block_count')}")
-    D = key("embedding_length")
-    H = key("attention.head_count")
-    G = key("attention.head_count_kv", H)
-    E = key("attention.key_length", D // H if H else 0)
-    if key("attention.value_length", E) != E:
-        raise ModelFileError(f"{path}: key_length != value_length is not supported")
-    if "tokenizer.ggml.tokens" in fields:
-        V = len(fields["tokenizer.ggml.tokens"])
-    else:
-        V = key("vocab_size")
-    V = int(fields.get(f"{ARCH}.vocab_size", V))
+        raise f.error(f"EAGLE3 has one decoder layer, got {key('block_count')}")
+    D, H, G, _ = f.attention_dims()
+    V = int(f.fields.get(f"{ARCH}.vocab_size", f.vocab_size()))
     Vd = int(tensors["d2t"].shape[0]) if "d2t" in tensors else V
-    try:
-        config = Eagle3Config(
-            vocab_size=V,
-            draft_vocab=0 if Vd == V else Vd,
-            dim=D,
-            n_heads=H,
-            n_kv_heads=G,
-            ffn_dim=key("feed_forward_length"),
-            head_dim=0 if (D % H == 0 and E == D // H) else E,
-            rope_theta=key("rope.freq_base", 10000.0, _f32),
-            norm_eps=key("attention.layer_norm_rms_epsilon", cast=_f32),
+    config = f.hparams(
+        lambda: Eagle3Config(
+            **f.head_fields(V, Vd, dtype),
             target_hidden=key("target_hidden_size"),
             target_layers=tuple(int(i) for i in layers),
             norm_before_residual=bool(key("norm_before_residual", False, bool)),
             norm_before_fc=bool(key("norm_before_fc", False, bool)),
             own_embed="token_embd.weight" in tensors,
             own_lm_head="output.weight" in tensors,
-            max_position=key("context_length", 4096),
-            dtype=dtype or _config_dtype(tensors),
-        )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid EAGLE-3 hyper-parameters: {e}") from e
-
-    used: set[str] = set()
-
-    def get(name: str, shape: tuple[int, ...]) -> np.ndarray:
-        if name not in tensors:
-            raise ModelFileError(f"{path}: missing tensor {name}")
-        used.add(name)
-        arr = _tensor_to_numpy(path, tensors[name])
-        if arr.shape != shape:
-            raise ModelFileError(
-                f"{path}: tensor {name} has shape {arr.shape} (numpy order), expected {shape}"
-            )
-        return arr
-
+        ),
+        "EAGLE-3",
+    )
+    get = f.get
     shapes = config.param_shapes()
     Ecat = config.n_embd_enc
     p = "blk.0."
@@ -236,24 +161,11 @@ def load_eagle3_gguf(
         raw["embed"] = get("token_embd.weight", shapes["embed"])
     if config.own_lm_head:
         raw["lm_head"] = get("output.weight", shapes["lm_head"])
-    if "rope_freqs.weight" in tensors:
-        config = dataclasses.replace(
-            config,
-            rope_factors=rope_factors_from_tensor(path, get("rope_freqs.weight", (config.E // 2,))),
-        )
+    config = dataclasses.replace(config, rope_factors=f.rope_factors(config.E // 2))
     np_dtype = jnp.dtype(config.dtype)
     params: Params = {n: _on_device(a, np_dtype) for n, a in raw.items()}
-    if "d2t" in tensors:
-        used.add("d2t")
-        d2t = np.asarray(tensors["d2t"].data).reshape(-1).astype(np.int64)
-        if d2t.shape != (Vd,) or np.any((d2t < 0) | (d2t >= V)):
-            raise ModelFileError(f"{path}: d2t target ids out of range for vocabulary {V}")
-        params["d2t"] = jnp.asarray(d2t.astype(np.int32))
-    unused = sorted(set(tensors) - used)
-    if unused:
-        raise ModelFileError(f"{path}: tensors the eagle3 head has no slot for: {unused[:8]}")
-    try:
-        tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
-    except ValueError as e:
-        raise ModelFileError(f"{path}: invalid tokenizer metadata: {e}") from e
-    return config, params, tokenizer
+    d2t = f.d2t(Vd, V)
+    if d2t is not None:
+        params["d2t"] = d2t
+    f.refuse_unused("the eagle3 head")
+    return config, params, f.tokenizer()

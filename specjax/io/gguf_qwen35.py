@@ -29,17 +29,10 @@ from typing import Any
 
 import gguf
 import jax.numpy as jnp
-import numpy as np
 
-from specjax.errors import ModelFileError
+from specjax.io.gguf_file import GGUFFile, check_save, tensor_adder, write_hparams
 from specjax.io.gguf_io import (
-    _FILE_TYPE,
-    SAVE_DTYPES,
-    _encode_tensor,
     _f32,
-    _field_values,
-    _open_reader,
-    _tensor_to_numpy,
     atomic_gguf_writer,
 )
 from specjax.io.tokenizer import Tokenizer
@@ -101,28 +94,10 @@ def save_qwen35_gguf(
 ) -> None:
     """Write a qwen35 GGUF llama.cpp loads; `dtype` (SAVE_DTYPES) applies to 2-D weights."""
     path = os.fspath(path)
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
-    check_params(config, params)
-    if tokenizer.vocab_size > config.V:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the model vocabulary is {config.V}"
-        )
+    check_save(config, params, tokenizer, dtype, check_params, "the model vocabulary")
     with atomic_gguf_writer(path, ARCH) as w:
-        w.add_name("specjax")
-        w.add_file_type(_FILE_TYPE[dtype])
-        w.add_context_length(config.max_position)
-        w.add_embedding_length(config.D)
-        w.add_block_count(config.L + config.n_nextn)
-        w.add_feed_forward_length(config.F)
-        w.add_head_count(config.H)
-        w.add_head_count_kv(config.G)
-        w.add_key_length(config.E)
-        w.add_value_length(config.E)
-        w.add_layer_norm_rms_eps(config.norm_eps)
-        w.add_rope_dimension_count(config.n_rot)
+        write_hparams(w, config, dtype, "specjax", config.L + config.n_nextn, config.n_rot)
         w.add_rope_dimension_sections(list(config.sections))
-        w.add_rope_freq_base(config.rope_theta)
         w.add_ssm_conv_kernel(config.ssm_conv_kernel)
         w.add_ssm_inner_size(config.value_dim)
         w.add_ssm_state_size(config.S)
@@ -134,9 +109,7 @@ def save_qwen35_gguf(
         w.add_vocab_size(config.V)
         tokenizer.write_gguf_metadata(w, config.V)
 
-        def add(name: str, arr: Any, f32: bool = False) -> None:
-            data, raw = _encode_tensor(np.asarray(arr, np.float32), "f32" if f32 else dtype)
-            w.add_tensor(name, data, raw_dtype=raw)
+        add = tensor_adder(w, dtype)
 
         add("token_embd.weight", params["embed"])
         add("output_norm.weight", params["final_norm"])
@@ -156,35 +129,20 @@ def load_qwen35_gguf(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[Qwen35Config, Params, Tokenizer]:
     """Read a qwen35 GGUF into (config, params, tokenizer); `dtype` as gguf_io.load_gguf."""
-    path = os.fspath(path)
-    reader = _open_reader(path)
-    fields = _field_values(reader)
-    arch = fields.get("general.architecture")
-    if arch != ARCH:
-        raise ModelFileError(f"{path}: architecture {arch!r} is not {ARCH!r}")
-    tensors = {t.name: t for t in reader.tensors}
+    f = GGUFFile(path, ARCH)
+    fields, tensors = f.fields, f.tensors
 
     def key(name: str, default: Any = ..., cast: Any = int) -> Any:
-        full = f"{ARCH}.{name}"
-        if full not in fields:
-            if default is ...:
-                raise ModelFileError(f"{path}: missing metadata key {full}")
-            return default
-        value = fields[full]
-        if isinstance(value, list) and cast is not list:
-            if not value or any(v != value[0] for v in value):
-                raise ModelFileError(f"{path}: per-layer values for {full} are not supported")
-            value = value[0]
-        return cast(value)
+        return f.key(name, default, cast, per_layer=True)
 
     if "token_embd.weight" not in tensors:
-        raise ModelFileError(f"{path}: missing tensor token_embd.weight")
+        raise f.error("missing tensor token_embd.weight")
     n_all = key("block_count")
     n_nextn = key("nextn_predict_layers", 0)
     embed_type = gguf.GGMLQuantizationType(int(tensors["token_embd.weight"].tensor_type))
     file_dtype = {"F16": "float16", "BF16": "bfloat16"}.get(embed_type.name, "float32")
-    try:
-        config = Qwen35Config(
+    config = f.hparams(
+        lambda: Qwen35Config(
             vocab_size=int(tensors["token_embd.weight"].shape[1]),
             dim=key("embedding_length"),
             n_layers=n_all - n_nextn,
@@ -205,36 +163,30 @@ def load_qwen35_gguf(
             n_nextn=n_nextn,
             max_position=key("context_length"),
             dtype=dtype or file_dtype,
-        )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid qwen35 hyper-parameters: {e}") from e
+        ),
+        "qwen35",
+    )
     if key("ssm.inner_size") != config.value_dim:
-        raise ModelFileError(
-            f"{path}: ssm.inner_size {key('ssm.inner_size')} != ssm.state_size * "
+        raise f.error(
+            f"ssm.inner_size {key('ssm.inner_size')} != ssm.state_size * "
             f"ssm.time_step_rank = {config.value_dim}"
         )
     v_len = key("attention.value_length", config.E)
     if v_len != config.E:
-        raise ModelFileError(f"{path}: value_length {v_len} != key_length {config.E}")
+        raise f.error(f"value_length {v_len} != key_length {config.E}")
     recurrent = fields.get(f"{ARCH}.attention.recurrent_layers")
     if recurrent is not None:
         want = [config.is_recurrent(i) for i in range(config.L)]
         if [bool(x) for x in list(recurrent)[: config.L]] != want:
-            raise ModelFileError(
-                f"{path}: attention.recurrent_layers {list(recurrent)} does not follow "
+            raise f.error(
+                f"attention.recurrent_layers {list(recurrent)} does not follow "
                 f"full_attention_interval={config.full_attention_interval}; not supported"
             )
 
     np_dtype = jnp.dtype(config.dtype)
-    used: set[str] = set()
 
     def get(name: str) -> jnp.ndarray:
-        if name not in tensors:
-            raise ModelFileError(f"{path}: missing tensor {name}")
-        used.add(name)
-        return jnp.asarray(_tensor_to_numpy(path, tensors[name]), np_dtype)
+        return jnp.asarray(f.get(name), np_dtype)
 
     layers = tuple(
         {ours: get(f"blk.{i}.{theirs}") for ours, theirs in layer_names(config, i).items()}
@@ -261,19 +213,9 @@ def load_qwen35_gguf(
         )
     if blocks:
         params["nextn"] = tuple(blocks)
-    unused = sorted(set(tensors) - used)
-    if unused:
-        raise ModelFileError(
-            f"{path}: tensors specjax's qwen35 model has no slot for: {', '.join(unused[:8])}"
-        )
+    f.refuse_unused("specjax's qwen35 model", sep=", ")
     try:
         check_params(config, params)
     except ValueError as e:
-        raise ModelFileError(f"{path}: {e}") from e
-    try:
-        tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid tokenizer metadata: {e}") from e
-    return config, params, tokenizer
+        raise f.error(str(e)) from e
+    return config, params, f.tokenizer()

@@ -16,7 +16,7 @@
 //
 // Why: the XLA version ingests blocks of positions with while loops of gathers and scatters
 // over all rows and sizes, most of an ngram-cache ask: 72 of 87 us at 8 new positions, 158
-// of 243 us at 64, on a loaded 2-core host (benchmarks/ask_cost.py's ngram-cache/counting in
+// of 243 us at 64, on a loaded 2-core host (benchmarks/governor.py ask's ngram-cache/counting in
 // benchmarks/results/ask-cost-before.json, where each loop's first ask also counts the
 // prompt; 4.7 and 9.1 us here, ask-cost-counting.json).
 // Here a position costs a few hash probes.

@@ -47,19 +47,10 @@ from typing import ClassVar, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.memory.kv import KVCache, used_cells
-from specjax.models.config import HeadDims, ModelConfig, float32_factors, rope_frequencies
-from specjax.models.llama import (
-    CACHE_CHUNK,
-    LINEAR_WEIGHTS,
-    KernelWeight,
-    apply_rope,
-    attend_segments,
-    kernel_weight,
-    linear,
-    rms_norm,
-    rope_angles,
-)
+from specjax.memory.kv import KVCache
+from specjax.models import feature_head as fh
+from specjax.models import llama
+from specjax.models.feature_head import FeatureHeadConfig
 from specjax.types import Array, Params
 
 #: `dflash.block_size` when the metadata key is absent (upstream's default).
@@ -67,26 +58,16 @@ DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DFlashConfig(HeadDims):
+class DFlashConfig(FeatureHeadConfig):
     """Static configuration of a DFlash / DSpark head. Hashable (a jit static argument)."""
 
     KIND: ClassVar[str] = "DFlash"
+    LAYER_ARCH: ClassVar[str] = "qwen3"
+    LAYER_QK_NORM: ClassVar[bool] = True
 
-    vocab_size: int  # the target's vocabulary (the full logits row)
-    draft_vocab: int = 0  # reduced vocabulary; 0 = vocab_size (no d2t)
-    dim: int
-    n_layers: int
-    n_heads: int
-    n_kv_heads: int
-    ffn_dim: int
-    head_dim: int = 0  # 0 -> dim // n_heads
-    rope_theta: float = 10000.0
-    #: per dimension pair divisors of the inverse frequency (llama.cpp's rope_freqs; a
-    #: llama3-scaled target's head has them); empty = none
-    rope_factors: tuple[float, ...] = ()
+    #: (fields of `FeatureHeadConfig`)
     norm_eps: float = 1e-6
-    target_hidden: int
-    target_layers: tuple[int, ...]
+    n_layers: int
     block_size: int = DEFAULT_BLOCK_SIZE
     mask_token_id: int
     #: DSpark: rank of the Markov head (0 = plain DFlash)
@@ -95,30 +76,20 @@ class DFlashConfig(HeadDims):
     sample_from_anchor: bool = True  # DSpark only (`dflash.sample_from_anchor`)
     fc_scale: bool = False
     markov_w2_scale: bool = False
-    own_embed: bool = False
-    own_lm_head: bool = False
-    max_position: int = 4096
-    dtype: str = "float32"
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "target_layers", tuple(int(i) for i in self.target_layers))
-        object.__setattr__(self, "rope_factors", float32_factors(self.rope_factors))
+        self._tuple_target_layers()
         if not self.target_layers:
             raise ValueError("DFlash needs at least one target layer (target_layers)")
-        if any(i < 0 for i in self.target_layers):
-            raise ValueError(f"target layer ids must be >= 0, got {list(self.target_layers)}")
-        for name in ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
-        if self.target_hidden <= 0:
-            raise ValueError(f"target_hidden must be positive, got {self.target_hidden}")
+        self.check_feature_head(
+            ("vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_dim", "target_hidden")
+        )
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id must be in 0..{self.vocab_size - 1}, got {self.mask_token_id}"
             )
-        self.check_head_dims()
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
 
@@ -134,29 +105,8 @@ class DFlashConfig(HeadDims):
     def is_dspark(self) -> bool:
         return self.markov_rank > 0
 
-    @property
-    def n_embd_enc(self) -> int:
-        return len(self.target_layers) * self.target_hidden
-
-    @property
-    def layer_config(self) -> ModelConfig:
-        """The stack as a llama config (cache layout and RoPE frequencies)."""
-        return ModelConfig(
-            arch="qwen3",
-            vocab_size=self.vocab_size,
-            dim=self.dim,
-            n_layers=self.n_layers,
-            n_heads=self.n_heads,
-            n_kv_heads=self.n_kv_heads,
-            ffn_dim=self.ffn_dim,
-            head_dim=self.head_dim,
-            rope_theta=self.rope_theta,
-            rope_factors=self.rope_factors,
-            norm_eps=self.norm_eps,
-            max_position=self.max_position,
-            qk_norm=True,
-            dtype=self.dtype,
-        )
+    def describe(self) -> str:
+        return "DSpark head" if self.is_dspark else "DFlash head"
 
     def max_draft(self, dspark: bool) -> int:
         """Upstream's clamp: block_size - 1 tokens for DFlash (the block is `[id_last, MASK x
@@ -210,27 +160,11 @@ class DFlashConfig(HeadDims):
 
 def init_params(config: DFlashConfig, key: Array) -> Params:
     """N(0, 0.02) matrices (residual projections / sqrt(2L)), unit norms, identity d2t."""
-    dtype = jnp.dtype(config.dtype)
-    out_std = 0.02 / math.sqrt(2.0 * config.L)
+    out_std = fh.residual_std(config.L)
     k_top, *k_layers = jax.random.split(key, 1 + config.L)
 
     def fill(shapes: dict[str, tuple[int, ...]], key: Array) -> Params:
-        keys = iter(jax.random.split(key, len(shapes)))
-        res: Params = {}
-        for name, shape in shapes.items():
-            k = next(keys)
-            if name == "d2t":
-                res[name] = jnp.arange(shape[0], dtype=jnp.int32)
-            elif name in ("fc_scale", "markov_w2_scale"):
-                res[name] = jnp.ones(shape, dtype)
-            elif name == "conf_proj_b":
-                res[name] = jnp.zeros(shape, dtype)
-            elif len(shape) == 1:
-                res[name] = jnp.ones(shape, dtype)
-            else:
-                std = out_std if name in ("wo", "w_down") else 0.02
-                res[name] = (jax.random.normal(k, shape, jnp.float32) * std).astype(dtype)
-        return res
+        return fh.init_from_shapes(shapes, key, config.dtype, out_std, zeros=("conf_proj_b",))
 
     params = fill(config.param_shapes(), k_top)
     params["layers"] = tuple(fill(config.layer_shapes(), k) for k in k_layers)
@@ -239,56 +173,29 @@ def init_params(config: DFlashConfig, key: Array) -> Params:
 
 def check_params(config: DFlashConfig, params: Params) -> None:
     """ValueError naming the first parameter that is missing, extra or mis-shaped."""
-
-    def check(want: dict[str, tuple[int, ...]], got: Params, where: str) -> None:
-        for name, shape in want.items():
-            if name not in got:
-                raise ValueError(f"DFlash parameter {where}{name} is missing")
-            if tuple(got[name].shape) != shape:
-                raise ValueError(
-                    f"DFlash parameter {where}{name} has shape {tuple(got[name].shape)}, "
-                    f"expected {shape}"
-                )
-        extra = sorted(set(got) - set(want) - ({"layers"} if not where else set()))
-        if extra:
-            raise ValueError(f"DFlash parameters not used by the config: {', '.join(extra)}")
-
-    check(config.param_shapes(), params, "")
+    fh.check_shapes(config.KIND, config.param_shapes(), params, also=("layers",))
     layers = params.get("layers", ())
     if len(layers) != config.L:
         raise ValueError(f"DFlash head has {len(layers)} layers, the config says {config.L}")
     for i, layer in enumerate(layers):
-        check(config.layer_shapes(), layer, f"layers[{i}].")
+        fh.check_shapes(config.KIND, config.layer_shapes(), layer, f"layers[{i}].")
 
 
-def shared_weights(config: DFlashConfig, target_params: Params, target_tied: bool) -> Params:
-    """The target's embedding / LM head for a head without its own (llama.cpp's ctx_other)."""
-    out: Params = {}
-    if not config.own_embed:
-        out["embed"] = target_params["embed"]
-    if not config.own_lm_head:
-        out["lm_head"] = target_params["embed"] if target_tied else target_params["lm_head"]
-    return out
+#: The target's embedding / LM head for a head without its own (`feature_head.shared_weights`).
+shared_weights = fh.shared_weights
 
 
 # ------------------------------------------------------------------------------- encoder
-def gather_features(config: DFlashConfig, hidden: dict[int, Array]) -> Array:
-    """[B, T, n * Dt]: the target's features at `target_layers`, layer k's row at columns
-    k * Dt .. (k + 1) * Dt (upstream's `features_buf`)."""
-    return jnp.concatenate([hidden[i] for i in config.target_layers], axis=-1)
+#: [B, T, n * Dt]: the target's features at `target_layers` (`feature_head.gather_features`).
+gather_features = fh.gather_features
 
 
 def encode(config: DFlashConfig, params: Params, feats_BTF: Array) -> Array:
     """The encoder: `RMSNorm_enc(fc(f) [* fc_scale])` -> g rows [B, T, D]."""
-    x = linear(feats_BTF.astype(jnp.dtype(config.dtype)), params["fc"])
+    x = llama.linear(feats_BTF.astype(jnp.dtype(config.dtype)), params["fc"])
     if config.fc_scale:
         x = x * params["fc_scale"][0]
-    return rms_norm(x, params["enc_norm"], config.norm_eps)
-
-
-def _rope(config: DFlashConfig, positions_BT: Array) -> tuple[Array, Array]:
-    inv_freq = jnp.asarray(rope_frequencies(config.layer_config), jnp.float32)
-    return rope_angles(positions_BT, inv_freq)
+    return llama.rms_norm(x, params["enc_norm"], config.norm_eps)
 
 
 class LayerKV(NamedTuple):
@@ -306,15 +213,15 @@ def inject_kv(
     """K/V of every layer computed from `g` (k_norm + RoPE on K; V as is): the KV injection."""
     E, G = config.E, config.G
     B, T, _ = g_BTD.shape
-    cos, sin = _rope(config, positions_BT)
+    cos, sin = fh.rope(config, positions_BT)
     ks, vs = [], []
     for i, layer in enumerate(params["layers"]):
         # Q's rows of wqkv are computed and dropped: one product on the fused matrix (a
-        # `KernelWeight` on CPU cannot be sliced), and Q is a third of it
-        kv = linear(g_BTD, layer["wqkv"])[..., config.H * E :]
-        k = rms_norm(kv[..., : G * E].reshape(B, T, G, E), layer["k_norm"], config.norm_eps)
+        # `llama.KernelWeight` on CPU cannot be sliced), and Q is a third of it
+        kv = llama.linear(g_BTD, layer["wqkv"])[..., config.H * E :]
+        k = llama.rms_norm(kv[..., : G * E].reshape(B, T, G, E), layer["k_norm"], config.norm_eps)
         v = kv[..., G * E :].reshape(B, T, G, E)
-        k = apply_rope(k, cos, sin)
+        k = llama.apply_rope(k, cos, sin)
         if cache is not None:
             k, v = k.astype(cache.k[i].dtype), v.astype(cache.v[i].dtype)
         ks.append(k)
@@ -330,12 +237,7 @@ class BlockOutput(NamedTuple):
 
 def head_logits(config: DFlashConfig, params: Params, shared: Params, h_norm: Array) -> Array:
     """LM head over the draft vocabulary -> full-vocabulary row (-inf off d2t)."""
-    head = params["lm_head"] if config.own_lm_head else shared["lm_head"]
-    logits = linear(h_norm, head, preferred_element_type=jnp.float32)
-    if not config.has_d2t:
-        return logits
-    full = jnp.full(logits.shape[:-1] + (config.vocab_size,), -jnp.inf, jnp.float32)
-    return full.at[..., params["d2t"]].set(logits)
+    return fh.vocab_logits(config, params, shared, h_norm)
 
 
 def block_hidden(
@@ -353,28 +255,25 @@ def block_hidden(
     block's last position for every block row gives non-causal attention). Context: the
     cache and/or an explicit `(kv, pos [B, C])` (training). Final-normed hidden [B, W, D]."""
     E, H, G = config.E, config.H, config.G
-    embed = params["embed"] if config.own_embed else shared["embed"]
-    x = embed[tokens_BW].astype(jnp.dtype(config.dtype))
+    x = fh.embedding(config, params, shared)[tokens_BW].astype(jnp.dtype(config.dtype))
     B, W, _ = x.shape
-    cos, sin = _rope(config, positions_BW)
+    cos, sin = fh.rope(config, positions_BW)
     n_chunks = used = None
     if cache is not None:
-        chunk = min(CACHE_CHUNK, cache.capacity)
-        used = used_cells(cache.pos)
-        n_chunks = (used + chunk - 1) // chunk
+        n_chunks, used = fh.cache_chunks(cache)
     # the kernel form of the weights (`kernel_params`, CPU) runs the attention on the native
     # kernel too: the block's rows over its own cells and the cached ones, a call each
-    native = bool(params["layers"]) and isinstance(params["layers"][0]["wqkv"], KernelWeight)
+    native = bool(params["layers"]) and isinstance(params["layers"][0]["wqkv"], llama.KernelWeight)
     for i, layer in enumerate(params["layers"]):
-        h = rms_norm(x, layer["attn_norm"], config.norm_eps)
-        qkv = linear(h, layer["wqkv"])
-        q = rms_norm(qkv[..., : H * E].reshape(B, W, H, E), layer["q_norm"], config.norm_eps)
-        k = rms_norm(
+        h = llama.rms_norm(x, layer["attn_norm"], config.norm_eps)
+        qkv = llama.linear(h, layer["wqkv"])
+        q = llama.rms_norm(qkv[..., : H * E].reshape(B, W, H, E), layer["q_norm"], config.norm_eps)
+        k = llama.rms_norm(
             qkv[..., H * E : (H + G) * E].reshape(B, W, G, E), layer["k_norm"], config.norm_eps
         )
         v = qkv[..., (H + G) * E :].reshape(B, W, G, E)
-        q = apply_rope(q, cos, sin)
-        k = apply_rope(k, cos, sin)
+        q = llama.apply_rope(q, cos, sin)
+        k = llama.apply_rope(k, cos, sin)
         if cache is not None:
             k = k.astype(cache.k[i].dtype)
             v = v.astype(cache.v[i].dtype)
@@ -384,14 +283,14 @@ def block_hidden(
             kv, ctx_pos = ctx
             own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
         cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
-        attn = attend_segments(qg, own, mask_pos_BW, 0, cached, n_chunks, used, native)
+        attn = llama.attend_segments(qg, own, mask_pos_BW, 0, cached, n_chunks, used, native)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
-        x = x + linear(attn, layer["wo"])
-        h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = linear(h, layer["w_gate_up"])
+        x = x + llama.linear(attn, layer["wo"])
+        h = llama.rms_norm(x, layer["ffn_norm"], config.norm_eps)
+        gate_up = llama.linear(h, layer["w_gate_up"])
         gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
-    return rms_norm(x, params["final_norm"], config.norm_eps)
+        x = x + llama.linear(jax.nn.silu(gate) * up, layer["w_down"])
+    return llama.rms_norm(x, params["final_norm"], config.norm_eps)
 
 
 def markov_head(
@@ -419,8 +318,7 @@ def markov_head(
         bias = jnp.einsum("vr,br->bv", w2.astype(jnp.float32), w1_prev)
         if config.markov_w2_scale:
             bias = bias * params["markov_w2_scale"][0]
-        if config.has_d2t:
-            bias = jnp.zeros((bias.shape[0], config.V), jnp.float32).at[:, params["d2t"]].set(bias)
+        bias = fh.to_full_vocab(config, params, bias, 0.0)
         col = base_BWV[:, i] + bias
         cols.append(col)
         if config.has_confidence:
@@ -459,11 +357,8 @@ def kernel_params(params: Params) -> Params:
     with the kernel available; `api` makes this form for the engine, training keeps plain
     arrays."""
     out = dict(params)
-    out["fc"] = kernel_weight(params["fc"])
+    out["fc"] = llama.kernel_weight(params["fc"])
     if "lm_head" in params:
-        out["lm_head"] = kernel_weight(params["lm_head"])
-    out["layers"] = tuple(
-        {k: kernel_weight(v) if k in LINEAR_WEIGHTS else v for k, v in layer.items()}
-        for layer in params["layers"]
-    )
+        out["lm_head"] = llama.kernel_weight(params["lm_head"])
+    out["layers"] = tuple(fh.kernel_form(layer, llama.LINEAR_WEIGHTS) for layer in params["layers"])
     return out

@@ -28,9 +28,10 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from specjax.memory.kv import KVCache, used_cells
+from specjax.memory.kv import KVCache
 from specjax.models import qwen35
-from specjax.models.llama import CACHE_CHUNK, ExtraKV, rms_norm
+from specjax.models.feature_head import cache_chunks
+from specjax.models.llama import ExtraKV, rms_norm
 from specjax.types import Array, Params
 
 
@@ -96,8 +97,7 @@ def nextn_forward(
     freqs = jnp.asarray(qwen35.rope_pair_frequencies(config), jnp.float32)
     n_chunks = None
     if not cache_empty:
-        chunk = min(CACHE_CHUNK, cache.capacity)
-        n_chunks = (used_cells(cache.pos) + chunk - 1) // chunk
+        n_chunks = cache_chunks(cache)[0]
     attn_in = rms_norm(y, b["attn_norm"], eps)
     out, k, v = qwen35._attention_layer(
         config, b, attn_in, positions_BT, freqs, cache, block, n_chunks, extra

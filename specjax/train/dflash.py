@@ -36,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import sys
-import time
 from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
@@ -44,49 +43,38 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-import yaml
 
+from specjax.io.dflash_gguf import save_dflash_gguf
 from specjax.models import dflash as df
 from specjax.models.config import ModelConfig
+from specjax.train import heads
 from specjax.train.draft import GeneratedData, RowSampler, target_rows
-from specjax.train.eagle3 import finish_head_run, head_cli, target_outputs
 from specjax.train.target import (
-    DataConfig,
     OptimConfig,
     TokenSampler,
-    learning_rate,
-    make_optimizer,
-    resolve_data,
+    _from_dict,
+    flatten_params,
+    unflatten_params,
 )
 from specjax.types import Array, Params
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopConfig:
+class LoopConfig(heads.HeadLoop):
+    """`heads.HeadLoop` plus the block loss's anchors and weights."""
+
     run_dir: str = "runs/code-dflash"
-    seed: int = 0
-    steps: int = 1000
-    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
     anchors: int = 16  # blocks per window
     decay: float = 0.8  # position weight decay along the block
     ce_weight: float = 0.1  # DSpark
     tv_weight: float = 0.9  # DSpark
     conf_weight: float = 1.0  # DSpark
-    log_every: int = 10
-    eval_every: int = 200
-    eval_windows: int = 16
-    save_every: int = 100
-    init_from: str = ""  # a run directory: start from its head (fresh optimiser state)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class DFlashTrainConfig:
+class DFlashTrainConfig(heads.HeadRecipe):
     head: dict[str, Any]
-    target: str
-    data: DataConfig
-    optim: OptimConfig
     train: LoopConfig
     #: train on the target's own continuations (`specjax.train.draft.GeneratedData`) instead
     #: of corpus windows; validation stays on corpus windows
@@ -94,39 +82,19 @@ class DFlashTrainConfig:
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> DFlashTrainConfig:
-    from specjax.train.target import _from_dict, apply_overrides
-
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    raw = apply_overrides(raw, overrides)
-    unknown = sorted(set(raw) - {"head", "target", "data", "optim", "train", "generated"})
-    if unknown:
-        raise ValueError(f"unknown config sections: {', '.join(unknown)}")
+    raw = heads.read_recipe(path, overrides, extra=("head", "generated"))
+    generated = raw.get("generated")
     return DFlashTrainConfig(
         head=dict(raw.get("head") or {}),
-        target=str(raw["target"]),
-        data=_from_dict(DataConfig, raw.get("data"), "data"),
-        optim=_from_dict(OptimConfig, raw.get("optim"), "optim"),
-        train=_from_dict(LoopConfig, raw.get("train"), "train"),
-        generated=(
-            None
-            if raw.get("generated") is None
-            else _from_dict(GeneratedData, raw["generated"], "generated")
-        ),
+        **heads.recipe_sections(raw, LoopConfig),
+        generated=None if generated is None else _from_dict(GeneratedData, generated, "generated"),
     )
 
 
 def head_config(head: dict[str, Any], target: ModelConfig) -> df.DFlashConfig:
-    data = dict(head)
-    data.setdefault("vocab_size", target.V)
-    data.setdefault("target_hidden", target.D)
-    data.setdefault("max_position", target.max_position)
-    data.setdefault("rope_theta", target.rope_theta)
-    data.setdefault("norm_eps", target.norm_eps)
-    cfg = df.DFlashConfig.from_dict(data)
+    cfg: df.DFlashConfig = heads.head_config_for(df.DFlashConfig, head, target)
     if (not cfg.own_embed or not cfg.own_lm_head) and cfg.D != target.D:
         raise ValueError(f"a head sharing the target's weights needs dim == {target.D}")
-    if max(cfg.target_layers) > target.L:
-        raise ValueError(f"target layer ids {list(cfg.target_layers)} exceed {target.L}")
     return cfg
 
 
@@ -206,7 +174,7 @@ def block_loss(
     t_logits = jnp.take_along_axis(jnp.repeat(t_logits_BTV, A, axis=0), tgt_c[..., None], axis=1)
     t_prob = jax.nn.softmax(t_logits, axis=-1)
     logq = jax.nn.log_softmax(base, axis=-1)
-    ce = -jnp.sum(t_prob * jnp.where(t_prob > 0, logq, 0.0), axis=-1)  # [BA, W]
+    ce = heads.soft_cross_entropy(t_prob, logq)  # [BA, W]
     expo = (j - (0 if cfg.is_dspark else 1)).astype(jnp.float32)
     w = jnp.where(valid, jnp.float32(loop.decay) ** expo, 0.0)
     wsum = jnp.sum(w)
@@ -236,157 +204,75 @@ def make_step(
     optim: OptimConfig,
     optimizer: optax.GradientTransformation,
 ) -> Any:
+    """`specjax.train.heads.make_head_step` over the block loss: `step(params, opt_state, i,
+    total, shared, target, batch, lengths)` (anchors from (seed, i)), `evaluate(params,
+    shared, target, batch)` (anchors from (seed + 1, 0))."""
+
     def loss_fn(params, shared, target, batch, anchors, lengths=None):
         inputs = batch[:, :-1]
-        t_logits, hidden = target_outputs(target_cfg, target, cfg.target_layers, inputs)
+        t_logits, hidden = heads.target_outputs(target_cfg, target, cfg.target_layers, inputs)
         feats = jax.lax.stop_gradient(df.gather_features(cfg, hidden))
         t_logits = jax.lax.stop_gradient(t_logits)
         return block_loss(cfg, loop, params, shared, inputs, feats, t_logits, anchors, lengths)
 
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def step(params, opt_state, shared, target, batch, i, total, lengths=None):
+    def anchors_of(seed: int, i: Array, batch: Array) -> Array:
         B, T = batch.shape[0], batch.shape[1] - 1
-        anchors = anchor_positions(loop.seed, i, B, loop.anchors, T)
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(
-            params, shared, target, batch, anchors, lengths
-        )
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, opt_state, params)
-        lr = learning_rate(optim, i, total)
-        params = jax.tree.map(lambda p, u: p - lr * u, params, updates)
-        return params, opt_state, {"loss": loss, "lr": lr, **aux}
+        return anchor_positions(seed, i, B, loop.anchors, T)
 
-    @jax.jit
-    def evaluate(params, shared, target, batch):
-        B, T = batch.shape[0], batch.shape[1] - 1
-        anchors = anchor_positions(loop.seed + 1, jnp.asarray(0), B, loop.anchors, T)
-        return loss_fn(params, shared, target, batch, anchors)
+    def step_args(i, shared, target, batch, lengths=None):
+        return shared, target, batch, anchors_of(loop.seed, i, batch), lengths
 
-    return step, evaluate
+    def eval_args(shared, target, batch):
+        return shared, target, batch, anchors_of(loop.seed + 1, jnp.asarray(0), batch)
+
+    return heads.make_head_step(loss_fn, optim, optimizer, step_args, eval_args)
 
 
 def save_head(run_dir: Path, cfg: df.DFlashConfig, params: Params, step: int) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    flat = {k: np.asarray(v) for k, v in params.items() if k != "layers"}
-    for i, layer in enumerate(params["layers"]):
-        flat.update({f"layers.{i}.{k}": np.asarray(v) for k, v in layer.items()})
-    tmp = run_dir / "params.tmp.npz"
-    np.savez(tmp, **flat)  # type: ignore[arg-type]
-    tmp.replace(run_dir / "params.npz")
-    (run_dir / "config.json").write_text(json.dumps({"head": cfg.to_dict(), "step": step}))
+    flat = flatten_params(params)
+    heads.save_npz(run_dir, "params.npz", flat, {"head": cfg.to_dict(), "step": step})
 
 
 def load_head(run_dir: str | Path) -> tuple[df.DFlashConfig, Params]:
     run_dir = Path(run_dir)
     meta = json.loads((run_dir / "config.json").read_text())
     cfg = df.DFlashConfig.from_dict(meta["head"])
-    params: Params = {}
-    layers: list[dict[str, Any]] = [{} for _ in range(cfg.L)]
-    with np.load(run_dir / "params.npz") as z:
-        for k in z.files:
-            if k.startswith("layers."):
-                _, i, name = k.split(".", 2)
-                layers[int(i)][name] = jnp.asarray(z[k])
-            else:
-                params[k] = jnp.asarray(z[k])
-    params["layers"] = tuple(layers)
+    params = unflatten_params(heads.load_npz(run_dir / "params.npz"))
     df.check_params(cfg, params)
     return cfg, params
 
 
 def train(config: DFlashTrainConfig) -> dict[str, Any]:
-    from specjax.api import load
-
-    loop = config.train
-    target = load(config.target, dtype="float32")
-    cfg = head_config(config.head, target.config)
-    shared = df.shared_weights(cfg, target.params, target.config.tie_embeddings)
-    train_tokens, val_tokens = resolve_data(config.data)
-    sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
-    rows = row_sampler = None
-    if config.generated is not None:
+    def batches_for(sampler: TokenSampler, train_tokens: Any, val_tokens: Any) -> Any:
+        """Step i's (windows, lengths): corpus windows (lengths None) or, with a
+        `generated` section, the target's own rows and their lengths."""
+        if config.generated is None:
+            return lambda i: (jnp.asarray(sampler.batch(i)), None)
         config.generated.validate()
         rows = target_rows(
             config.generated, config.target, config.data.cache_dir, train_tokens, val_tokens
         )
-        row_sampler = RowSampler(rows["train"].shape[0], config.data.batch_size, loop.seed)
+        row_sampler = RowSampler(rows["train"].shape[0], config.data.batch_size, config.train.seed)
         print(f"{rows['train'].shape[0]:,} generated rows", file=sys.stderr)
-    optimizer = make_optimizer(config.optim)
-    params = df.init_params(cfg, jax.random.key(loop.seed))
-    if loop.init_from:
-        init_cfg, params = load_head(loop.init_from)
-        if init_cfg != cfg:
-            raise ValueError(f"{loop.init_from}: head config differs from the recipe's")
-    with jax.numpy_dtype_promotion("standard"):
-        opt_state = optimizer.init(params)
-    step_fn, eval_fn = make_step(cfg, target.config, loop, config.optim, optimizer)
-    run_dir = Path(loop.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log: list[dict[str, Any]] = []
-    val_batch = None
-    if val_tokens is not None:
-        T = config.data.seq_len
-        n = min(loop.eval_windows, (val_tokens.size - 1) // T)
-        starts = np.arange(n) * ((val_tokens.size - T - 1) // max(n, 1))
-        val_batch = jnp.asarray(
-            np.stack([val_tokens[s : s + T + 1] for s in starts]).astype(np.int32)
-        )
-    total = jnp.asarray(loop.steps, jnp.int32)
-    t0 = time.time()
-    kind = "dspark" if cfg.is_dspark else "dflash"
-    print(f"{kind} head: {cfg.num_params():,} params", file=sys.stderr)
-    i = 0
-    for i in range(loop.steps):
-        lengths = None
-        if row_sampler is not None:
-            assert rows is not None
+
+        def batch(i: int) -> tuple[Array, Array]:
             idx = row_sampler.indices(i)
-            batch = jnp.asarray(rows["train"][idx])
-            lengths = jnp.asarray(rows["train_len"][idx])
-        else:
-            batch = jnp.asarray(sampler.batch(i))
-        params, opt_state, m = step_fn(
-            params,
-            opt_state,
-            shared,
-            target.params,
-            batch,
-            jnp.asarray(i, jnp.int32),
-            total,
-            lengths,
-        )
-        elapsed = time.time() - t0
-        if i % loop.log_every == 0 or i == loop.steps - 1:
-            row = {"step": i, "seconds": round(elapsed, 1)}
-            row.update({k: round(float(v), 4) for k, v in m.items()})
-            log.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-        if val_batch is not None and (i + 1) % loop.eval_every == 0:
-            _, vm = eval_fn(params, shared, target.params, val_batch)
-            log.append({"step": i, "val": {k: round(float(v), 4) for k, v in vm.items()}})
-            print(json.dumps(log[-1]), file=sys.stderr, flush=True)
-        if (i + 1) % loop.save_every == 0:
-            save_head(run_dir, cfg, params, i + 1)
-            (run_dir / "train_log.json").write_text(json.dumps(log))
-        if loop.max_seconds > 0 and elapsed > loop.max_seconds:
-            break
-    save_head(run_dir, cfg, params, i + 1)
-    val = None if val_batch is None else eval_fn(params, shared, target.params, val_batch)[1]
-    return finish_head_run(run_dir, log, i + 1, t0, val)
+            return jnp.asarray(rows["train"][idx]), jnp.asarray(rows["train_len"][idx])
+
+        return batch
+
+    return heads.train_feature_head(
+        config, head_config, df, make_step, save_head, load_head, batches_for
+    )
 
 
-def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") -> None:
-    """Write a trained head as a `dflash` GGUF (tokenizer metadata from the target)."""
-    from specjax.api import load
-    from specjax.io.dflash_gguf import save_dflash_gguf
-
-    cfg, params = load_head(run_dir)
-    target = load(target_path, dtype="float32")
-    save_dflash_gguf(out, cfg, params, target.tokenizer, dtype=dtype)
+#: `export_gguf(run_dir, out, target_path, dtype="f16")`: a trained head written as a
+#: `dflash` GGUF, the tokenizer metadata from the target (`heads.export_head_gguf`).
+export_gguf = partial(heads.export_head_gguf, load_head, save_dflash_gguf)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    return head_cli("python -m specjax.train.dflash", argv, train, load_config, export_gguf)
+    return heads.head_cli("python -m specjax.train.dflash", argv, train, load_config, export_gguf)
 
 
 if __name__ == "__main__":

@@ -58,6 +58,7 @@ from specjax.train.target import (
     OptimConfig,
     TokenSampler,
     _from_dict,
+    add_overrides_arg,
     apply_overrides,
     eval_windows,
     learning_rate,
@@ -539,14 +540,7 @@ def train_draft_main(argv: Sequence[str] | None = None) -> int:
     )
     p.add_argument("--config", required=True, help="recipe YAML (configs/train/distill-*.yaml)")
     p.add_argument("--objective", choices=obj.OBJECTIVES, help="overrides the recipe's objective")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="KEY=VALUE",
-        help="override a recipe value (YAML-parsed), e.g. --set train.steps=100",
-    )
+    add_overrides_arg(p, "KEY=VALUE", "recipe")
     args = p.parse_args(argv)
     overrides = list(args.overrides)
     if args.objective:

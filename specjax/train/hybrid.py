@@ -39,6 +39,7 @@ from typing import Any
 from specjax.models.qwen35 import Qwen35Config
 from specjax.train.target import (
     TrainConfig,
+    add_overrides_arg,
     export_gguf,
     export_main,
     load_config,
@@ -89,14 +90,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="GGUF to write at the end (default run_dir/...)")
     p.add_argument("--tokenizer", default="models/tokenizer", help="tokenizer.json or its folder")
     p.add_argument("--dtype", default="f16", help="f32, f16, bf16 or q8_0 (2-D weights)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (YAML-parsed), e.g. --set train.steps=100",
-    )
+    add_overrides_arg(p)
     args = p.parse_args(argv)
     cfg = load_config(args.config, args.overrides)
     summary = train_hybrid(cfg, args.out, args.tokenizer, args.dtype)

@@ -22,29 +22,19 @@ shares) get no gradient. Invariant: the batch at step s is a pure function of (s
 from __future__ import annotations
 
 import dataclasses
-import json
-import sys
-import time
 from collections.abc import Sequence
-from functools import partial
 from pathlib import Path
 from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import optax
-import yaml
 
 from specjax.models import qwen35
 from specjax.models.qwen35_mtp import new_nextn_cache, nextn_forward
+from specjax.train import heads
 from specjax.train.target import (
-    DataConfig,
     OptimConfig,
-    TokenSampler,
-    learning_rate,
-    make_optimizer,
-    resolve_data,
 )
 from specjax.types import Array, Params
 
@@ -52,21 +42,17 @@ OBJECTIVES = ("target", "data")
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class LoopConfig:
+class LoopConfig(heads.HeadLoop):
+    """`heads.HeadLoop` plus the objective and where the block starts from (`init_from`: a
+    run directory whose nextn.npz starts this run, e.g. a head trained on an earlier trunk;
+    "" = the GGUF's block, or a fresh one with `reinit`)."""
+
     run_dir: str = "runs/code-hybrid-mtp"
-    seed: int = 0
-    steps: int = 1000
-    max_seconds: float = 0.0  # > 0: stop (and save) after this much wall time
     objective: str = "target"
-    log_every: int = 10
     eval_every: int = 100
-    eval_windows: int = 16
     save_every: int = 50
     #: re-initialise the block (N(0, 0.02)) instead of starting from the GGUF's
     reinit: bool = False
-    #: a run directory whose nextn.npz starts this run (e.g. a head trained on an earlier
-    #: trunk; fresh optimiser state); "" = the GGUF's block (or reinit)
-    init_from: str = ""
 
     def __post_init__(self) -> None:
         if self.objective not in OBJECTIVES:
@@ -74,27 +60,12 @@ class LoopConfig:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class MtpTrainConfig:
-    target: str
-    data: DataConfig
-    optim: OptimConfig
+class MtpTrainConfig(heads.HeadRecipe):
     train: LoopConfig
 
 
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> MtpTrainConfig:
-    from specjax.train.target import _from_dict, apply_overrides
-
-    raw = yaml.safe_load(Path(path).read_text()) or {}
-    raw = apply_overrides(raw, overrides)
-    unknown = sorted(set(raw) - {"target", "data", "optim", "train"})
-    if unknown:
-        raise ValueError(f"unknown config sections: {', '.join(unknown)}")
-    return MtpTrainConfig(
-        target=str(raw["target"]),
-        data=_from_dict(DataConfig, raw.get("data"), "data"),
-        optim=_from_dict(OptimConfig, raw.get("optim"), "optim"),
-        train=_from_dict(LoopConfig, raw.get("train"), "train"),
-    )
+    return MtpTrainConfig(**heads.recipe_sections(heads.read_recipe(path, overrides), LoopConfig))
 
 
 # ------------------------------------------------------------------------------- the loss
@@ -132,7 +103,7 @@ def mtp_loss(
     t_top = jnp.argmax(t_logits_BTV, axis=-1)
     if objective == "target":
         tp = jax.nn.softmax(t_logits_BTV, axis=-1)
-        ce = -jnp.sum(tp * jnp.where(tp > 0, logq, 0.0), axis=-1)
+        ce = heads.soft_cross_entropy(tp, logq)
     else:
         ce = -jnp.take_along_axis(logq, targets_BT[..., None], axis=-1)[..., 0]
     pred = jnp.argmax(out.logits, axis=-1)
@@ -151,29 +122,16 @@ def make_step(
     optim: OptimConfig,
     optimizer: optax.GradientTransformation,
 ) -> Any:
+    """`specjax.train.heads.make_head_step` over the MTP loss: `step(nextn, opt_state, i,
+    total, trunk, batch)`, `evaluate(nextn, trunk, batch)`."""
+
     def loss_fn(nextn: tuple[Params, ...], trunk: Params, batch: Array) -> Any:
         inputs, targets = batch[:, :-1], batch[:, 1:]
         t_logits, h = trunk_outputs(cfg, trunk, inputs)
         t_logits, h = jax.lax.stop_gradient(t_logits), jax.lax.stop_gradient(h)
         return mtp_loss(cfg, loop.objective, nextn, trunk, inputs, targets, t_logits, h)
 
-    @partial(jax.jit, donate_argnums=(0, 1))
-    def step(
-        nextn: tuple[Params, ...], opt_state: Any, trunk: Params, batch: Array, i: Array,
-        total: Array,
-    ) -> Any:  # fmt: skip
-        (loss, aux), grads = jax.value_and_grad(loss_fn, has_aux=True)(nextn, trunk, batch)
-        with jax.numpy_dtype_promotion("standard"):
-            updates, opt_state = optimizer.update(grads, opt_state, nextn)
-        lr = learning_rate(optim, i, total)
-        nextn = jax.tree.map(lambda p, u: p - lr * u, nextn, updates)
-        return nextn, opt_state, {"loss": loss, "lr": lr, **aux}
-
-    @jax.jit
-    def evaluate(nextn: tuple[Params, ...], trunk: Params, batch: Array) -> Any:
-        return loss_fn(nextn, trunk, batch)
-
-    return step, evaluate
+    return heads.make_head_step(loss_fn, optim, optimizer)
 
 
 def _trunk_only(params: Params) -> Params:
@@ -181,20 +139,15 @@ def _trunk_only(params: Params) -> Params:
 
 
 def save_run(run_dir: Path, nextn: tuple[Params, ...], step: int) -> None:
-    run_dir.mkdir(parents=True, exist_ok=True)
-    flat = {f"{i}.{k}": np.asarray(v) for i, b in enumerate(nextn) for k, v in b.items()}
-    tmp = run_dir / "nextn.tmp.npz"
-    np.savez(tmp, **flat)  # type: ignore[arg-type]
-    tmp.replace(run_dir / "nextn.npz")
-    (run_dir / "config.json").write_text(json.dumps({"step": step}))
+    flat = {f"{i}.{k}": v for i, b in enumerate(nextn) for k, v in b.items()}
+    heads.save_npz(run_dir, "nextn.npz", flat, {"step": step})
 
 
 def load_run(run_dir: str | Path) -> tuple[Params, ...]:
     blocks: dict[int, dict[str, Any]] = {}
-    with np.load(Path(run_dir) / "nextn.npz") as z:
-        for key in z.files:
-            i, name = key.split(".", 1)
-            blocks.setdefault(int(i), {})[name] = jnp.asarray(z[key])
+    for key, arr in heads.load_npz(Path(run_dir) / "nextn.npz").items():
+        i, name = key.split(".", 1)
+        blocks.setdefault(int(i), {})[name] = arr
     return tuple(blocks[i] for i in sorted(blocks))
 
 
@@ -205,7 +158,6 @@ def _reinit(cfg: qwen35.Qwen35Config, key: Array, dtype: Any) -> tuple[Params, .
 
 def train(config: MtpTrainConfig) -> dict[str, Any]:
     from specjax.api import load
-    from specjax.train.eagle3 import finish_head_run
 
     loop = config.train
     model = load(config.target, dtype="float32")
@@ -222,55 +174,20 @@ def train(config: MtpTrainConfig) -> dict[str, Any]:
             raise ValueError(
                 f"{loop.init_from} has {len(nextn)} nextn blocks, the target {cfg.n_nextn}"
             )
-    train_tokens, val_tokens = resolve_data(config.data)
-    sampler = TokenSampler(train_tokens, config.data.seq_len, config.data.batch_size, loop.seed)
-    optimizer = make_optimizer(config.optim)
-    with jax.numpy_dtype_promotion("standard"):
-        opt_state = optimizer.init(nextn)
+    sampler, _, val_tokens = heads.corpus(config.data, loop.seed)
+    optimizer, opt_state = heads.init_optimizer(config.optim, nextn)
     step_fn, eval_fn = make_step(cfg, loop, config.optim, optimizer)
-    run_dir = Path(loop.run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    log: list[dict[str, Any]] = []
-    val_batch = None
-    if val_tokens is not None:
-        T = config.data.seq_len
-        n = min(loop.eval_windows, (val_tokens.size - 1) // T)
-        starts = np.arange(n) * ((val_tokens.size - T - 1) // max(n, 1))
-        val_batch = jnp.asarray(
-            np.stack([val_tokens[s : s + T + 1] for s in starts]).astype(np.int32)
-        )
-    if val_batch is not None:
-        _, vm = eval_fn(nextn, trunk, val_batch)
-        row0 = {"step": -1, "val": {k: round(float(v), 4) for k, v in vm.items()}}
-        log.append(row0)
-        print(json.dumps(row0), file=sys.stderr, flush=True)
-    total = jnp.asarray(loop.steps, jnp.int32)
-    t0 = time.time()
-    i = 0
-    for i in range(loop.steps):
-        batch = jnp.asarray(sampler.batch(i))
-        nextn, opt_state, m = step_fn(
-            nextn, opt_state, trunk, batch, jnp.asarray(i, jnp.int32), total
-        )
-        elapsed = time.time() - t0
-        if i % loop.log_every == 0 or i == loop.steps - 1:
-            row = {"step": i, "seconds": round(elapsed, 1)}
-            row.update({k: round(float(v), 4) for k, v in m.items()})
-            log.append(row)
-            print(json.dumps(row), file=sys.stderr, flush=True)
-        if val_batch is not None and (i + 1) % loop.eval_every == 0:
-            _, vm = eval_fn(nextn, trunk, val_batch)
-            vrow = {"step": i, "val": {k: round(float(v), 4) for k, v in vm.items()}}
-            log.append(vrow)
-            print(json.dumps(vrow), file=sys.stderr, flush=True)
-        if (i + 1) % loop.save_every == 0:
-            save_run(run_dir, nextn, i + 1)
-            (run_dir / "train_log.json").write_text(json.dumps(log))
-        if loop.max_seconds > 0 and elapsed > loop.max_seconds:
-            break
-    save_run(run_dir, nextn, i + 1)
-    val = None if val_batch is None else eval_fn(nextn, trunk, val_batch)[1]
-    return finish_head_run(run_dir, log, i + 1, t0, val)
+    return heads.run_loop(
+        loop,
+        nextn,
+        opt_state,
+        lambda p, s, i, total, batch: step_fn(p, s, i, total, trunk, batch),
+        lambda i: jnp.asarray(sampler.batch(i)),
+        lambda p, n: save_run(Path(loop.run_dir), p, n),
+        lambda p, batch: eval_fn(p, trunk, batch),
+        heads.validation_batch(val_tokens, config.data.seq_len, loop.eval_windows),
+        eval_first=True,
+    )
 
 
 def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") -> None:
@@ -285,9 +202,7 @@ def export_gguf(run_dir: str, out: str, target_path: str, dtype: str = "f16") ->
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from specjax.train.eagle3 import head_cli
-
-    return head_cli("python -m specjax.train.mtp", argv, train, load_config, export_gguf)
+    return heads.head_cli("python -m specjax.train.mtp", argv, train, load_config, export_gguf)
 
 
 if __name__ == "__main__":

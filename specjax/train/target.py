@@ -181,6 +181,21 @@ def apply_overrides(raw: dict[str, Any], overrides: Sequence[str]) -> dict[str, 
     return raw
 
 
+def add_overrides_arg(
+    p: argparse.ArgumentParser, metavar: str = "SECTION.KEY=VALUE", what: str = "config"
+) -> None:
+    """The trainers' repeatable `--set KEY=VALUE` (YAML-parsed recipe overrides, as
+    `args.overrides`)."""
+    p.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar=metavar,
+        help=f"override a {what} value (YAML-parsed), e.g. --set train.steps=100",
+    )
+
+
 def load_config(path: str | Path, overrides: Sequence[str] = ()) -> TrainConfig:
     raw = yaml.safe_load(Path(path).read_text()) or {}
     return TrainConfig.from_dict(apply_overrides(raw, overrides))
@@ -860,14 +875,7 @@ def train_main(argv: Sequence[str] | None = None) -> int:
     """`specjax train --config FILE [--set section.key=value ...]`."""
     p = argparse.ArgumentParser(prog="specjax train", description="train a specjax model")
     p.add_argument("--config", required=True, help="recipe YAML (configs/train/*.yaml)")
-    p.add_argument(
-        "--set",
-        dest="overrides",
-        action="append",
-        default=[],
-        metavar="SECTION.KEY=VALUE",
-        help="override a config value (YAML-parsed), e.g. --set train.steps=100",
-    )
+    add_overrides_arg(p)
     args = p.parse_args(argv)
     summary = train(load_config(args.config, args.overrides))
     brief = {k: v for k, v in summary.items() if k != "log"}
