@@ -15,6 +15,14 @@ Invariants:
   (`cache_empty`) runs there too; on XLA's path it is attended in blocks of query tokens that
   score only the cells up to the block's end (`_attend_prompt`: a prompt's positions
   increase along T).
+* That chunk loop is XLA CPU's (`control.cpu_control_flow`). On accelerators a step over the
+  cache attends every segment in one pass instead, chosen by `control.attention_kernel`: on a
+  GPU one Pallas kernel per layer (`specjax.kernels.gpu`), straight from the QKV projection
+  with RoPE inside (`_attend_qkv`; `_attend_kernel` where a norm sits between projection and
+  RoPE, or for a block head's queries), reading each row's cells below its own high-water
+  mark; elsewhere (TPU), and for what the kernel does not take (a head dim that is not a
+  power of two, more than `KERNEL_MAX_ROWS` query rows per KV head: prompt chunks), one
+  masked pass over every cell in XLA's ops. Both mask by position and assume no cell order.
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -30,9 +38,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import control
 from specjax.control import cpu_control_flow
 from specjax.kernels import cpu as cpu_kernels
-from specjax.memory.kv import KVCache, used_cells, write_layer, write_positions
+from specjax.kernels import gpu as gpu_kernels
+from specjax.memory.kv import KVCache, row_high_water, used_cells, write_layer, write_positions
 from specjax.models.config import ModelConfig, rope_frequencies
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
@@ -249,7 +259,8 @@ def _attend(
     context, and it slices in place: nothing of cache size is copied. (With the native CPU
     kernels, `_attend_native` runs every segment instead.) On accelerators the cached cells
     are read in one masked pass instead (`control.cpu_control_flow`): no loop with a traced
-    trip count, which a GPU would drive from the host, and a loop body's kernels once.
+    trip count, which a GPU would drive from the host, and a loop body's kernels once (on a
+    GPU `attend_segments` takes the Pallas kernel first, where it serves).
     """
     s_own = jnp.concatenate([_scores(q_BGRTE, k, q_pos_BT, pos, window) for k, _, pos in own], -1)
     m = jnp.max(s_own, axis=-1)
@@ -375,10 +386,53 @@ def attend_segments(
     """Attention over `own` segments and the cached cells: on the native kernel
     (`_attend_native`, every cell below `used`) when `native` (the weights are in the kernel
     form) and the kernel takes the segments' dtypes, else on XLA (`_attend`, `n_chunks`
-    chunks). The target's layers and the block heads' (`models.dflash`) share it."""
+    chunks). The target's layers and the block heads' (`models.dflash`) share it. Where
+    `control.attention_kernel()` names one (GPUs), a step over cached cells runs on it
+    instead (`_attend_kernel`; `used`: the cells to read, per row [B] or for all rows)."""
     if _takes_native(native, q_BGRTE, own, cached):
         return _attend_native(q_BGRTE, own, q_pos_BT, window, cached, used)
+    kernel = control.attention_kernel()
+    if kernel is not None and cached is not None and _takes_kernel(q_BGRTE, own, cached):
+        assert used is not None
+        interpret = kernel == control.PALLAS_INTERPRET
+        return _attend_kernel(q_BGRTE, own, q_pos_BT, window, cached, used, interpret)
     return _attend(q_BGRTE, own, q_pos_BT, window, cached, n_chunks)
+
+
+#: Most query rows per KV head (query heads sharing it x new tokens) `_attend_kernel` takes:
+#: decode, verify and draft steps; a prompt chunk stays on XLA's path.
+KERNEL_MAX_ROWS = 128
+
+
+def _takes_kernel(
+    q_BGRTE: Array, own: list[tuple[Array, Array, Array]], cached: tuple[Array, Array, Array]
+) -> bool:
+    R, T = q_BGRTE.shape[2:4]
+    segments = [(k, v, pos, None) for k, v, pos in [*own, cached]]
+    return R * T <= KERNEL_MAX_ROWS and gpu_kernels.supported(q_BGRTE, segments)
+
+
+def _attend_kernel(
+    q_BGRTE: Array,
+    own: list[tuple[Array, Array, Array]],
+    q_pos_BT: Array,
+    window: int,
+    cache: tuple[Array, Array, Array],
+    used: Array,
+    interpret: bool,
+) -> Array:
+    """`_attend` in one kernel launch (`specjax.kernels.gpu.attend`): the R query heads of a
+    KV head at the T new tokens are its R * T query rows (row r * T + t), every segment
+    (`own`, then the cells below `used`) is attended by position in one online softmax.
+    No loop with a traced trip count in the program, nothing of cache size copied."""
+    B, G, R, T, E = q_BGRTE.shape
+    q = q_BGRTE.reshape(B, G, R * T, E)
+    q_pos_BQ = jnp.tile(q_pos_BT, (1, R))
+    segments: list[tuple[Array, Array, Array, Array | None]]
+    segments = [(k, v, pos, None) for k, v, pos in own]
+    segments.append((*cache, used))
+    out = gpu_kernels.attend(q, q_pos_BQ, segments, window, interpret=interpret)
+    return out.reshape(B, G, R, T, E)
 
 
 def _attend_native(
@@ -434,6 +488,46 @@ def _native_attention(q_BGRTE: Array, segment: tuple[Array, Array, Array]) -> bo
     return all(c.dtype in (jnp.float16, jnp.float32) for c in segment[:2])
 
 
+def _takes_fused_kernel(config: ModelConfig, T: int) -> bool:
+    """Whether a layer's attention runs on `gpu_kernels.attend_qkv` (RoPE in the kernel):
+    no norm between the projection and RoPE (`qk_norm`), a head dim the kernel takes, at
+    most `KERNEL_MAX_ROWS` query rows per KV head."""
+    E = config.E
+    rows = config.H // config.G * T
+    return not config.qk_norm and E >= 16 and E & (E - 1) == 0 and rows <= KERNEL_MAX_ROWS
+
+
+def _attend_qkv(
+    config: ModelConfig,
+    layer_index: int,
+    qkv_BTF: Array,
+    cos_BTe: Array,
+    sin_BTe: Array,
+    positions_BT: Array,
+    cache: KVCache,
+    extra: ExtraKV | None,
+    used: Array,
+    kernel: str,
+) -> Array:
+    """`_layer_attention` in one kernel launch from the layer's projection `qkv` (before
+    RoPE and the split into heads): `gpu_kernels.attend_qkv`, which rotates the queries and
+    the new keys itself and writes its output in the layout `wo` reads. No XLA kernel runs
+    between the projection and the kernel, nor between the kernel and `wo`."""
+    B, T, _ = qkv_BTF.shape
+    H, G, E = config.H, config.G, config.E
+    i = layer_index
+    segments: list[tuple[Array, Array, Array, Array | None]] = []
+    if extra is not None:
+        segments.append((extra.k[i], extra.v[i], extra.pos, None))
+    segments.append((cache.k[i], cache.v[i], cache.pos, used))
+    out = gpu_kernels.attend_qkv(
+        qkv_BTF.reshape(B, T, H + 2 * G, E), cos_BTe, sin_BTe, positions_BT, H,
+        (cache.k[i].dtype, cache.v[i].dtype), segments, config.layer_window(i),
+        interpret=kernel == control.PALLAS_INTERPRET,
+    )  # fmt: skip
+    return out.reshape(B, T, H * E)
+
+
 class ForwardCompute(NamedTuple):
     logits: Array | None  # [B, T, V] float32 ([B, 1, V] with `logit_index`; None if not asked)
     k: tuple[Array, ...]  # per layer [B, T, G, E], rotated at the token positions
@@ -477,9 +571,13 @@ def forward_compute(
         chunk = min(CACHE_CHUNK, cache.capacity)
         used = used_cells(cache.pos) if high_water_B is None else jnp.max(high_water_B)
         n_chunks = (used + chunk - 1) // chunk
+        if control.attention_kernel() is not None and not native:  # each row to its own mark
+            used = row_high_water(cache.pos) if high_water_B is None else high_water_B
 
     x = params["embed"][tokens_BT]
     B, T, _ = x.shape
+    kernel = None if native or n_chunks is None else control.attention_kernel()
+    fused = kernel is not None and _takes_fused_kernel(config, T)
     hidden: dict[int, Array] = {}
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
@@ -502,9 +600,13 @@ def forward_compute(
         v = v.astype(cache.v[i].dtype)
         new_k.append(k)
         new_v.append(v)
-        attn = _layer_attention(
-            config, i, q, k, v, positions_BT, cache, n_chunks, extra, native, used
-        )
+        if fused:  # the kernel reads q, k, v from `qkv` and rotates them itself
+            assert used is not None and kernel is not None
+            attn = _attend_qkv(config, i, qkv, cos, sin, positions_BT, cache, extra, used, kernel)
+        else:
+            attn = _layer_attention(
+                config, i, q, k, v, positions_BT, cache, n_chunks, extra, native, used
+            )
         x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
         gate_up = linear(h, layer["w_gate_up"])
