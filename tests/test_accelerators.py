@@ -63,6 +63,8 @@ def test_thunk_sequence_nesting_and_counts() -> None:
     assert s.round_kernels == 5  # the outer loop: 4, 5, 8, 9, 11
     assert s.whiles == 3 and s.host_whiles == 2  # the one in the command buffer is captured
     assert s.command_buffers == 1
+    # per loop, its own kernels (condition and body, nested loops aside): 4, 5, 11 | 8, 9 | 2, 3
+    assert s.loop_kernels == [3, 2, 2]
 
 
 HLO = """\
@@ -244,6 +246,18 @@ def test_draft_simple_no_large_copies_in_loops(draft_simple: dict[str, Any], tar
 def test_draft_simple_gpu_one_host_loop_per_call(draft_simple: dict[str, Any]) -> None:
     s = draft_simple["h100"]["summary"]
     assert s["compiled"] and s["host_whiles"] <= 1
+
+
+@pytest.mark.slow
+def test_draft_simple_gpu_draft_step_kernels_per_layer(draft_simple: dict[str, Any]) -> None:
+    """Item 3: a draft-simple draft step runs <= 10 kernels per draft layer. The loops of the
+    round that grow with the draft's depth are the draft model's forwards: its draft step
+    (one token, with its scratch: 9 per layer, the fewest) and its feeds of several tokens
+    at once (prompt rows, catch-up: 10-11, products on GEMM kernels with their operands
+    materialised)."""
+    s = draft_simple["h100"]["summary"]
+    loops = s["per_draft_layer_loops"]
+    assert s["compiled"] and loops and min(loops) <= 10, loops
 
 
 # --------------------------------------------------------------------------------------------
