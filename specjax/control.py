@@ -9,9 +9,12 @@ the one place that chooses (at trace time, from the backend the program is trace
   it inside its command buffer (`compiler_options`), not from the host.
 * `cpu_control_flow()`: the models' attention reads the cached cells in chunks up to the
   used cells on CPU (a loop with a traced trip count: its cost follows the context used), and
-  in one masked pass over every cell on accelerators (no loop: a few kernels per layer).
-* `attention_kernel()`: where the models' attention over the cache runs in one kernel
-  (`specjax.kernels.gpu`, Pallas lowered by Triton, on GPUs) instead of XLA's ops.
+  in one masked pass over every cell on accelerators (no loop: a few kernels per layer)
+  where `attention_kernel()` names no kernel.
+* `attention_kernel()`: where the models' attention over the cache runs in one kernel per
+  layer (`specjax.kernels.gpu`, Pallas lowered by Triton, on GPUs: every segment by position,
+  each row read to its own high-water mark by a loop inside the kernel) instead of XLA's
+  ops; None on CPU and TPU.
 * `compiler_options(platform)`: what the project's executables are compiled with by default
   on each platform (GPU: loops and conditionals captured in CUDA graphs, so no loop of a
   round runs from the host); a flag the user sets in XLA_FLAGS wins.
