@@ -110,14 +110,17 @@ def test_supported_shapes() -> None:
     assert not gpu.supported(np.zeros((1, 1, 2, 48)), seg48)  # type: ignore[arg-type]
 
 
-def test_forward_on_the_kernel_matches_xla(monkeypatch: pytest.MonkeyPatch) -> None:
+@pytest.mark.parametrize("qk_norm", [False, True])
+def test_forward_on_the_kernel_matches_xla(monkeypatch: pytest.MonkeyPatch, qk_norm: bool) -> None:
     """The forward with `control.attention_kernel` naming the kernel (interpreted): a prompt,
     then a decode step and a 3-token verify with a drafter's scratch segment (`extra`), give
     the logits of XLA's path (the CPU one), rows at different lengths; layer 0 attends a
-    sliding window of 3, layer 1 everything."""
+    sliding window of 3, layer 1 everything. Without a norm between the projection and RoPE
+    the layers run `attend_qkv` (RoPE in the kernel), with one (`qk_norm`) `attend`."""
     config = tiny_config(
-        n_heads=4, n_kv_heads=2, dim=64, sliding_window=3, swa_layers=(True, False)
-    )
+        n_heads=4, n_kv_heads=2, dim=64, sliding_window=3, swa_layers=(True, False),
+        qk_norm=qk_norm,
+    )  # fmt: skip
     params = llama.init_params(config, jax.random.PRNGKey(0))
     cache = new_cache(config, 2, 32, dtype="float16")
     prompt = jnp.asarray([[5, 9, 2, 7, 1, 3], [4, 4, 8, 6, 0, 0]], jnp.int32)
@@ -142,16 +145,18 @@ def test_forward_on_the_kernel_matches_xla(monkeypatch: pytest.MonkeyPatch) -> N
         return jax.jit(forward)
 
     xla, on_kernel = jitted(), jitted()
-    calls = []
-    attend_qkv = gpu.attend_qkv
+    calls: list[str] = []
+    attend, attend_qkv = gpu.attend, gpu.attend_qkv
     for tokens, positions, ext in steps:
         want = xla(tokens, positions, cache, ext)
         with monkeypatch.context() as m:
             m.setattr(control, "attention_kernel", lambda: control.PALLAS_INTERPRET)
-            m.setattr(gpu, "attend_qkv", lambda *a, **k: calls.append(1) or attend_qkv(*a, **k))
+            m.setattr(gpu, "attend", lambda *a, **k: calls.append("q") or attend(*a, **k))
+            m.setattr(gpu, "attend_qkv", lambda *a, **k: calls.append("qkv") or attend_qkv(*a, **k))
             got = on_kernel(tokens, positions, cache, ext)
         assert want is not None and got is not None
         valid = np.asarray(positions) >= 0
         np.testing.assert_allclose(np.asarray(got)[valid], np.asarray(want)[valid], atol=2e-5)
-    assert len(calls) == 2 * config.n_layers  # every layer of both steps ran on the kernel
+    # every layer of both steps ran on the kernel
+    assert calls == ["q" if qk_norm else "qkv"] * 2 * config.n_layers
     assert H // G * 3 <= llama.KERNEL_MAX_ROWS
