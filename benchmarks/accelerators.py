@@ -148,6 +148,7 @@ def summarise(reports: list[aot.ProgramReport], layers: int) -> dict[str, Any]:
         "errors": [f"{r.program}: {r.error}" for r in reports if not r.compiled],
         "round_program": ok[best].program if best is not None else None,
         "per_round": per_round[best] if best is not None else None,
+        "round_loop_kernels": ok[best].loop_kernels if best is not None and gpu else None,
         "per_target_layer": round(per_round[best] / layers, 1) if best is not None else None,
         "kernels_total": sum((r.kernels if gpu else r.fusions) or 0 for r in ok),
         "host_whiles": sum(r.host_whiles or 0 for r in ok) if gpu else None,
@@ -162,6 +163,16 @@ def per_layer(base: dict[str, Any], deep: dict[str, Any], layers: int) -> float 
     if not (base["compiled"] and deep["compiled"]) or layers <= 0:
         return None
     return round((deep["per_round"] - base["per_round"]) / layers, 1)
+
+
+def per_layer_loops(base: dict[str, Any], deep: dict[str, Any], layers: int) -> list[float]:
+    """GPU: what each loop of the round adds per layer, for the loops that grow with the
+    depth (program order; `ThunkStats.loop_kernels`): a loop whose body is one forward step
+    (a draft step of draft-simple, say) gives that step's kernels per layer."""
+    b, d = base.get("round_loop_kernels"), deep.get("round_loop_kernels")
+    if not b or not d or len(b) != len(d) or layers <= 0:
+        return []
+    return [round((y - x) / layers, 1) for x, y in zip(b, d) if y != x]
 
 
 def run(
@@ -198,6 +209,7 @@ def run(
                     for key, twin in twins.items():
                         deep = summarise(aot.compile_captured(twin["captured"], target), 1)
                         summary[key] = per_layer(summary, deep, EXTRA_LAYERS)
+                        summary[f"{key}_loops"] = per_layer_loops(summary, deep, EXTRA_LAYERS)
                     row["targets"][target] = {
                         "summary": summary,
                         "programs": [r.to_json() for r in reports],

@@ -196,6 +196,13 @@ class ThunkStats:
     host_whiles: int
     command_buffers: int
     whiles: int
+    #: per `kWhile`, in program order: its kernels not inside a nested `kWhile` (condition
+    #: and body: what one iteration launches besides the nested loops)
+    loop_kernels: list[int] = dataclasses.field(default_factory=list)
+
+
+def _own_kernels(t: Thunk) -> int:
+    return sum((c.kind in KERNEL_KINDS) + _own_kernels(c) for c in t.children if c.kind != "kWhile")
 
 
 def thunk_stats(roots: Sequence[Thunk]) -> ThunkStats:
@@ -216,6 +223,7 @@ def thunk_stats(roots: Sequence[Thunk]) -> ThunkStats:
         host_whiles=host,
         command_buffers=sum(t.kind == "kCommandBuffer" for t in every),
         whiles=sum(t.kind == "kWhile" for t in every),
+        loop_kernels=[_own_kernels(t) for t in every if t.kind == "kWhile"],
     )
 
 
@@ -497,6 +505,7 @@ class ProgramReport:
     round_kernels: int | None = None
     host_whiles: int | None = None
     command_buffers: int | None = None
+    loop_kernels: list[int] | None = None  # `ThunkStats.loop_kernels`
     # TPU
     fusions: int | None = None
     round_fusions: int | None = None
@@ -624,6 +633,7 @@ def compile_for(
                 ts = thunk_stats(parse_thunk_sequence(Path(files[-1]).read_text()))
                 report.kernels, report.round_kernels = ts.kernels, ts.round_kernels
                 report.host_whiles, report.command_buffers = ts.host_whiles, ts.command_buffers
+                report.loop_kernels = ts.loop_kernels
             else:
                 report.error = "compiled, but XLA wrote no thunk sequence"
     except Exception as err:  # reported per program

@@ -9,7 +9,12 @@ the one place that chooses (at trace time, from the backend the program is trace
   it inside its command buffer (`compiler_options`), not from the host.
 * `cpu_control_flow()`: the models' attention reads the cached cells in chunks up to the
   used cells on CPU (a loop with a traced trip count: its cost follows the context used), and
-  in one masked pass over every cell on accelerators (no loop: a few kernels per layer).
+  in one masked pass over every cell on accelerators (no loop: a few kernels per layer)
+  where `attention_kernel()` names no kernel.
+* `attention_kernel()`: where the models' attention over the cache runs in one kernel per
+  layer (`specjax.kernels.gpu`, Pallas lowered by Triton, on GPUs: every segment by position,
+  each row read to its own high-water mark by a loop inside the kernel) instead of XLA's
+  ops; None on CPU and TPU.
 * `compiler_options(platform)`: what the project's executables are compiled with by default
   on each platform (GPU: loops and conditionals captured in CUDA graphs, so no loop of a
   round runs from the host); a flag the user sets in XLA_FLAGS wins.
@@ -37,6 +42,20 @@ GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL
 def cpu_control_flow() -> bool:
     """Whether the program being traced is for XLA CPU (else a GPU or a TPU)."""
     return jax.default_backend() == "cpu"
+
+
+#: `attention_kernel()` values: the Pallas kernel compiled for the GPU, or run in Pallas's
+#: interpreter (any backend: the tests' check of the GPU path on CPU).
+PALLAS_GPU = "pallas-gpu"
+PALLAS_INTERPRET = "pallas-interpret"
+
+
+def attention_kernel() -> str | None:
+    """The kernel the models' attention over cached cells runs on for the backend being
+    traced: `PALLAS_GPU` on a GPU (`specjax.kernels.gpu.attend`: one launch per layer, every
+    segment by position, cells read up to each row's high-water mark); None elsewhere: XLA
+    CPU keeps its chunk loop and native kernels, a TPU the masked pass (`models.llama`)."""
+    return PALLAS_GPU if jax.default_backend() in ("gpu", "cuda") else None
 
 
 def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:

@@ -19,6 +19,14 @@ Invariants:
   (`cache_empty`) runs there too; on XLA's path it is attended in blocks of query tokens that
   score only the cells up to the block's end (`_attend_prompt`: a prompt's positions
   increase along T).
+* That chunk loop is XLA CPU's (`control.cpu_control_flow`). On accelerators a step over the
+  cache attends every segment in one pass instead, chosen by `control.attention_kernel`: on a
+  GPU one Pallas kernel per layer (`specjax.kernels.gpu`), straight from the QKV projection
+  with RoPE inside (`_attend_qkv`; `_attend_kernel` where a norm sits between projection and
+  RoPE, or for a block head's queries), reading each row's cells below its own high-water
+  mark; elsewhere (TPU), and for what the kernel does not take (a head dim that is not a
+  power of two, more than `KERNEL_MAX_ROWS` query rows per KV head: prompt chunks), one
+  masked pass over every cell in XLA's ops. Both mask by position and assume no cell order.
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -34,9 +42,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import control
 from specjax.control import cpu_control_flow
 from specjax.kernels import cpu as cpu_kernels
-from specjax.memory.kv import KVCache, used_cells, write_layer, write_positions
+from specjax.kernels import gpu as gpu_kernels
+from specjax.memory.kv import KVCache, row_high_water, used_cells, write_layer, write_positions
 from specjax.memory.swa import SWACache
 from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
 from specjax.pytree import pytree_dataclass
@@ -254,7 +264,8 @@ def _attend(
     context, and it slices in place: nothing of cache size is copied. (With the native CPU
     kernels, `_attend_native` runs every segment instead.) On accelerators the cached cells
     are read in one masked pass instead (`control.cpu_control_flow`): no loop with a traced
-    trip count, which a GPU would drive from the host, and a loop body's kernels once.
+    trip count, which a GPU would drive from the host, and a loop body's kernels once (on a
+    GPU `attend_segments` takes the Pallas kernel first, where it serves).
     """
     s_own = jnp.concatenate([_scores(q_BGRTE, k, q_pos_BT, pos, window) for k, _, pos in own], -1)
     m = jnp.max(s_own, axis=-1)
@@ -402,10 +413,53 @@ def attend_segments(
     """Attention over `own` segments and the cached cells: on the native kernel
     (`_attend_native`, every cell below `used`) when `native` (the weights are in the kernel
     form) and the kernel takes the segments' dtypes, else on XLA (`_attend`, `n_chunks`
-    chunks). The target's layers and the block heads' (`models.dflash`) share it."""
+    chunks). The target's layers and the block heads' (`models.dflash`) share it. Where
+    `control.attention_kernel()` names one (GPUs), a step over cached cells runs on it
+    instead (`_attend_kernel`; `used`: the cells to read, per row [B] or for all rows)."""
     if _takes_native(native, q_BGRTE, own, cached):
         return _attend_native(q_BGRTE, own, q_pos_BT, window, cached, used)
+    kernel = control.attention_kernel()
+    if kernel is not None and cached is not None and _takes_kernel(q_BGRTE, own, cached):
+        assert used is not None
+        interpret = kernel == control.PALLAS_INTERPRET
+        return _attend_kernel(q_BGRTE, own, q_pos_BT, window, cached, used, interpret)
     return _attend(q_BGRTE, own, q_pos_BT, window, cached, n_chunks)
+
+
+#: Most query rows per KV head (query heads sharing it x new tokens) `_attend_kernel` takes:
+#: decode, verify and draft steps; a prompt chunk stays on XLA's path.
+KERNEL_MAX_ROWS = 128
+
+
+def _takes_kernel(
+    q_BGRTE: Array, own: list[tuple[Array, Array, Array]], cached: tuple[Array, Array, Array]
+) -> bool:
+    R, T = q_BGRTE.shape[2:4]
+    segments = [(k, v, pos, None) for k, v, pos in [*own, cached]]
+    return R * T <= KERNEL_MAX_ROWS and gpu_kernels.supported(q_BGRTE, segments)
+
+
+def _attend_kernel(
+    q_BGRTE: Array,
+    own: list[tuple[Array, Array, Array]],
+    q_pos_BT: Array,
+    window: int,
+    cache: tuple[Array, Array, Array],
+    used: Array,
+    interpret: bool,
+) -> Array:
+    """`_attend` in one kernel launch (`specjax.kernels.gpu.attend`): the R query heads of a
+    KV head at the T new tokens are its R * T query rows (row r * T + t), every segment
+    (`own`, then the cells below `used`) is attended by position in one online softmax.
+    No loop with a traced trip count in the program, nothing of cache size copied."""
+    B, G, R, T, E = q_BGRTE.shape
+    q = q_BGRTE.reshape(B, G, R * T, E)
+    q_pos_BQ = jnp.tile(q_pos_BT, (1, R))
+    segments: list[tuple[Array, Array, Array, Array | None]]
+    segments = [(k, v, pos, None) for k, v, pos in own]
+    segments.append((*cache, used))
+    out = gpu_kernels.attend(q, q_pos_BQ, segments, window, interpret=interpret)
+    return out.reshape(B, G, R, T, E)
 
 
 def _attend_native(
@@ -475,9 +529,11 @@ def _cached_cells(
     cache: KVCache | SWACache,
     cache_empty: bool,
     high_water_B: Array | None,
+    per_row: bool = False,
 ) -> list[_Cells]:
     """Per layer: its cached cells (k, v, pos; None with `cache_empty`), the chunks of
-    CACHE_CHUNK cells below the high-water mark and the mark. A `SWACache` (gemma3 without
+    CACHE_CHUNK cells below the high-water mark and the mark (`per_row`: each row's own
+    [B], for the GPU attention kernel; else one for all rows). A `SWACache` (gemma3 without
     `swa_full`) reads its sliding-window layers from the ring, the others from the full part
     (`high_water_B` is the full part's)."""
     if cache_empty:
@@ -485,8 +541,12 @@ def _cached_cells(
 
     def marks(part: KVCache, high_water: Array | None) -> tuple[Array, Array]:
         chunk = min(CACHE_CHUNK, part.capacity)
-        used = used_cells(part.pos) if high_water is None else jnp.max(high_water)
-        return (used + chunk - 1) // chunk, used
+        if per_row:
+            used = row_high_water(part.pos) if high_water is None else high_water
+            top = jnp.max(used)
+        else:
+            used = top = used_cells(part.pos) if high_water is None else jnp.max(high_water)
+        return (top + chunk - 1) // chunk, used
 
     if not isinstance(cache, SWACache):
         n_chunks, used = marks(cache, high_water_B)
@@ -498,6 +558,48 @@ def _cached_cells(
         n_chunks, used = ring if cache.swa[i] else full
         out.append(((part.k[j], part.v[j], part.pos), n_chunks, used))
     return out
+
+
+def _takes_fused_kernel(config: ModelConfig, T: int) -> bool:
+    """Whether a layer's attention runs on `gpu_kernels.attend_qkv` (RoPE in the kernel):
+    no norm between the projection and RoPE (`qk_norm`), a head dim the kernel takes, at
+    most `KERNEL_MAX_ROWS` query rows per KV head."""
+    E = config.E
+    rows = config.H // config.G * T
+    plain_q = not config.qk_norm and not config.attn_scale  # nothing between projection and RoPE
+    return plain_q and E >= 16 and E & (E - 1) == 0 and rows <= KERNEL_MAX_ROWS
+
+
+def _attend_qkv(
+    config: ModelConfig,
+    layer_index: int,
+    qkv_BTF: Array,
+    cos_BTe: Array,
+    sin_BTe: Array,
+    positions_BT: Array,
+    cached: tuple[Array, Array, Array],
+    extra: ExtraKV | None,
+    used: Array,
+    kernel: str,
+) -> Array:
+    """`_layer_attention` in one kernel launch from the layer's projection `qkv` (before
+    RoPE and the split into heads): `gpu_kernels.attend_qkv`, which rotates the queries and
+    the new keys itself and writes its output in the layout `wo` reads. No XLA kernel runs
+    between the projection and the kernel, nor between the kernel and `wo`."""
+    B, T, _ = qkv_BTF.shape
+    H, G, E = config.H, config.G, config.E
+    i = layer_index
+    segments: list[tuple[Array, Array, Array, Array | None]] = []
+    if extra is not None:
+        segments.append((extra.k[i], extra.v[i], extra.pos, None))
+    k_BGSE, v_BGSE, pos_BS = cached
+    segments.append((k_BGSE, v_BGSE, pos_BS, used))
+    out = gpu_kernels.attend_qkv(
+        qkv_BTF.reshape(B, T, H + 2 * G, E), cos_BTe, sin_BTe, positions_BT, H,
+        (k_BGSE.dtype, v_BGSE.dtype), segments, config.layer_window(i),
+        interpret=kernel == control.PALLAS_INTERPRET,
+    )  # fmt: skip
+    return out.reshape(B, T, H * E)
 
 
 class ForwardCompute(NamedTuple):
@@ -542,13 +644,15 @@ def forward_compute(
     }
     # Decode weights in the native kernel's form mean the native kernels are in use.
     native = bool(params["layers"]) and isinstance(params["layers"][0].get("wqkv"), KernelWeight)
-    cells = _cached_cells(config, cache, cache_empty, high_water_B)
+    kernel = None if native or cache_empty else control.attention_kernel()
+    cells = _cached_cells(config, cache, cache_empty, high_water_B, per_row=kernel is not None)
     gemma = config.arch == "gemma3"
 
     x = params["embed"][tokens_BT]
     if gemma:  # (HF rounds the scale to the weights' dtype: sqrt(3072) is 55.5 in bfloat16)
         x = x * jnp.asarray(math.sqrt(config.D), x.dtype)
     B, T, _ = x.shape
+    fused = kernel is not None and _takes_fused_kernel(config, T)
     hidden: dict[int, Array] = {}
     new_k, new_v = [], []
     for i, layer in enumerate(params["layers"]):
@@ -575,9 +679,13 @@ def forward_compute(
         v = v.astype(cached_dtype(cache, i, "v"))
         new_k.append(k)
         new_v.append(v)
-        attn = _attention_over_cells(
-            config, i, q, k, v, positions_BT, cached, n_chunks, extra, native, used
-        )
+        if fused:  # the kernel reads q, k, v from `qkv` and rotates them itself
+            assert cached is not None and used is not None and kernel is not None
+            attn = _attend_qkv(config, i, qkv, cos, sin, positions_BT, cached, extra, used, kernel)
+        else:
+            attn = _attention_over_cells(
+                config, i, q, k, v, positions_BT, cached, n_chunks, extra, native, used
+            )
         out = linear(attn, layer["wo"])
         x = x + (rms_norm(out, layer["post_attn_norm"], config.norm_eps) if gemma else out)
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
