@@ -13,6 +13,8 @@ the one place that chooses (at trace time, from the backend the program is trace
 * `compiler_options(platform)`: what the project's executables are compiled with by default
   on each platform (GPU: loops and conditionals captured in CUDA graphs, so no loop of a
   round runs from the host); a flag the user sets in XLA_FLAGS wins.
+* `moe_dispatch(pairs, n_experts)`: how a mixture-of-experts layer (`specjax.models.moe`)
+  runs its experts over `pairs` token-expert pairs (see its docstring for the figures).
 
 Invariant: `run_once` never copies what its body updates in place.
 """
@@ -56,3 +58,22 @@ def compiler_options(platform: str) -> dict[str, str]:
     if platform in ("gpu", "cuda") and "xla_gpu_enable_command_buffer" not in user:
         options["xla_gpu_enable_command_buffer"] = GPU_COMMAND_BUFFER
     return options
+
+
+#: Most token-expert pairs per expert that XLA CPU runs pair by pair ("pairs");
+#: beyond, as every expert over every token ("dense").
+CPU_PAIRS_PER_EXPERT = 8
+
+
+def moe_dispatch(pairs: int, n_experts: int) -> str:
+    """The dispatch (`specjax.models.moe.DISPATCHES`) of a MoE layer over `pairs` (static)
+    token-expert pairs of `n_experts` experts, for the backend being traced for.
+
+    CPU: "pairs" (a loop over the pairs: only the experts the tokens use) for decode and
+    verify sizes, "dense" for prompts. XLA CPU has no grouped matmul: `lax.ragged_dot` expands there to a masked
+    product with every expert over every pair, k times the dense dispatch's work.
+    Accelerators: "ragged" (`lax.ragged_dot`, a grouped matmul over the pairs sorted by
+    expert)."""
+    if jax.default_backend() == "cpu":
+        return "pairs" if pairs <= CPU_PAIRS_PER_EXPERT * n_experts else "dense"
+    return "ragged"

@@ -1,4 +1,4 @@
-"""Llama-family decoder (llama / qwen2 / qwen3) as a pure function of (params, tokens, positions, cache).
+"""Llama-family decoder (llama / qwen2 / qwen3 / qwen3moe) as a pure function of (params, tokens, positions, cache).
 
 Invariants:
 * `positions[b, t] == -1` marks padding: its K/V are not written and its logits are garbage
@@ -15,6 +15,8 @@ Invariants:
   (`cache_empty`) runs there too; on XLA's path it is attended in blocks of query tokens that
   score only the cells up to the block's end (`_attend_prompt`: a prompt's positions
   increase along T).
+* A qwen3moe layer (`config.is_moe_layer`) runs `models.moe.moe_ffn` in place of the dense
+  FFN; everything else is qwen3's.
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -34,6 +36,7 @@ from specjax.control import cpu_control_flow
 from specjax.kernels import cpu as cpu_kernels
 from specjax.memory.kv import KVCache, used_cells, write_layer, write_positions
 from specjax.models.config import ModelConfig, rope_frequencies
+from specjax.models.moe import init_moe_layer, moe_ffn
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -507,9 +510,12 @@ def forward_compute(
         )
         x = x + linear(attn, layer["wo"])
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = linear(h, layer["w_gate_up"])
-        gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
+        if config.is_moe_layer(i):
+            x = x + moe_ffn(config, layer, h)
+        else:
+            gate_up = linear(h, layer["w_gate_up"])
+            gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
+            x = x + linear(jax.nn.silu(gate) * up, layer["w_down"])
     if config.L in hidden_layers:
         hidden[config.L] = x
     out_logits = None
@@ -614,15 +620,19 @@ def init_params(config: ModelConfig, key: Array) -> Params:
 
     keys = iter(jax.random.split(key, 4 + 4 * config.L))
     layers = []
-    for _ in range(config.L):
+    for i in range(config.L):
         layer = {
             "attn_norm": jnp.ones((D,), dtype),
             "wqkv": normal(next(keys), ((H + 2 * G) * E, D), std),
             "wo": normal(next(keys), (D, H * E), out_std),
             "ffn_norm": jnp.ones((D,), dtype),
-            "w_gate_up": normal(next(keys), (2 * F, D), std),
-            "w_down": normal(next(keys), (D, F), out_std),
         }
+        if config.is_moe_layer(i):
+            layer.update(init_moe_layer(config, next(keys), std, out_std))
+            next(keys)
+        else:
+            layer["w_gate_up"] = normal(next(keys), (2 * F, D), std)
+            layer["w_down"] = normal(next(keys), (D, F), out_std)
         if config.qkv_bias:
             layer["bqkv"] = jnp.zeros(((H + 2 * G) * E,), dtype)
         if config.qk_norm:
