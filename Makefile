@@ -11,7 +11,11 @@ AOT_STAMP := $(AOT_VENV)/.installed-stamp
 # worker so module fixtures (models, compiled engines) are built once.
 PYTEST := $(PY) -m pytest -n auto --dist loadfile
 
-.PHONY: install aot demo test test-slow test-all lint format bench clean
+# Recording venv (torch + transformers) for tests/fixtures/references/record.py; the tests only
+# read what it wrote. LLAMA_CPP_SRC / LLAMA_CPP_BIN point it at llama.cpp's converter / tools.
+REF_VENV := .venv-ref
+
+.PHONY: install aot demo test test-slow test-all lint format bench clean references
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || python3 -m venv $(VENV)
@@ -57,6 +61,11 @@ format: $(STAMP)
 bench: $(STAMP)
 	$(PY) benchmarks/decode.py
 	$(PY) benchmarks/speculative.py --overwrite
+
+references: $(STAMP)
+	test -x $(REF_VENV)/bin/python || python3 -m venv $(REF_VENV)
+	$(REF_VENV)/bin/python -m pip install -q -e '.[references]'
+	$(REF_VENV)/bin/python tests/fixtures/references/record.py
 
 clean:
 	rm -rf $(VENV) $(AOT_VENV) .pytest_cache .ruff_cache .mypy_cache

@@ -242,11 +242,21 @@ def _refuse_hybrid(model: Model, what: str) -> None:
 
 
 def _load_hybrid(path: str, dtype: str | None) -> Model | None:
-    """A qwen35 (hybrid recurrent) GGUF as a Model, or None for any other file."""
+    """A qwen35 (hybrid recurrent) GGUF or Qwen3.5 folder as a Model, or None for any other."""
     import os
 
     from specjax.io.gguf_io import read_architecture
 
+    if os.path.isdir(path):
+        from specjax.io.hf_qwen35 import is_qwen35_folder, load_qwen35_hf
+
+        if not is_qwen35_folder(path):
+            return None
+        config, params, tokenizer = load_qwen35_hf(path, dtype=dtype)
+        if dtype is None and default_compute_dtype(config.dtype) != config.dtype:
+            config = dataclasses.replace(config, dtype=default_compute_dtype(config.dtype))
+            params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
+        return Model(config=config, params=params, tokenizer=tokenizer, path=str(path))  # type: ignore[arg-type]
     if not (os.path.isfile(path) and str(path).lower().endswith(".gguf")):
         return None
     try:

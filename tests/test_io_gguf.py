@@ -3,6 +3,7 @@ conventions (interleaved-RoPE row permutation, rope_freqs), quantised loads and 
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import random
@@ -146,14 +147,48 @@ def test_rope_freqs_tensor_matches_llama_cpp_formula(tok, tmp_path, monkeypatch)
             )
             expected.append(1 / ((1 - smooth) / s.factor + smooth))
     np.testing.assert_allclose(np.asarray(tensors["rope_freqs.weight"].data), expected, rtol=1e-6)
-    # A file as llama.cpp's converter writes it (no specjax.* keys): the scaling is fitted.
+    # A file as llama.cpp's converter writes it (no specjax.* keys): the stored factors are used
+    # as they are, exactly as llama.cpp uses them.
     monkeypatch.setattr(gguf_io, "_SPECJAX_ROPE", "absent.")
     config2, params2, _ = load_gguf(tmp_path / "m.gguf")
-    assert config2.rope_scaling is not None
-    np.testing.assert_allclose(rope_frequencies(config2), rope_frequencies(config), rtol=1e-5)
+    assert config2.rope_scaling is None
+    assert config2.rope_factors == tuple(
+        float(x) for x in np.asarray(tensors["rope_freqs.weight"].data, np.float32)
+    )
+    np.testing.assert_allclose(rope_frequencies(config2), rope_frequencies(config), rtol=1e-6)
     np.testing.assert_allclose(
         row_logits(config2, params2, IDS), row_logits(config, params, IDS), rtol=0, atol=1e-5
     )
+
+
+def test_any_rope_factors_load_and_round_trip(tok, tmp_path):
+    """Factors no llama3 scaling produces (one pair inside the band, as llama.cpp's converter
+    writes for factor 8 / original context 64 at theta 5e5) are stored per pair: the model
+    turns pair i at theta^(-2i/E) / factor_i, and a save writes the same rope_freqs back."""
+    factors = (1.0, 2.4422595500946045, 8.0, 8.0, 8.0, 8.0, 8.0, 8.0)
+    config = ModelConfig(arch="llama", rope_theta=500000.0, rope_factors=factors, **BASE)
+    E = config.E
+    want = [1.0 / (500000.0 ** (2 * i / E)) / f for i, f in enumerate(factors)]
+    np.testing.assert_allclose(rope_frequencies(config), want, rtol=1e-12)
+    params = jittered_params(config)
+    save_gguf(tmp_path / "m.gguf", config, params, tok)
+    tensors = {t.name: t for t in gguf.GGUFReader(tmp_path / "m.gguf").tensors}
+    np.testing.assert_array_equal(
+        np.asarray(tensors["rope_freqs.weight"].data), np.asarray(factors, np.float32)
+    )
+    config2, params2, _ = load_gguf(tmp_path / "m.gguf")
+    assert config2 == config
+    np.testing.assert_array_equal(
+        row_logits(config2, params2, IDS), row_logits(config, params, IDS)
+    )
+    plain = dataclasses.replace(config, rope_factors=())
+    assert not np.allclose(row_logits(plain, params, IDS), row_logits(config, params, IDS))
+    with pytest.raises(ValueError, match=r"rope_factors has 3 entries; head_dim 16 has 8"):
+        ModelConfig(arch="llama", rope_factors=(1.0, 2.0, 3.0), **BASE)
+    with pytest.raises(ValueError, match=r"not both"):
+        dataclasses.replace(config, rope_scaling=RopeScaling())
+    with pytest.raises(ValueError, match=r"finite and positive"):
+        ModelConfig(arch="llama", rope_factors=(1.0,) * 7 + (0.0,), **BASE)
 
 
 def test_fit_llama3_scaling_without_smooth_band():

@@ -3,6 +3,7 @@ and load_model_files dispatch."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import random
@@ -234,6 +235,11 @@ def test_config_from_transformers_style_json():
         ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling type 'yarn'"),
         ({"mlp_bias": True}, "mlp_bias"),
+        (
+            {"quantization_config": {"quant_method": "gptq", "bits": 4}},
+            r"quantized checkpoint \(quant_method 'gptq'\) is not supported",
+        ),
+        ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0"),
         ({"hidden_size": None}, "missing hidden_size"),
         ({"num_key_value_heads": 3}, "multiple of n_kv_heads"),
     ],
@@ -294,14 +300,36 @@ def test_file_errors(tok, tmp_path):
         load_hf(tmp_path)
 
 
+def test_mistral_folders_load_as_llama(tok, tmp_path):
+    """MistralForCausalLM is a llama whose sliding_window (when not null) covers every layer;
+    a llama windowed on every layer saves as Mistral and reloads equal."""
+    config = ModelConfig(arch="llama", sliding_window=8, rope_theta=1e6, **BASE)
+    params = jittered_params(config)
+    save_hf(tmp_path, config, params, tok)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert (hf["architectures"], hf["model_type"], hf["sliding_window"]) == (
+        ["MistralForCausalLM"],
+        "mistral",
+        8,
+    )
+    config2, params2, _ = load_hf(tmp_path)
+    assert config2 == config
+    assert leaves_equal(params2, params)
+    hf["sliding_window"] = None  # recent Mistral configs: full attention
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    assert load_hf(tmp_path)[0] == dataclasses.replace(config, sliding_window=0)
+    del hf["architectures"]  # the model_type alone names it
+    assert config_from_hf(hf) == dataclasses.replace(config, sliding_window=0)
+
+
 def test_save_validation_and_atomic_files(tok, tmp_path):
     config = CONFIGS["llama_llama3"]
     params = jittered_params(config)
     with pytest.raises(ValueError, match=r"parameter layers.0.w_down has shape"):
         bad = dict(params["layers"][0], w_down=jnp.zeros((64, 64)))
         save_hf(tmp_path, config, dict(params, layers=(bad, params["layers"][1])), tok)
-    swa_llama = ModelConfig(arch="llama", sliding_window=4, **BASE)
-    with pytest.raises(ValueError, match=r"no sliding-window"):
+    swa_llama = ModelConfig(arch="llama", sliding_window=4, swa_layers=(True, False), **BASE)
+    with pytest.raises(ValueError, match=r"slides every layer"):
         save_hf(tmp_path, swa_llama, init_params(swa_llama, jax.random.PRNGKey(0)), tok)
     assert os.listdir(tmp_path) == []
     qwen2 = ModelConfig(arch="qwen2", **BASE)  # transformers' Qwen2 always has q/k/v biases

@@ -21,9 +21,16 @@ __all__ = ["load_gguf", "load_hf", "load_model_files", "save_gguf", "save_hf"]
 def load_model_files(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[ModelConfig, Params, Tokenizer]:
-    """Load a `.gguf` file or a Hugging Face model directory (config.json + safetensors)."""
+    """Load a `.gguf` file or a Hugging Face model directory (config.json + safetensors).
+
+    EAGLE-3 / DFlash GGUFs return their head configs; qwen35 GGUFs and Qwen3.5 folders
+    (specjax.io.hf_qwen35) a Qwen35Config."""
     path = os.fspath(path)
     if os.path.isdir(path):
+        from specjax.io.hf_qwen35 import is_qwen35_folder, load_qwen35_hf
+
+        if is_qwen35_folder(path):  # the hybrid target: (Qwen35Config, ...)
+            return load_qwen35_hf(path, dtype=dtype)  # type: ignore[return-value]
         return load_hf(path, dtype=dtype)
     if os.path.isfile(path):
         with open(path, "rb") as f:
@@ -34,6 +41,10 @@ def load_model_files(
             arch = gguf_architecture(path)
             if arch == ARCH:  # an EAGLE-3 head: (Eagle3Config, ...)
                 return load_eagle3_gguf(path, dtype=dtype)  # type: ignore[return-value]
+            if arch == "qwen35":  # the hybrid target: (Qwen35Config, ...)
+                from specjax.io.gguf_qwen35 import load_qwen35_gguf
+
+                return load_qwen35_gguf(path, dtype=dtype)  # type: ignore[return-value]
             if arch == "dflash":  # a DFlash / DSpark head: (DFlashConfig, ...)
                 from specjax.io.dflash_gguf import load_dflash_gguf
 

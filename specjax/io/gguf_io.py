@@ -20,14 +20,17 @@ Invariants:
   weights as F32 / F16 / BF16 / Q8_0. Q8_0 needs rows divisible by 32; other rows fall back to F16.
 * A save never clobbers an existing file with a partial one: it writes a temp file in the
   target's directory and ``os.replace``s it at the end.
-* llama3 RoPE scaling is stored as llama.cpp does, a ``rope_freqs.weight`` tensor of per-
-  frequency divisors, plus ``specjax.rope_scaling.*`` keys (ignored by llama.cpp) that let a
-  reload recover the exact `RopeScaling`; without them the parameters are fitted to the tensor.
+* RoPE frequency factors are stored as llama.cpp does, a ``rope_freqs.weight`` tensor of per-
+  pair divisors (from `ModelConfig.rope_factors`, or computed from a llama3 `RopeScaling`, then
+  with ``specjax.rope_scaling.*`` keys, ignored by llama.cpp, that let a reload recover the
+  exact `RopeScaling`). A file without those keys loads its factors as they are stored
+  (`rope_factors`), whatever wrote them: llama.cpp uses the tensor, not a parameter fit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import tempfile
@@ -42,7 +45,13 @@ from gguf import GGMLQuantizationType as QT
 
 from specjax.errors import ModelFileError
 from specjax.io.tokenizer import Tokenizer
-from specjax.models.config import ARCHS, ModelConfig, RopeScaling, rope_frequencies
+from specjax.models.config import (
+    ARCHS,
+    ModelConfig,
+    RopeScaling,
+    rope_frequencies,
+    rope_pair_factors,
+)
 from specjax.types import Array, Params
 
 SAVE_DTYPES = ("f32", "f16", "bf16", "q8_0")
@@ -140,14 +149,14 @@ def split_layer(config: ModelConfig, layer: Mapping[str, Any]) -> dict[str, np.n
 
 def llama3_factors(config: ModelConfig) -> np.ndarray:
     """llama.cpp's rope_freqs tensor: unscaled / scaled inverse frequency per dimension pair."""
-    plain = rope_frequencies(_replace_scaling(config, None))
-    scaled = rope_frequencies(config)
-    return np.asarray([p / s for p, s in zip(plain, scaled)], np.float32)
+    return np.asarray(rope_pair_factors(config), np.float32)
 
 
 def _replace_scaling(config: ModelConfig, scaling: RopeScaling | None) -> ModelConfig:
+    """`config` with `scaling` as its only RoPE frequency scaling (rope_factors cleared)."""
     data = config.to_dict()
     data["rope_scaling"] = None if scaling is None else scaling.__dict__.copy()
+    data["rope_factors"] = ()
     return ModelConfig.from_dict(data)
 
 
@@ -473,13 +482,17 @@ def load_gguf(
                 high_freq_factor=_f32(fields[f"{_SPECJAX_ROPE}high_freq_factor"]),
                 original_max_position=int(fields[f"{_SPECJAX_ROPE}original_max_position"]),
             )
-        scaling = fit_llama3_scaling(config, factors, hint)
-        if scaling is None and not np.allclose(factors, 1.0):
-            raise ModelFileError(
-                f"{path}: rope_freqs.weight factors {np.round(factors, 4).tolist()} are not "
-                "llama3-style RoPE scaling; specjax cannot represent them"
+        if hint is not None and _factors_match(_replace_scaling(config, hint), factors):
+            config = _replace_scaling(config, hint)  # a specjax-written llama3 scaling
+        elif not np.all(factors == 1.0):
+            if not np.all(np.isfinite(factors) & (factors > 0)):
+                raise ModelFileError(
+                    f"{path}: rope_freqs.weight factors {np.round(factors, 4).tolist()} are not "
+                    "all finite and positive"
+                )
+            config = dataclasses.replace(
+                config, rope_factors=tuple(float(f) for f in np.asarray(factors, np.float32))
             )
-        config = _replace_scaling(config, scaling)
 
     np_dtype = jnp.dtype(config.dtype)
     half_params = np_dtype == np.float16  # from here on, F16 tensors stay as stored
@@ -579,9 +592,10 @@ def _validate_for_gguf(config: ModelConfig) -> None:
             )
         if config.moe_layers and not all(config.moe_layers):
             raise ValueError("llama.cpp's qwen3moe has experts in every layer (moe_layers)")
-    if config.rope_scaling is not None and config.arch != "llama":
+    if (config.rope_scaling is not None or config.rope_factors) and config.arch != "llama":
         raise ValueError(
-            f"llama3 RoPE scaling can only be stored for arch 'llama' in GGUF, not {config.arch!r}"
+            f"RoPE frequency factors can only be stored for arch 'llama' in GGUF (llama.cpp's "
+            f"{config.arch} reads no rope_freqs), not {config.arch!r}"
         )
 
 
@@ -656,7 +670,7 @@ def save_gguf(
         add("output_norm.weight", params["final_norm"])
         if not config.tie_embeddings:
             add("output.weight", params["lm_head"])
-        if config.rope_scaling is not None:
+        if config.rope_scaling is not None or config.rope_factors:
             add("rope_freqs.weight", llama3_factors(config))
         permute = config.arch == "llama"
         for i, layer in enumerate(params["layers"]):

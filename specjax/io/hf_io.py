@@ -1,7 +1,8 @@
 """Hugging Face checkpoint directories <-> specjax (ModelConfig, params, Tokenizer).
 
-A directory holds config.json (LlamaForCausalLM / Qwen2ForCausalLM / Qwen3ForCausalLM /
-Qwen3MoeForCausalLM),
+A directory holds config.json (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
+Qwen3ForCausalLM / Qwen3MoeForCausalLM; Qwen3_5ForCausalLM folders are read by
+specjax.io.hf_qwen35),
 model.safetensors (or shards listed in model.safetensors.index.json) and tokenizer.json.
 
 Invariants:
@@ -15,6 +16,9 @@ Invariants:
 * qwen2 always has q/k/v biases in transformers, so a qwen2 model saved without them is
   written with zero biases and reloads with ``qkv_bias=True``.
 * ``head_dim`` is normalised: 0 in the returned config when it equals dim // n_heads.
+* Mistral loads as ``llama``: its ``sliding_window`` (when not null) is ``ModelConfig.
+  sliding_window`` on every layer, as transformers masks every layer; a llama config with a
+  window on every layer is saved as MistralForCausalLM.
 * Saving writes each file to a temp name in the directory and ``os.replace``s it, so a failed
   save never leaves a half-written file under a real name.
 """
@@ -39,11 +43,24 @@ from specjax.types import Params
 
 _ARCH_OF_CLASS = {
     "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "llama",  # Llama with an optional all-layer sliding window
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3moe",
 }
-_CLASS_OF_ARCH = {v: k for k, v in _ARCH_OF_CLASS.items()}
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+}
+_CLASS_OF_ARCH = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
+}
 #: transformers' model_type of each architecture, where it is not the architecture's name
 _MODEL_TYPE = {"qwen3moe": "qwen3_moe"}
 _DTYPES = {
@@ -91,21 +108,41 @@ def _rope_scaling(path: str, hf: Mapping[str, Any]) -> tuple[float, RopeScaling 
     )
 
 
+def refuse_quantized(hf: Mapping[str, Any], source: str) -> None:
+    """ModelFileError for a checkpoint quantised by transformers' quantizers (GPTQ, AWQ, FP8,
+    compressed-tensors, bitsandbytes...): their packed tensors have no specjax reading."""
+    q = hf.get("quantization_config") or (hf.get("text_config") or {}).get("quantization_config")
+    if q:
+        method = q.get("quant_method", "?") if isinstance(q, Mapping) else "?"
+        raise ModelFileError(
+            f"{source}: quantized checkpoint (quant_method {method!r}) is not supported; load "
+            "the unquantized folder, or a GGUF (quantized GGUF types load)"
+        )
+
+
 def config_from_hf(
     hf: Mapping[str, Any], *, dtype: str | None = None, source: str = "config.json"
 ) -> ModelConfig:
     """ModelConfig from a transformers config.json dictionary."""
     archs = hf.get("architectures") or []
     arch = next((_ARCH_OF_CLASS[a] for a in archs if a in _ARCH_OF_CLASS), None)
-    if arch is None and hf.get("model_type") in _CLASS_OF_ARCH:
-        arch = hf["model_type"]
-    if arch is None and hf.get("model_type") in _MODEL_TYPE.values():
-        arch = next(a for a, t in _MODEL_TYPE.items() if t == hf["model_type"])
+    if arch is None and hf.get("model_type") in _ARCH_OF_MODEL_TYPE:
+        arch = _ARCH_OF_MODEL_TYPE[hf["model_type"]]
+    mistral = "MistralForCausalLM" in archs or (not archs and hf.get("model_type") == "mistral")
     if arch is None:
+        from specjax.io.hf_qwen35 import CLASSES as QWEN35_CLASSES
+        from specjax.io.hf_qwen35 import is_qwen35_config
+
+        if is_qwen35_config(hf):
+            raise ModelFileError(
+                f"{source}: {archs or hf.get('model_type')} is the hybrid (qwen35) model: load "
+                "it with specjax.load / specjax.io.load_model_files (specjax.io.hf_qwen35)"
+            )
         raise ModelFileError(
             f"{source}: unsupported architecture {archs or hf.get('model_type')!r}; supported: "
-            f"{', '.join(_ARCH_OF_CLASS)}"
+            f"{', '.join([*_ARCH_OF_CLASS, *QWEN35_CLASSES])}"
         )
+    refuse_quantized(hf, source)
     if hf.get("mlp_bias"):
         raise ModelFileError(f"{source}: mlp_bias=true is not supported")
     if hf.get("hidden_act", "silu") not in ("silu", "swish"):
@@ -122,6 +159,12 @@ def config_from_hf(
     theta, scaling = _rope_scaling(source, hf)
 
     window, swa = 0, ()
+    if mistral and hf.get("sliding_window") is not None:
+        # transformers' Mistral masks every layer to the window when sliding_window is set
+        # (k > q - window); null (recent configs) is full attention.
+        window = int(hf["sliding_window"])
+        if window <= 0:
+            raise ModelFileError(f"{source}: sliding_window={window} must be positive or null")
     if arch in ("qwen2", "qwen3"):
         layer_types = hf.get("layer_types")
         sliding = hf.get("sliding_window") if hf.get("use_sliding_window", False) else None
@@ -250,6 +293,14 @@ class _Weights:
             for k in keys:
                 self.location[k] = name
         self.used: set[str] = set()
+        #: name the loader asks for -> name in the file (see `rename_prefix`)
+        self.alias: dict[str, str] = {}
+
+    def rename_prefix(self, old: str, new: str) -> None:
+        """Serve every tensor named `old`... under `new`... instead."""
+        for k in [k for k in self.location if k.startswith(old)]:
+            self.location[new + k[len(old) :]] = self.location.pop(k)
+            self.alias[new + k[len(old) :]] = k
 
     def __contains__(self, name: str) -> bool:
         return name in self.location
@@ -260,7 +311,7 @@ class _Weights:
         self.used.add(name)
         file = self.location[name]
         try:
-            arr = self.handles[file].get_tensor(name)
+            arr = self.handles[file].get_tensor(self.alias.get(name, name))
         except Exception as e:
             raise ModelFileError(f"{self.folder}/{file}: cannot read tensor {name} ({e})") from e
         if tuple(arr.shape) != shape:
@@ -362,11 +413,18 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         raise ValueError("transformers' Qwen3 always has q/k norm; set qk_norm=True")
     if config.arch not in ("qwen3", "qwen3moe") and config.qk_norm:
         raise ValueError(f"transformers' {_CLASS_OF_ARCH[config.arch]} has no q/k norm")
-    if config.arch == "llama" and config.sliding_window:
-        raise ValueError("transformers' LlamaForCausalLM has no sliding-window attention")
+    # a llama with a sliding window on every layer is transformers' Mistral
+    mistral = config.arch == "llama" and config.sliding_window > 0
+    if mistral and (config.swa_layers and not all(config.swa_layers)):
+        raise ValueError(
+            "transformers' MistralForCausalLM slides every layer; per-layer windows "
+            f"{config.swa_layers} have no Llama-family class"
+        )
+    if mistral and config.qkv_bias:
+        raise ValueError("transformers' MistralForCausalLM has no attention biases")
     out: dict[str, Any] = {
-        "architectures": [_CLASS_OF_ARCH[config.arch]],
-        "model_type": _MODEL_TYPE.get(config.arch, config.arch),
+        "architectures": ["MistralForCausalLM" if mistral else _CLASS_OF_ARCH[config.arch]],
+        "model_type": "mistral" if mistral else _MODEL_TYPE.get(config.arch, config.arch),
         "vocab_size": config.V,
         "hidden_size": config.D,
         "num_hidden_layers": config.L,
@@ -385,8 +443,18 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         "use_cache": True,
         "torch_dtype": config.dtype,
     }
-    if config.rope_scaling is not None:
-        s = config.rope_scaling
+    scaling = config.rope_scaling
+    if config.rope_factors:
+        from specjax.io.gguf_io import fit_llama3_scaling
+
+        scaling = fit_llama3_scaling(config, np.asarray(config.rope_factors, np.float64))
+        if scaling is None:
+            raise ValueError(
+                f"transformers' config.json cannot express the RoPE factors "
+                f"{[round(f, 4) for f in config.rope_factors]} (no llama3 rope_scaling gives them)"
+            )
+    if scaling is not None:
+        s = scaling
         out["rope_scaling"] = {
             "rope_type": "llama3",
             "factor": s.factor,
@@ -394,7 +462,9 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
             "high_freq_factor": s.high_freq_factor,
             "original_max_position_embeddings": s.original_max_position,
         }
-    if config.arch == "llama":
+    if mistral:
+        out["sliding_window"] = config.sliding_window
+    elif config.arch == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=False, pretraining_tp=1)
     elif config.arch in ("qwen3", "qwen3moe"):
         out["attention_bias"] = config.qkv_bias
@@ -471,11 +541,8 @@ def save_hf(
             tensors[a + "q_proj.bias"] = np.zeros((H * E,), dt)
             tensors[a + "k_proj.bias"] = np.zeros((G * E,), dt)
             tensors[a + "v_proj.bias"] = np.zeros((G * E,), dt)
-        if config.qkv_bias and config.arch in (
-            "llama",
-            "qwen3",
-            "qwen3moe",
-        ):  # attention_bias covers o_proj
+        # attention_bias covers o_proj
+        if config.qkv_bias and config.arch in ("llama", "qwen3", "qwen3moe"):
             tensors[a + "o_proj.bias"] = np.zeros((config.D,), dt)
         if config.qk_norm:
             tensors[a + "q_norm.weight"] = np_(layer["q_norm"])

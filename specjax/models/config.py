@@ -27,6 +27,8 @@ Parameter pytree (plain dicts/tuples; weights stored [out, in], never upcast in 
 
 RoPE uses the "rotate half" (NeoX / Hugging Face) layout: dimension i pairs with i + E/2.
 GGUF `llama` files store Q/K rows permuted for interleaved RoPE; the GGUF loader undoes that.
+Pair i turns at theta^(-2i/E) / factor_i: the factors are `rope_factors` when given (llama.cpp's
+rope_freqs tensor, whatever produced it), else computed from `rope_scaling` (llama3), else 1.
 """
 
 from __future__ import annotations
@@ -63,6 +65,9 @@ class ModelConfig:
     head_dim: int = 0  # 0 -> dim // n_heads
     rope_theta: float = 10000.0
     rope_scaling: RopeScaling | None = None
+    # Per dimension pair [E/2]: the inverse frequency is divided by it (llama.cpp's rope_freqs).
+    # Empty = computed from rope_scaling; never both.
+    rope_factors: tuple[float, ...] = ()
     norm_eps: float = 1e-5
     tie_embeddings: bool = False
     qkv_bias: bool = False
@@ -105,6 +110,17 @@ class ModelConfig:
             )
         if self.sliding_window < 0:
             raise ValueError(f"sliding_window must be >= 0, got {self.sliding_window}")
+        if self.rope_factors:
+            if self.rope_scaling is not None:
+                raise ValueError("give rope_factors or rope_scaling, not both")
+            if len(self.rope_factors) != self.E // 2:
+                raise ValueError(
+                    f"rope_factors has {len(self.rope_factors)} entries; head_dim {self.E} "
+                    f"has {self.E // 2} dimension pairs"
+                )
+            bad = [f for f in self.rope_factors if not (math.isfinite(f) and f > 0)]
+            if bad:
+                raise ValueError(f"rope_factors must be finite and positive, got {bad[:4]}")
         self._check_experts()
 
     def _check_experts(self) -> None:
@@ -201,6 +217,8 @@ class ModelConfig:
         for name in ("swa_layers", "moe_layers"):
             if name in data and data[name] is not None:
                 data[name] = tuple(bool(x) for x in data[name])
+        if data.get("rope_factors") is not None:
+            data["rope_factors"] = tuple(float(x) for x in data["rope_factors"])
         known = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(data) - known)
         if unknown:
@@ -209,9 +227,12 @@ class ModelConfig:
 
 
 def rope_frequencies(config: ModelConfig) -> list[float]:
-    """Inverse frequencies [E/2] with optional llama3 scaling (host-side, float64)."""
+    """Inverse frequencies [E/2]: theta^(-2i/E) divided by `rope_factors`, or with llama3
+    scaling (host-side, float64)."""
     E = config.E
     inv = [1.0 / (config.rope_theta ** (2 * i / E)) for i in range(E // 2)]
+    if config.rope_factors:
+        return [f / d for f, d in zip(inv, config.rope_factors)]
     s = config.rope_scaling
     if s is None:
         return inv
@@ -230,6 +251,14 @@ def rope_frequencies(config: ModelConfig) -> list[float]:
             )
             out.append((1 - smooth) * f / s.factor + smooth * f)
     return out
+
+
+def rope_pair_factors(config: ModelConfig) -> list[float]:
+    """llama.cpp's rope_freqs [E/2] for `config`: each pair's divisor (all 1 without scaling)."""
+    if config.rope_factors:
+        return list(config.rope_factors)
+    plain = rope_frequencies(dataclasses.replace(config, rope_scaling=None))
+    return [p / s for p, s in zip(plain, rope_frequencies(config))]
 
 
 class HeadDims:
