@@ -205,10 +205,10 @@ def test_gguf_round_trip_and_llama_cpp_layout(tok, tmp_path):
     assert ne["blk.1.ffn_gate_inp.weight"] == [32, 8]
     assert ne["blk.1.ffn_gate_exps.weight"] == [32, 16, 8] == ne["blk.1.ffn_up_exps.weight"]
     assert ne["blk.1.ffn_down_exps.weight"] == [16, 32, 8]
-    # expert 3's gate rows are the first F' rows of its fused gate/up matrix
+    # expert 3's gate rows [F', D] are the first F' columns of its input-major gate/up matrix
     gate = next(t for t in reader.tensors if t.name == "blk.0.ffn_gate_exps.weight")
     np.testing.assert_array_equal(
-        np.asarray(gate.data)[3], np.asarray(params["layers"][0]["experts_gate_up"])[3, :16]
+        np.asarray(gate.data)[3], np.asarray(params["layers"][0]["experts_gate_up"])[3, :, :16].T
     )
 
 
@@ -260,8 +260,9 @@ def test_hf_fused_expert_tensors_load(tok, tmp_path):
     fused = {k: v for k, v in weights.items() if ".experts." not in k}
     for i, layer in enumerate(params["layers"]):
         p = f"model.layers.{i}.mlp.experts."
-        fused[p + "gate_up_proj"] = np.asarray(layer["experts_gate_up"])
-        fused[p + "down_proj"] = np.asarray(layer["experts_down"])
+        # transformers' [X, 2F', D] and [X, D, F'] ([out, in] per expert)
+        fused[p + "gate_up_proj"] = np.asarray(layer["experts_gate_up"]).transpose(0, 2, 1).copy()
+        fused[p + "down_proj"] = np.asarray(layer["experts_down"]).transpose(0, 2, 1).copy()
     safetensors.numpy.save_file(fused, tmp_path / "model.safetensors")
     _, params2, _ = load_hf(tmp_path)
     assert _leaves_equal(params2, params)

@@ -5,7 +5,8 @@ Invariants:
   anything else is a `ModelFileError`.
 * ``qwen3moe`` experts are llama.cpp's 3-D tensors: ``ffn_gate_inp`` (ggml ne {D, X}, numpy
   [X, D]: the router), ``ffn_gate_exps`` / ``ffn_up_exps`` ({D, F', X}: [X, F', D]) and
-  ``ffn_down_exps`` ({F', D, X}: [X, D, F']); every layer is MoE and the top-k weights are
+  ``ffn_down_exps`` ({F', D, X}: [X, D, F']), each expert transposed to specjax's input-major
+  experts (specjax.models.moe) on load and back on save; every layer is MoE and the top-k weights are
   renormalised (llama.cpp's qwen3moe graph, whatever norm_topk_prob was), so a config that
   differs cannot be saved. The router is saved F32 (llama.cpp's quantizer keeps it so).
 * GGUF stores weights with ggml dims ``[in, out]``, which numpy (and GGUFReader) sees as
@@ -98,8 +99,8 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.is_moe_layer(i):
             X, F_x = config.n_experts, config.expert_ffn_dim
             out[p + "router"] = (X, D)
-            out[p + "experts_gate_up"] = (X, 2 * F_x, D)
-            out[p + "experts_down"] = (X, D, F_x)
+            out[p + "experts_gate_up"] = (X, D, 2 * F_x)
+            out[p + "experts_down"] = (X, F_x, D)
         else:
             out[p + "w_gate_up"] = (2 * F, D)
             out[p + "w_down"] = (D, F)
@@ -519,14 +520,16 @@ def load_gguf(
         if config.is_moe_layer(i):
             X, F_x = config.n_experts, config.expert_ffn_dim
             layer["router"] = get(p + "ffn_gate_inp.weight", (X, D))
-            layer["experts_gate_up"] = np.concatenate(
+            gate_up = np.concatenate(
                 [
                     get(p + "ffn_gate_exps.weight", (X, F_x, D)),
                     get(p + "ffn_up_exps.weight", (X, F_x, D)),
                 ],
                 axis=1,
-            )
-            layer["experts_down"] = get(p + "ffn_down_exps.weight", (X, D, F_x))
+            )  # [X, 2F', D], then input-major
+            layer["experts_gate_up"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+            down = get(p + "ffn_down_exps.weight", (X, D, F_x))
+            layer["experts_down"] = np.ascontiguousarray(down.transpose(0, 2, 1))
         else:
             layer["w_gate_up"] = np.concatenate(
                 [get(p + "ffn_gate.weight", (config.F, D)), get(p + "ffn_up.weight", (config.F, D))]
@@ -703,9 +706,12 @@ def save_gguf(
                 writer.add_tensor(
                     p + "ffn_gate_inp.weight", np.asarray(layer["router"], np.float32)
                 )
+                gate_up = gate_up.transpose(0, 2, 1)  # [X, 2F', D] as GGUF stores them
                 add(p + "ffn_gate_exps.weight", gate_up[:, :F_x])
                 add(p + "ffn_up_exps.weight", gate_up[:, F_x:])
-                add(p + "ffn_down_exps.weight", layer["experts_down"])
+                add(
+                    p + "ffn_down_exps.weight", np.asarray(layer["experts_down"]).transpose(0, 2, 1)
+                )
                 continue
             add(p + "ffn_gate.weight", parts["gate"])
             add(p + "ffn_up.weight", parts["up"])

@@ -242,18 +242,24 @@ def _moe_weights(w: _Weights, config: ModelConfig, prefix: str) -> dict[str, np.
     e = prefix + "experts."
     out = {"router": w.get(prefix + "gate.weight", (X, D))}
     if e + "gate_up_proj" in w:
-        out["experts_gate_up"] = w.get(e + "gate_up_proj", (X, 2 * F, D))
-        out["experts_down"] = w.get(e + "down_proj", (X, D, F))
-        return out
-    out["experts_gate_up"] = np.stack(
-        [
-            np.concatenate(
-                [w.get(f"{e}{j}.gate_proj.weight", (F, D)), w.get(f"{e}{j}.up_proj.weight", (F, D))]
-            )
-            for j in range(X)
-        ]
-    )
-    out["experts_down"] = np.stack([w.get(f"{e}{j}.down_proj.weight", (D, F)) for j in range(X)])
+        gate_up = w.get(e + "gate_up_proj", (X, 2 * F, D))
+        down = w.get(e + "down_proj", (X, D, F))
+    else:
+        gate_up = np.stack(
+            [
+                np.concatenate(
+                    [
+                        w.get(f"{e}{j}.gate_proj.weight", (F, D)),
+                        w.get(f"{e}{j}.up_proj.weight", (F, D)),
+                    ]
+                )
+                for j in range(X)
+            ]
+        )
+        down = np.stack([w.get(f"{e}{j}.down_proj.weight", (D, F)) for j in range(X)])
+    # specjax's experts are input-major (specjax.models.moe)
+    out["experts_gate_up"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+    out["experts_down"] = np.ascontiguousarray(down.transpose(0, 2, 1))
     return out
 
 
@@ -553,10 +559,10 @@ def save_hf(
             F = config.expert_ffn_dim
             tensors[p + "mlp.gate.weight"] = np_(layer["router"])
             gate_up, down = np.asarray(layer["experts_gate_up"]), np.asarray(layer["experts_down"])
-            for j in range(config.n_experts):
-                tensors[f"{p}mlp.experts.{j}.gate_proj.weight"] = np_(gate_up[j, :F])
-                tensors[f"{p}mlp.experts.{j}.up_proj.weight"] = np_(gate_up[j, F:])
-                tensors[f"{p}mlp.experts.{j}.down_proj.weight"] = np_(down[j])
+            for j in range(config.n_experts):  # [out, in] per expert, as transformers'
+                tensors[f"{p}mlp.experts.{j}.gate_proj.weight"] = np_(gate_up[j, :, :F].T)
+                tensors[f"{p}mlp.experts.{j}.up_proj.weight"] = np_(gate_up[j, :, F:].T)
+                tensors[f"{p}mlp.experts.{j}.down_proj.weight"] = np_(down[j].T)
         else:
             tensors[p + "mlp.gate_proj.weight"] = np_(parts["gate"])
             tensors[p + "mlp.up_proj.weight"] = np_(parts["up"])

@@ -16,10 +16,11 @@ Parameter pytree (plain dicts/tuples; weights stored [out, in], never upcast in 
           "w_gate_up": [2F, D],            # rows: F gate rows, then F up rows
           "w_down":    [D, F],
           # a mixture-of-experts layer (config.is_moe_layer(i), arch qwen3moe) has instead of
-          # w_gate_up / w_down (X = n_experts, F' = expert_ffn_dim; specjax.models.moe):
+          # w_gate_up / w_down (X = n_experts, F' = expert_ffn_dim; specjax.models.moe), the
+          # experts input-major ([in, out] per expert, unlike the other weights):
           "router":          [X, D],
-          "experts_gate_up": [X, 2F', D],  # per expert: F' gate rows, then F' up rows
-          "experts_down":    [X, D, F'],
+          "experts_gate_up": [X, D, 2F'],  # per expert: F' gate columns, then F' up columns
+          "experts_down":    [X, F', D],
         }, ...),
       "final_norm": [D],
       "lm_head":    [V, D],            # absent when config.tie_embeddings

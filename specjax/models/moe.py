@@ -3,9 +3,17 @@
 
 A MoE layer's parameters (see specjax.models.config; X experts, F' = expert_ffn_dim):
 
-    "router":          [X, D]        router linear, no bias
-    "experts_gate_up": [X, 2F', D]   per expert: F' gate rows, then F' up rows ([out, in])
-    "experts_down":    [X, D, F']
+    "router":          [X, D]        router linear ([out, in]), no bias
+    "experts_gate_up": [X, D, 2F']   per expert [in, out]: F' gate columns, then F' up columns
+    "experts_down":    [X, F', D]    per expert [in, out]
+
+The experts are stored input-major (transposed from GGUF's and transformers' [out, in]; the
+loaders transpose): XLA TPU's grouped matmul (`lax.ragged_dot`) takes the experts with the
+contracted dimension before the output one, and given [out, in] it copied the whole expert
+tensor every call (a Qwen3-30B-A3B layer in bfloat16: 768 MiB of temporaries and 2.4 GB
+accessed for 72 token-expert pairs on a v5e, against 0.1 MiB and 0.8 GB input-major;
+benchmarks/moe_dispatch.py --aot); XLA CPU's products of one row read [in, out] faster too
+(`llama.InputMajor`).
 
 Per token: router logits in float32 -> softmax over the X experts -> the top k
 (`n_experts_used`; ties to the lower index) -> with `norm_topk_prob` the k probabilities
@@ -57,15 +65,15 @@ def _pairs(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Ar
     """A loop over the M * k token-expert pairs: each reads its expert's matrices in place
     (dynamic slices of the stacked experts) and adds its weighted output to its token's row."""
     M, K = experts_MK.shape
-    F = layer["experts_down"].shape[-1]
+    F = layer["experts_down"].shape[1]
 
     def pair(p: Array, out_MD: Array) -> Array:
         m, expert = p // K, experts_MK[p // K, p % K]
         w_gu = jax.lax.dynamic_index_in_dim(layer["experts_gate_up"], expert, 0, keepdims=False)
         w_down = jax.lax.dynamic_index_in_dim(layer["experts_down"], expert, 0, keepdims=False)
         x = jax.lax.dynamic_index_in_dim(h_MD, m, 0)  # [1, D]
-        gate_up = x @ w_gu.T
-        y = (jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:]) @ w_down.T
+        gate_up = x @ w_gu
+        y = (jax.nn.silu(gate_up[:, :F]) * gate_up[:, F:]) @ w_down
         row = jax.lax.dynamic_index_in_dim(out_MD, m, 0) + weights_MK[m, p % K] * y
         return jax.lax.dynamic_update_index_in_dim(out_MD, row.astype(out_MD.dtype), m, 0)
 
@@ -73,24 +81,24 @@ def _pairs(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Ar
 
 
 def _dense(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Array) -> Array:
-    X, _, F = layer["experts_down"].shape
-    gate_up = jnp.einsum("md,xfd->mxf", h_MD, layer["experts_gate_up"])
+    X, F, _ = layer["experts_down"].shape
+    gate_up = jnp.einsum("md,xdf->mxf", h_MD, layer["experts_gate_up"])
     act = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]
-    out = jnp.einsum("mxf,xdf->mxd", act, layer["experts_down"])
+    out = jnp.einsum("mxf,xfd->mxd", act, layer["experts_down"])
     # [M, X]: each token's weight of each expert, 0 for the experts it does not use
     combine = jnp.einsum("mk,mkx->mx", weights_MK, jax.nn.one_hot(experts_MK, X, dtype=h_MD.dtype))
     return jnp.einsum("mx,mxd->md", combine, out)
 
 
 def _ragged(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Array) -> Array:
-    X, D, F = layer["experts_down"].shape
+    X, F, D = layer["experts_down"].shape
     M, K = experts_MK.shape
     flat = experts_MK.reshape(-1)  # pair p = token p // K, its (p % K)-th expert
     order = jnp.argsort(flat, stable=True)
     sizes = jnp.zeros((X,), jnp.int32).at[flat].add(1)
     x_PD = h_MD[order // K]
     numbers = jax.lax.RaggedDotDimensionNumbers(
-        dot_dimension_numbers=(([1], [2]), ([], [])),
+        dot_dimension_numbers=(([1], [1]), ([], [])),
         lhs_ragged_dimensions=[0],
         rhs_group_dimensions=[0],
     )
@@ -133,6 +141,6 @@ def init_moe_layer(config: ModelConfig, key: Array, std: float, out_std: float) 
     return {
         # a wider router spread than N(0, 0.02) so random tiny models route unevenly
         "router": normal(k_router, (X, D), 1.0 / math.sqrt(D)),
-        "experts_gate_up": normal(k_gu, (X, 2 * F, D), std),
-        "experts_down": normal(k_down, (X, D, F), out_std),
+        "experts_gate_up": normal(k_gu, (X, D, 2 * F), std),
+        "experts_down": normal(k_down, (X, F, D), out_std),
     }

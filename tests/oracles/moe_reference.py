@@ -39,8 +39,9 @@ def moe_block(config: Any, layer: dict[str, np.ndarray], h: np.ndarray) -> np.nd
         rows, slots = np.nonzero(chosen == expert)
         if rows.size == 0:
             continue
-        gate_up = h[rows] @ layer["experts_gate_up"][expert].T
-        y = (_silu(gate_up[:, :F]) * gate_up[:, F:]) @ layer["experts_down"][expert].T
+        # specjax's experts are input-major: [D, 2F'] and [F', D]
+        gate_up = h[rows] @ layer["experts_gate_up"][expert]
+        y = (_silu(gate_up[:, :F]) * gate_up[:, F:]) @ layer["experts_down"][expert]
         out[rows] += y * weights[rows, slots][:, None]
     return out
 
