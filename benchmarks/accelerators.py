@@ -12,7 +12,8 @@ the figures are the compiled programs' (see `specjax/aot.py` for what each one c
 
 The "moe-" configurations decode a tiny qwen3moe target (TINY_SHAPE's attention, MOE_SHAPE's
 experts; issue 53), plainly and with the tiny draft model: its MoE layers run the dispatch
-`control.moe_dispatch` picks for accelerators (`lax.ragged_dot`).
+`control.moe_dispatch` picks per accelerator (TPU: `lax.ragged_dot`; GPU: pair by pair up to
+one token-expert pair per expert, dense beyond).
 
 `--scale` (issue 50 item 5) compiles, instead, a Llama-3.1-8B-shaped target with a
 Llama-3.2-1B-shaped draft, bf16 weights that never exist (`jax.eval_shape` of the init), in

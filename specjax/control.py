@@ -60,20 +60,38 @@ def compiler_options(platform: str) -> dict[str, str]:
     return options
 
 
-#: Most token-expert pairs per expert that XLA CPU runs pair by pair ("pairs");
-#: beyond, as every expert over every token ("dense").
+#: Most token-expert pairs per expert that XLA CPU runs pair by pair ("pairs"); beyond, every
+#: expert over every token ("dense"). benchmarks/moe_dispatch.py on the 2-core host (medium
+#: layer: D 768, 32 experts, top-4, F' 384, float32): pairs 1.0 ms / dense 176 ms at 1 token,
+#: 7.7 / 84 ms at 9, 19 / 98 ms at 17, 79 / 172 ms at 64 (8 pairs per expert); tiny layer
+#: (D 64, 8 experts, top-2): even at 64 tokens (16 pairs per expert), 157 / 120 us.
 CPU_PAIRS_PER_EXPERT = 8
+#: The same on a GPU, where no grouped matmul is used: pair by pair while the pairs read
+#: fewer expert matrices than the dense dispatch (every expert), so up to one per expert.
+GPU_PAIRS_PER_EXPERT = 1
 
 
 def moe_dispatch(pairs: int, n_experts: int) -> str:
     """The dispatch (`specjax.models.moe.DISPATCHES`) of a MoE layer over `pairs` (static)
     token-expert pairs of `n_experts` experts, for the backend being traced for.
 
-    CPU: "pairs" (a loop over the pairs: only the experts the tokens use) for decode and
-    verify sizes, "dense" for prompts. XLA CPU has no grouped matmul: `lax.ragged_dot` expands there to a masked
-    product with every expert over every pair, k times the dense dispatch's work.
-    Accelerators: "ragged" (`lax.ragged_dot`, a grouped matmul over the pairs sorted by
-    expert)."""
-    if jax.default_backend() == "cpu":
+    * CPU: "pairs" (a loop over the pairs reading only the experts they use) up to
+      CPU_PAIRS_PER_EXPERT pairs per expert (decode, verify, short prompts), else "dense".
+      XLA CPU has no grouped matmul: `lax.ragged_dot` expands there to a masked product of
+      every expert with every pair, k times the dense dispatch's work (tiny layer: 2-3x the
+      other dispatches' time at every size).
+    * TPU: "ragged": XLA TPU runs `lax.ragged_dot` as a grouped matmul (Mosaic custom
+      calls): a Qwen3-30B-A3B layer over 256 tokens costs 19.5 GFLOP, the dense dispatch 310.
+    * GPU: "pairs" up to GPU_PAIRS_PER_EXPERT per expert, else "dense": XLA GPU (jax 0.10.2)
+      expands `lax.ragged_dot` to the masked product of every expert with every pair (dots
+      over the expert axis, k times the dense dispatch's arithmetic), and a decode step's
+      pairs read k of the X expert matrices where the dense dispatch reads all X (a
+      Qwen3-30B-A3B layer: 8 of 128, 75 MB of 1.2 GB). Deviceless figures
+      (benchmarks/moe_dispatch.py --aot): no loop from the host, 10-11 kernels for "pairs".
+    """
+    backend = jax.default_backend()
+    if backend == "cpu":
         return "pairs" if pairs <= CPU_PAIRS_PER_EXPERT * n_experts else "dense"
-    return "ragged"
+    if backend == "tpu":
+        return "ragged"
+    return "pairs" if pairs <= GPU_PAIRS_PER_EXPERT * n_experts else "dense"

@@ -32,7 +32,7 @@ Invariants:
   - "dense": every expert over every token, the unused ones weighted 0 (one product per
     matrix; X / k times the needed arithmetic);
   - "ragged": the token-expert pairs sorted by expert and `jax.lax.ragged_dot` over the
-    groups (a grouped matmul where the backend has one).
+    groups (a grouped matmul on TPU; XLA CPU and GPU expand it to a masked dense product).
 """
 
 from __future__ import annotations
