@@ -61,12 +61,12 @@ def compiler_options(platform: str) -> dict[str, str]:
 
 
 #: Most token-expert pairs per expert that XLA CPU runs pair by pair ("pairs"); beyond, every
-#: expert over every token ("dense"). benchmarks/moe_dispatch.py on the 2-core host, medium
-#: layer (D 768, 32 experts, top-4, F' 384, float32), pairs / dense: 1.4 / 13.0 ms at 1
-#: token, 6.3 / 24.4 at 5, 11.8 / 35.4 at 9, 21.7 / 38.9 at 17 (2.1 pairs per expert),
-#: 80.5 / 44.5 at 64 (8 per expert); tiny layer (D 64, 8 experts, top-2): 12 / 16 us at 1
-#: token, 31 / 32 at 5, 45 / 39 at 9 (2.25 per expert), 240 / 118 at 64.
-CPU_PAIRS_PER_EXPERT = 4
+#: expert over every token ("dense"). benchmarks/moe_dispatch.py on the 2-core shared host,
+#: medium layer (D 768, 32 experts, top-4, F' 384, float32), pairs / dense: 4.4 / 21.9 ms at
+#: 1 token, 17.3 / 34.5 at 9, 35.7 / 40.4 at 17 (2.1 pairs per expert), 109 / 56 at 33 (4.1
+#: per expert), 131 / 79 at 64. A tiny layer (D 64, 8 experts, top-2) is launch-bound: dense
+#: won at every size there (7.5 / 10.8 us at 1 token).
+CPU_PAIRS_PER_EXPERT = 2
 #: The same on a GPU, where no grouped matmul is used: pair by pair while the pairs read
 #: fewer expert matrices than the dense dispatch (every expert), so up to one per expert.
 GPU_PAIRS_PER_EXPERT = 1
@@ -78,7 +78,7 @@ def moe_dispatch(pairs: int, n_experts: int) -> str:
 
     * CPU: "pairs" (a loop over the pairs reading only the experts they use) up to
       CPU_PAIRS_PER_EXPERT pairs per expert (decode, verify, short prompts), else "dense"
-      (Qwen3-30B-A3B's 128 experts, top-8: pair by pair up to 64 tokens).
+      (Qwen3-30B-A3B's 128 experts, top-8: pair by pair up to 32 tokens).
       XLA CPU has no grouped matmul: `lax.ragged_dot` expands there to a masked product of
       every expert with every pair, k times the dense dispatch's work (tiny layer: 2-3x the
       other dispatches' time at every size).

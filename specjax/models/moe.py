@@ -82,12 +82,16 @@ def _pairs(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Ar
 
 def _dense(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Array) -> Array:
     X, F, _ = layer["experts_down"].shape
-    gate_up = jnp.einsum("md,xdf->mxf", h_MD, layer["experts_gate_up"])
+    # batched over the experts (the tokens broadcast): as "md,xdf->mxf", XLA GPU copied the
+    # whole expert tensor into one GEMM's layout every call (768 MiB for a Qwen3-30B-A3B
+    # layer); batched, 6 MiB at 9 tokens, and XLA CPU ran it 1.2-4x faster
+    h_XMD = jnp.broadcast_to(h_MD[None], (X, *h_MD.shape))
+    gate_up = jnp.einsum("xmd,xdf->xmf", h_XMD, layer["experts_gate_up"])
     act = jax.nn.silu(gate_up[..., :F]) * gate_up[..., F:]
-    out = jnp.einsum("mxf,xfd->mxd", act, layer["experts_down"])
+    out = jnp.einsum("xmf,xfd->xmd", act, layer["experts_down"])
     # [M, X]: each token's weight of each expert, 0 for the experts it does not use
     combine = jnp.einsum("mk,mkx->mx", weights_MK, jax.nn.one_hot(experts_MK, X, dtype=h_MD.dtype))
-    return jnp.einsum("mx,mxd->md", combine, out)
+    return jnp.einsum("mx,xmd->md", combine, out)
 
 
 def _ragged(layer: dict[str, Any], h_MD: Array, experts_MK: Array, weights_MK: Array) -> Array:
