@@ -10,6 +10,11 @@ the figures are the compiled programs' (see `specjax/aot.py` for what each one c
     python benchmarks/accelerators.py --configs plain --batches 1 --targets h100 --json -
     python benchmarks/accelerators.py --scale          # issue 50 item 5: 8B + 1B draft, abstract
 
+The "moe-" configurations decode a tiny qwen3moe target (TINY_SHAPE's attention, MOE_SHAPE's
+experts; issue 53), plainly and with the tiny draft model: its MoE layers run the dispatch
+`control.moe_dispatch` picks per accelerator (TPU: `lax.ragged_dot`; GPU: pair by pair up to
+one token-expert pair per expert, dense beyond).
+
 `--scale` (issue 50 item 5) compiles, instead, a Llama-3.1-8B-shaped target with a
 Llama-3.2-1B-shaped draft, bf16 weights that never exist (`jax.eval_shape` of the init), in
 the batch job's programs (`specjax.jobs.continuous`: a prefill chunk and a segment of rounds)
@@ -36,7 +41,14 @@ sys.path.insert(0, str(ROOT))
 
 from specjax import aot  # noqa: E402  (imports no jax)
 
-CONFIGS = ("plain", "draft-simple", "ngram-mod+draft-simple", "hybrid-plain")
+CONFIGS = (
+    "plain",
+    "draft-simple",
+    "ngram-mod+draft-simple",
+    "hybrid-plain",
+    "moe-plain",
+    "moe-draft-simple",
+)
 DEFAULT_JSON = ROOT / "benchmarks" / "results" / "accelerators.json"
 SHIPPED_TARGET = ROOT / "models" / "code-target" / "code-target-f16.gguf"
 SHIPPED_DRAFT = ROOT / "models" / "code-draft" / "code-draft-f16.gguf"
@@ -45,6 +57,8 @@ SHIPPED_DRAFT = ROOT / "models" / "code-draft" / "code-draft-f16.gguf"
 #: The tiny configuration's shape: a handful of layers, 64-wide heads (an accelerator's: XLA's
 #: GPU compiler, untuned deviceless, fails to tile some products of 8-wide heads).
 TINY_SHAPE = dict(dim=128, n_heads=2, n_kv_heads=1, ffn_dim=256)
+#: The tiny qwen3moe target's experts (the "moe-" configurations).
+MOE_SHAPE = dict(n_experts=8, n_experts_used=2, expert_ffn_dim=128, norm_topk_prob=True)
 #: Layers added to the target (and to the draft) of a twin configuration to count kernels per
 #: layer: the difference in a round's kernels over the difference in layers (a round's fixed
 #: part cancels).
@@ -68,6 +82,9 @@ def tiny_models(n_ctx: int, target_extra: int = 0, draft_extra: int = 0) -> dict
     return {
         "target": tiny_model(0, n_layers=2 + target_extra, **shape),
         "draft": tiny_model(1, n_layers=1 + draft_extra, **shape),
+        "moe": tiny_model(
+            2, n_layers=2 + target_extra, arch="qwen3moe", qk_norm=True, **MOE_SHAPE, **shape
+        ),
         "hybrid": api.Model(
             config=hybrid_cfg,  # type: ignore[arg-type]
             params=q.init_params(hybrid_cfg, jax.random.PRNGKey(1), std=0.2),
@@ -91,7 +108,7 @@ def spec_for(config: str, tiny: bool) -> Any:
     from specjax.config import SpecConfig
 
     common: dict[str, Any] = dict(draft_n_max=4, cost_calibrate=False, adaptive=False)
-    if config == "draft-simple":
+    if config in ("draft-simple", "moe-draft-simple"):
         return SpecConfig(types=("draft-simple",), **common)
     if config == "ngram-mod+draft-simple":
         small = dict(ngram_mod_n_match=4, ngram_mod_n_min=2, ngram_mod_n_max=8) if tiny else {}
@@ -110,6 +127,8 @@ def capture(
     models: dict[str, Any], config: str, batch: int, n_ctx: int, tiny: bool
 ) -> dict[str, Any]:
     target = models["hybrid"] if config == "hybrid-plain" else models["target"]
+    if config.startswith("moe-"):
+        target = models["moe"]
     spec = spec_for(config, tiny)
     vocab = target.config.vocab_size
     prompts = [[(3 + 7 * i + j) % vocab for j in range(12)] for i in range(batch)]
@@ -187,6 +206,8 @@ def run(
     for model_name, tiny, models in sets:
         for config in configs:
             if config == "hybrid-plain" and "hybrid" not in models:
+                continue
+            if config.startswith("moe-") and "moe" not in models:
                 continue
             for batch in batches:
                 cap = capture(models, config, batch, n_ctx, tiny)

@@ -118,8 +118,8 @@ class SpecConfig:
     cost_call: float | None = None
     #: Measure `cost_verify_token` and `cost_draft_step` (draft-simple) on this device at the
     #: run's batch size before decoding (`specjax.decode.prices`; prices given above win). None =
-    #: on accelerators only: on CPU the defaults are medians of many runs, and one
-    #: measurement on a shared host is noisy. The first run of a shape compiles 3-5 small
+    #: on accelerators, and on CPU for a mixture-of-experts target: on CPU the defaults are
+    #: medians of many runs on dense targets, and one measurement on a shared host is noisy. The first run of a shape compiles 3-5 small
     #: timing programs (a forward filling the cache, loops of 1- and W-token forwards).
     cost_calibrate: bool | None = None
 

@@ -18,6 +18,8 @@ the one place that chooses (at trace time, from the backend the program is trace
 * `compiler_options(platform)`: what the project's executables are compiled with by default
   on each platform (GPU: loops and conditionals captured in CUDA graphs, so no loop of a
   round runs from the host); a flag the user sets in XLA_FLAGS wins.
+* `moe_dispatch(pairs, n_experts)`: how a mixture-of-experts layer (`specjax.models.moe`)
+  runs its experts over `pairs` token-expert pairs (see its docstring for the figures).
 
 Invariant: `run_once` never copies what its body updates in place.
 """
@@ -75,3 +77,42 @@ def compiler_options(platform: str) -> dict[str, str]:
     if platform in ("gpu", "cuda") and "xla_gpu_enable_command_buffer" not in user:
         options["xla_gpu_enable_command_buffer"] = GPU_COMMAND_BUFFER
     return options
+
+
+#: Most token-expert pairs per expert that XLA CPU runs pair by pair ("pairs"); beyond, every
+#: expert over every token ("dense"). benchmarks/moe_dispatch.py on the 2-core shared host,
+#: medium layer (D 768, 32 experts, top-4, F' 384, float32), pairs / dense: 4.4 / 21.9 ms at
+#: 1 token, 17.3 / 34.5 at 9, 35.7 / 40.4 at 17 (2.1 pairs per expert), 109 / 56 at 33 (4.1
+#: per expert), 131 / 79 at 64. A tiny layer (D 64, 8 experts, top-2) is launch-bound: dense
+#: won at every size there (7.5 / 10.8 us at 1 token).
+CPU_PAIRS_PER_EXPERT = 2
+#: The same on a GPU, where no grouped matmul is used: pair by pair while the pairs read
+#: fewer expert matrices than the dense dispatch (every expert), so up to one per expert.
+GPU_PAIRS_PER_EXPERT = 1
+
+
+def moe_dispatch(pairs: int, n_experts: int) -> str:
+    """The dispatch (`specjax.models.moe.DISPATCHES`) of a MoE layer over `pairs` (static)
+    token-expert pairs of `n_experts` experts, for the backend being traced for.
+
+    * CPU: "pairs" (a loop over the pairs reading only the experts they use) up to
+      CPU_PAIRS_PER_EXPERT pairs per expert (decode, verify, short prompts), else "dense"
+      (Qwen3-30B-A3B's 128 experts, top-8: pair by pair up to 32 tokens).
+      XLA CPU has no grouped matmul: `lax.ragged_dot` expands there to a masked product of
+      every expert with every pair, k times the dense dispatch's work (tiny layer: 2-3x the
+      other dispatches' time at every size).
+    * TPU: "ragged": XLA TPU runs `lax.ragged_dot` as a grouped matmul (Mosaic custom
+      calls): a Qwen3-30B-A3B layer over 256 tokens costs 19.5 GFLOP, the dense dispatch 310.
+    * GPU: "pairs" up to GPU_PAIRS_PER_EXPERT per expert, else "dense": XLA GPU (jax 0.10.2)
+      expands `lax.ragged_dot` to the masked product of every expert with every pair (dots
+      over the expert axis, k times the dense dispatch's arithmetic), and a decode step's
+      pairs read k of the X expert matrices where the dense dispatch reads all X (a
+      Qwen3-30B-A3B layer: 8 of 128, 75 MB of 1.2 GB). Deviceless figures
+      (benchmarks/moe_dispatch.py --aot): no loop from the host, 10-11 kernels for "pairs".
+    """
+    backend = jax.default_backend()
+    if backend == "cpu":
+        return "pairs" if pairs <= CPU_PAIRS_PER_EXPERT * n_experts else "dense"
+    if backend == "tpu":
+        return "ragged"
+    return "pairs" if pairs <= GPU_PAIRS_PER_EXPERT * n_experts else "dense"

@@ -235,3 +235,28 @@ def test_asks_are_priced_smaller_beside_a_larger_target(shipped):
     cost = api.cost_model(spec, specjax.Model(config=big, params={}, tokenizer=None), head,
                           drafters=drafters, batch=1, k_max=4, capacity=512)  # fmt: skip
     assert float(cost.call) == pytest.approx(got)
+
+
+def test_a_moe_verify_is_measured_and_priced_above_a_dense_one(monkeypatch):
+    """A verify of a mixture-of-experts target reads each token's own experts: its measured
+    price per extra token is well above a dense target's with the same active FFN width (the
+    dense one reads its FFN once for all the verify's tokens). On CPU the MoE target's price
+    is measured by default; the dense target keeps CPU_VERIFY_TOKEN."""
+    from specjax.testing import tiny_model
+
+    shape = dict(vocab_size=256, dim=512, n_layers=2, n_heads=4, n_kv_heads=2, qk_norm=True)
+    dense = tiny_model(0, arch="qwen3", ffn_dim=1024, **shape)
+    experts = dict(n_experts=16, n_experts_used=2, expert_ffn_dim=512, norm_topk_prob=True)
+    moe = tiny_model(0, arch="qwen3moe", ffn_dim=1024, **experts, **shape)
+    monkeypatch.setattr(prices, "_MEASURED", {})
+    monkeypatch.setattr(prices, "LOOPS", 3)
+    got = {name: prices.measure(m, None, 1, 5, 32)["verify_token"]
+           for name, m in (("dense", dense), ("moe", moe))}  # fmt: skip
+    assert got["moe"] > max(2 * got["dense"], got["dense"] + 0.2), got
+    spec = SpecConfig(types=("ngram-simple",), draft_n_max=4)
+    kw = dict(batch=1, k_max=4, capacity=32)
+    timed = got["moe"]  # kept: not timed again
+    assert float(api.cost_model(spec, moe, None, **kw).verify_token) == pytest.approx(timed)
+    assert float(api.cost_model(spec, dense, None, **kw).verify_token) == pytest.approx(
+        api.CPU_VERIFY_TOKEN
+    )

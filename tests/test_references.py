@@ -62,7 +62,7 @@ def _teacher_forced_logits(model: specjax.Model, ids: list[int]) -> np.ndarray:
 
 
 def test_cases_are_recorded() -> None:
-    mine = {"llama3-tied", "llama-untied", "mistral", "mistral-swa", "qwen2", "qwen3"}
+    mine = {"llama3-tied", "llama-untied", "mistral", "mistral-swa", "qwen2", "qwen3", "qwen3moe"}
     assert mine | {"qwen35-mtp", "qwen35-vl-mtp", "gemma3"} <= set(CASES), CASES
 
 

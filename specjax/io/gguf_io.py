@@ -1,9 +1,15 @@
 """GGUF model files (llama.cpp's format) <-> specjax (ModelConfig, params, Tokenizer).
 
 Invariants:
-* Architectures: ``llama``, ``qwen2``, ``qwen3``, and ``gemma3`` (loading only: llama.cpp's
-  converter stores its norms with Gemma3RMSNorm's 1 added, as specjax does)
+* Architectures: ``llama``, ``qwen2``, ``qwen3``, ``qwen3moe``, and ``gemma3`` (loading only:
+  llama.cpp's converter stores its norms with Gemma3RMSNorm's 1 added, as specjax does)
   (``general.architecture``); anything else is a `ModelFileError`.
+* ``qwen3moe`` experts are llama.cpp's 3-D tensors: ``ffn_gate_inp`` (ggml ne {D, X}, numpy
+  [X, D]: the router), ``ffn_gate_exps`` / ``ffn_up_exps`` ({D, F', X}: [X, F', D]) and
+  ``ffn_down_exps`` ({F', D, X}: [X, D, F']), each expert transposed to specjax's input-major
+  experts (specjax.models.moe) on load and back on save; every layer is MoE and the top-k weights are
+  renormalised (llama.cpp's qwen3moe graph, whatever norm_topk_prob was), so a config that
+  differs cannot be saved. The router is saved F32 (llama.cpp's quantizer keeps it so).
 * GGUF stores weights with ggml dims ``[in, out]``, which numpy (and GGUFReader) sees as
   ``[out, in]``: the specjax layout, so no transposes are needed.
 * ``llama`` files store Q/K rows permuted for interleaved RoPE (convert_hf_to_gguf.py's
@@ -91,8 +97,14 @@ def expected_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             out[p + "k_norm"] = (E,)
         out[p + "wo"] = (D, H * E)
         out[p + "ffn_norm"] = (D,)
-        out[p + "w_gate_up"] = (2 * F, D)
-        out[p + "w_down"] = (D, F)
+        if config.is_moe_layer(i):
+            X, F_x = config.n_experts, config.expert_ffn_dim
+            out[p + "router"] = (X, D)
+            out[p + "experts_gate_up"] = (X, D, 2 * F_x)
+            out[p + "experts_down"] = (X, F_x, D)
+        else:
+            out[p + "w_gate_up"] = (2 * F, D)
+            out[p + "w_down"] = (D, F)
         if config.arch == "gemma3":
             out[p + "post_attn_norm"] = (D,)
             out[p + "post_ffn_norm"] = (D,)
@@ -126,13 +138,10 @@ def split_layer(config: ModelConfig, layer: Mapping[str, Any]) -> dict[str, np.n
     """Fused specjax layer -> separate q/k/v, gate/up numpy arrays (rotate-half layout)."""
     E, H, G, F = config.E, config.H, config.G, config.F
     w = np.asarray(layer["wqkv"])
-    out = {
-        "q": w[: H * E],
-        "k": w[H * E : (H + G) * E],
-        "v": w[(H + G) * E :],
-        "gate": np.asarray(layer["w_gate_up"])[:F],
-        "up": np.asarray(layer["w_gate_up"])[F:],
-    }
+    out = {"q": w[: H * E], "k": w[H * E : (H + G) * E], "v": w[(H + G) * E :]}
+    if "w_gate_up" in layer:  # (a MoE layer has experts instead)
+        out["gate"] = np.asarray(layer["w_gate_up"])[:F]
+        out["up"] = np.asarray(layer["w_gate_up"])[F:]
     if "bqkv" in layer:
         b = np.asarray(layer["bqkv"])
         out["q_bias"], out["k_bias"], out["v_bias"] = (
@@ -482,6 +491,14 @@ def load_gguf(
     qkv_bias = has("blk.0.attn_q.bias") or has("blk.0.attn_qkv.bias")
     qk_norm = has("blk.0.attn_q_norm.weight")
     tie = not has("output.weight")
+    moe: dict[str, Any] = {}
+    if arch == "qwen3moe":
+        moe = dict(
+            n_experts=key("expert_count"),
+            n_experts_used=key("expert_used_count"),
+            expert_ffn_dim=key("expert_feed_forward_length"),
+            norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises
+        )
     try:
         config = ModelConfig(
             arch=arch,
@@ -490,7 +507,7 @@ def load_gguf(
             n_layers=L,
             n_heads=H,
             n_kv_heads=G,
-            ffn_dim=key("feed_forward_length"),
+            ffn_dim=key("feed_forward_length", moe.get("expert_ffn_dim", ...)),
             head_dim=0 if (H and D % H == 0 and E == D // H) else E,
             rope_theta=key("rope.freq_base", 10000.0, _f32),
             norm_eps=key("attention.layer_norm_rms_epsilon", cast=_f32),
@@ -502,6 +519,7 @@ def load_gguf(
             max_position=key("context_length"),
             dtype=dtype or _config_dtype(tensors),
             **gemma,
+            **moe,
         )
     except ValueError as e:
         if isinstance(e, ModelFileError):
@@ -560,11 +578,25 @@ def load_gguf(
             "wqkv": np.concatenate([q, k, v], axis=0),
             "wo": get(p + "attn_output.weight", (D, H_E)),
             "ffn_norm": get(p + "ffn_norm.weight", (D,)),
-            "w_gate_up": np.concatenate(
-                [get(p + "ffn_gate.weight", (config.F, D)), get(p + "ffn_up.weight", (config.F, D))]
-            ),
-            "w_down": get(p + "ffn_down.weight", (D, config.F)),
         }
+        if config.is_moe_layer(i):
+            X, F_x = config.n_experts, config.expert_ffn_dim
+            layer["router"] = get(p + "ffn_gate_inp.weight", (X, D))
+            gate_up = np.concatenate(
+                [
+                    get(p + "ffn_gate_exps.weight", (X, F_x, D)),
+                    get(p + "ffn_up_exps.weight", (X, F_x, D)),
+                ],
+                axis=1,
+            )  # [X, 2F', D], then input-major
+            layer["experts_gate_up"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+            down = get(p + "ffn_down_exps.weight", (X, D, F_x))
+            layer["experts_down"] = np.ascontiguousarray(down.transpose(0, 2, 1))
+        else:
+            layer["w_gate_up"] = np.concatenate(
+                [get(p + "ffn_gate.weight", (config.F, D)), get(p + "ffn_up.weight", (config.F, D))]
+            )
+            layer["w_down"] = get(p + "ffn_down.weight", (D, config.F))
         if qkv_bias:
             if has(p + "attn_qkv.bias"):
                 b = get(p + "attn_qkv.bias", (H_E + 2 * G_E,))
@@ -620,8 +652,16 @@ def _validate_for_gguf(config: ModelConfig) -> None:
                 f"llama.cpp's qwen2 needs n_heads * head_dim == dim, got {config.H} * "
                 f"{config.E} != {config.D}"
             )
-    if config.arch == "qwen3" and not config.qk_norm:
-        raise ValueError("llama.cpp's qwen3 architecture requires q/k norm (qk_norm=True)")
+    if config.arch in ("qwen3", "qwen3moe") and not config.qk_norm:
+        raise ValueError(f"llama.cpp's {config.arch} architecture requires q/k norm (qk_norm=True)")
+    if config.arch == "qwen3moe":
+        if not config.norm_topk_prob:
+            raise ValueError(
+                "llama.cpp's qwen3moe always renormalises the top-k router weights; "
+                "norm_topk_prob=False cannot be stored"
+            )
+        if config.moe_layers and not all(config.moe_layers):
+            raise ValueError("llama.cpp's qwen3moe has experts in every layer (moe_layers)")
     if (config.rope_scaling is not None or config.rope_factors) and config.arch != "llama":
         raise ValueError(
             f"RoPE frequency factors can only be stored for arch 'llama' in GGUF (llama.cpp's "
@@ -676,6 +716,10 @@ def save_gguf(
         writer.add_rope_freq_base(config.rope_theta)
         writer.add_layer_norm_rms_eps(config.norm_eps)
         writer.add_vocab_size(config.V)
+        if config.n_experts:
+            writer.add_expert_count(config.n_experts)
+            writer.add_expert_used_count(config.n_experts_used)
+            writer.add_expert_feed_forward_length(config.expert_ffn_dim)
         if config.sliding_window > 0:
             writer.add_sliding_window(config.sliding_window)
             if config.swa_layers:
@@ -724,6 +768,18 @@ def save_gguf(
                 add(p + "attn_k_norm.weight", layer["k_norm"])
             add(p + "attn_output.weight", layer["wo"])
             add(p + "ffn_norm.weight", layer["ffn_norm"])
+            if config.is_moe_layer(i):
+                gate_up, F_x = np.asarray(layer["experts_gate_up"]), config.expert_ffn_dim
+                writer.add_tensor(
+                    p + "ffn_gate_inp.weight", np.asarray(layer["router"], np.float32)
+                )
+                gate_up = gate_up.transpose(0, 2, 1)  # [X, 2F', D] as GGUF stores them
+                add(p + "ffn_gate_exps.weight", gate_up[:, :F_x])
+                add(p + "ffn_up_exps.weight", gate_up[:, F_x:])
+                add(
+                    p + "ffn_down_exps.weight", np.asarray(layer["experts_down"]).transpose(0, 2, 1)
+                )
+                continue
             add(p + "ffn_gate.weight", parts["gate"])
             add(p + "ffn_up.weight", parts["up"])
             add(p + "ffn_down.weight", layer["w_down"])

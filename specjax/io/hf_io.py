@@ -1,15 +1,19 @@
 """Hugging Face checkpoint directories <-> specjax (ModelConfig, params, Tokenizer).
 
 A directory holds config.json (LlamaForCausalLM / MistralForCausalLM / Qwen2ForCausalLM /
-Qwen3ForCausalLM, or, read only, Gemma3ForCausalLM / Gemma3ForConditionalGeneration's text
-part; Qwen3_5ForCausalLM folders are read by specjax.io.hf_qwen35), model.safetensors (or
-shards listed in model.safetensors.index.json) and tokenizer.json.
+Qwen3ForCausalLM / Qwen3MoeForCausalLM, or, read only, Gemma3ForCausalLM /
+Gemma3ForConditionalGeneration's text part; Qwen3_5ForCausalLM folders are read by
+specjax.io.hf_qwen35), model.safetensors (or shards listed in model.safetensors.index.json)
+and tokenizer.json.
 
 Invariants:
 * HF projections are ``[out, in]`` in the rotate-half RoPE layout already: q/k/v rows are
   concatenated into ``wqkv`` and gate/up into ``w_gate_up`` with no permutation.
 * Every tensor in the checkpoint is consumed (``rotary_emb.inv_freq`` buffers excepted); an
   o_proj / MLP bias with non-zero values is an error, never silently dropped.
+* Qwen3-MoE experts load from the hub's per-expert tensors (``mlp.experts.{e}.gate_proj``...)
+  or transformers' fused ones (``mlp.experts.gate_up_proj`` [X, 2F', D], ``down_proj``);
+  saving writes the per-expert form (what llama.cpp's converter and transformers both read).
 * qwen2 always has q/k/v biases in transformers, so a qwen2 model saved without them is
   written with zero biases and reloads with ``qkv_bias=True``.
 * ``head_dim`` is normalised: 0 in the returned config when it equals dim // n_heads.
@@ -43,13 +47,23 @@ _ARCH_OF_CLASS = {
     "MistralForCausalLM": "llama",  # Llama with an optional all-layer sliding window
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3moe",
 }
-_ARCH_OF_MODEL_TYPE = {"llama": "llama", "mistral": "llama", "qwen2": "qwen2", "qwen3": "qwen3"}
+_ARCH_OF_MODEL_TYPE = {
+    "llama": "llama",
+    "mistral": "llama",
+    "qwen2": "qwen2",
+    "qwen3": "qwen3",
+    "qwen3_moe": "qwen3moe",
+}
 _CLASS_OF_ARCH = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3moe": "Qwen3MoeForCausalLM",
 }
+#: transformers' model_type of each architecture, where it is not the architecture's name
+_MODEL_TYPE = {"qwen3moe": "qwen3_moe"}
 #: transformers classes / model types of the Qwen3.5 dense text model (specjax.io.hf_qwen35)
 QWEN35_CLASSES = ("Qwen3_5ForCausalLM", "Qwen3_5ForConditionalGeneration")
 QWEN35_MODEL_TYPES = ("qwen3_5_text", "qwen3_5")
@@ -292,6 +306,9 @@ def config_from_hf(
             if window <= 0:
                 raise ModelFileError(f"{source}: sliding layers but sliding_window={window}")
             swa = () if all(flags) else flags
+    moe = _moe_fields(hf, L, source) if arch == "qwen3moe" else {}
+    if arch == "qwen3moe" and hf.get("use_sliding_window") and hf.get("sliding_window"):
+        window = int(hf["sliding_window"])  # every layer (transformers' Qwen3MoeAttention)
 
     raw_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if raw_dtype not in _DTYPES:
@@ -311,16 +328,65 @@ def config_from_hf(
             norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
             tie_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=arch == "qwen2" or bool(hf.get("attention_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3moe"),
             sliding_window=window,
             swa_layers=swa,
             max_position=int(hf.get("max_position_embeddings", 4096)),
             dtype=_DTYPES[raw_dtype],
+            **moe,
         )
     except ValueError as e:
         if isinstance(e, ModelFileError):
             raise
         raise ModelFileError(f"{source}: invalid model hyper-parameters: {e}") from e
+
+
+def _moe_fields(hf: Mapping[str, Any], n_layers: int, source: str) -> dict[str, Any]:
+    """The ModelConfig expert fields of a Qwen3-MoE config.json (which layers are MoE:
+    transformers' rule, not in `mlp_only_layers` and (i + 1) % decoder_sparse_step == 0)."""
+    if hf.get("shared_expert_intermediate_size"):
+        raise ModelFileError(f"{source}: a shared expert (Qwen2-MoE style) is not supported")
+    step = int(hf.get("decoder_sparse_step") or 1)
+    dense = {int(i) for i in hf.get("mlp_only_layers") or ()}
+    flags = tuple(i not in dense and (i + 1) % step == 0 for i in range(n_layers))
+    n_experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if n_experts <= 0 or not any(flags):
+        raise ModelFileError(f"{source}: Qwen3MoeForCausalLM with no expert layers")
+    return dict(
+        n_experts=n_experts,
+        n_experts_used=int(hf.get("num_experts_per_tok") or 0),
+        expert_ffn_dim=int(hf.get("moe_intermediate_size") or 0),
+        norm_topk_prob=bool(hf.get("norm_topk_prob", False)),
+        moe_layers=() if all(flags) else flags,
+    )
+
+
+def _moe_weights(w: _Weights, config: ModelConfig, prefix: str) -> dict[str, np.ndarray]:
+    """A MoE layer's router and experts (`prefix`: "model.layers.N.mlp.") from the hub's
+    per-expert tensors or transformers' fused ones."""
+    X, D, F = config.n_experts, config.D, config.expert_ffn_dim
+    e = prefix + "experts."
+    out = {"router": w.get(prefix + "gate.weight", (X, D))}
+    if e + "gate_up_proj" in w:
+        gate_up = w.get(e + "gate_up_proj", (X, 2 * F, D))
+        down = w.get(e + "down_proj", (X, D, F))
+    else:
+        gate_up = np.stack(
+            [
+                np.concatenate(
+                    [
+                        w.get(f"{e}{j}.gate_proj.weight", (F, D)),
+                        w.get(f"{e}{j}.up_proj.weight", (F, D)),
+                    ]
+                )
+                for j in range(X)
+            ]
+        )
+        down = np.stack([w.get(f"{e}{j}.down_proj.weight", (D, F)) for j in range(X)])
+    # specjax's experts are input-major (specjax.models.moe)
+    out["experts_gate_up"] = np.ascontiguousarray(gate_up.transpose(0, 2, 1))
+    out["experts_down"] = np.ascontiguousarray(down.transpose(0, 2, 1))
+    return out
 
 
 class _Weights:
@@ -430,14 +496,14 @@ def load_hf(
             ),
             "wo": w.get(a + "o_proj.weight", (D, H * E)),
             "ffn_norm": w.get(p + "post_attention_layernorm.weight", (D,)),
-            "w_gate_up": np.concatenate(
-                [
-                    w.get(p + "mlp.gate_proj.weight", (F, D)),
-                    w.get(p + "mlp.up_proj.weight", (F, D)),
-                ]
-            ),
-            "w_down": w.get(p + "mlp.down_proj.weight", (D, F)),
         }
+        if config.is_moe_layer(i):
+            layer.update(_moe_weights(w, config, p + "mlp."))
+        else:
+            layer["w_gate_up"] = np.concatenate(
+                [w.get(p + "mlp.gate_proj.weight", (F, D)), w.get(p + "mlp.up_proj.weight", (F, D))]
+            )
+            layer["w_down"] = w.get(p + "mlp.down_proj.weight", (D, F))
         if config.qkv_bias:
             layer["bqkv"] = np.concatenate(
                 [
@@ -551,9 +617,9 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
     """transformers config.json for `config` (ValueError if transformers cannot express it)."""
     if config.arch == "gemma3":
         raise ValueError("saving a gemma3 model as a Hugging Face folder is not supported")
-    if config.arch == "qwen3" and not config.qk_norm:
+    if config.arch in ("qwen3", "qwen3moe") and not config.qk_norm:
         raise ValueError("transformers' Qwen3 always has q/k norm; set qk_norm=True")
-    if config.arch != "qwen3" and config.qk_norm:
+    if config.arch not in ("qwen3", "qwen3moe") and config.qk_norm:
         raise ValueError(f"transformers' {_CLASS_OF_ARCH[config.arch]} has no q/k norm")
     # a llama with a sliding window on every layer is transformers' Mistral
     mistral = config.arch == "llama" and config.sliding_window > 0
@@ -566,7 +632,7 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         raise ValueError("transformers' MistralForCausalLM has no attention biases")
     out: dict[str, Any] = {
         "architectures": ["MistralForCausalLM" if mistral else _CLASS_OF_ARCH[config.arch]],
-        "model_type": "mistral" if mistral else config.arch,
+        "model_type": "mistral" if mistral else _MODEL_TYPE.get(config.arch, config.arch),
         "vocab_size": config.V,
         "hidden_size": config.D,
         "num_hidden_layers": config.L,
@@ -608,8 +674,23 @@ def config_to_hf(config: ModelConfig, tokenizer: Tokenizer | None = None) -> dic
         out["sliding_window"] = config.sliding_window
     elif config.arch == "llama":
         out.update(attention_bias=config.qkv_bias, mlp_bias=False, pretraining_tp=1)
-    elif config.arch == "qwen3":
+    elif config.arch in ("qwen3", "qwen3moe"):
         out["attention_bias"] = config.qkv_bias
+    if config.arch == "qwen3moe":
+        if config.sliding_window and config.swa_layers and not all(config.swa_layers):
+            raise ValueError("transformers' Qwen3-MoE slides the window in every layer or none")
+        out.update(
+            num_experts=config.n_experts,
+            num_experts_per_tok=config.n_experts_used,
+            moe_intermediate_size=config.expert_ffn_dim,
+            norm_topk_prob=config.norm_topk_prob,
+            decoder_sparse_step=1,
+            mlp_only_layers=[i for i in range(config.L) if not config.is_moe_layer(i)],
+            use_sliding_window=config.sliding_window > 0,
+            sliding_window=config.sliding_window or None,
+            router_aux_loss_coef=0.001,
+            output_router_logits=False,
+        )
     if config.arch in ("qwen2", "qwen3"):
         flags = [config.layer_window(i) > 0 for i in range(config.L)]
         out["use_sliding_window"] = any(flags)
@@ -668,16 +749,26 @@ def save_hf(
             tensors[a + "q_proj.bias"] = np.zeros((H * E,), dt)
             tensors[a + "k_proj.bias"] = np.zeros((G * E,), dt)
             tensors[a + "v_proj.bias"] = np.zeros((G * E,), dt)
-        if config.qkv_bias and config.arch in ("llama", "qwen3"):  # attention_bias covers o_proj
+        # attention_bias covers o_proj
+        if config.qkv_bias and config.arch in ("llama", "qwen3", "qwen3moe"):
             tensors[a + "o_proj.bias"] = np.zeros((config.D,), dt)
         if config.qk_norm:
             tensors[a + "q_norm.weight"] = np_(layer["q_norm"])
             tensors[a + "k_norm.weight"] = np_(layer["k_norm"])
         tensors[a + "o_proj.weight"] = np_(layer["wo"])
         tensors[p + "post_attention_layernorm.weight"] = np_(layer["ffn_norm"])
-        tensors[p + "mlp.gate_proj.weight"] = np_(parts["gate"])
-        tensors[p + "mlp.up_proj.weight"] = np_(parts["up"])
-        tensors[p + "mlp.down_proj.weight"] = np_(layer["w_down"])
+        if config.is_moe_layer(i):
+            F = config.expert_ffn_dim
+            tensors[p + "mlp.gate.weight"] = np_(layer["router"])
+            gate_up, down = np.asarray(layer["experts_gate_up"]), np.asarray(layer["experts_down"])
+            for j in range(config.n_experts):  # [out, in] per expert, as transformers'
+                tensors[f"{p}mlp.experts.{j}.gate_proj.weight"] = np_(gate_up[j, :, :F].T)
+                tensors[f"{p}mlp.experts.{j}.up_proj.weight"] = np_(gate_up[j, :, F:].T)
+                tensors[f"{p}mlp.experts.{j}.down_proj.weight"] = np_(down[j].T)
+        else:
+            tensors[p + "mlp.gate_proj.weight"] = np_(parts["gate"])
+            tensors[p + "mlp.up_proj.weight"] = np_(parts["up"])
+            tensors[p + "mlp.down_proj.weight"] = np_(layer["w_down"])
     tensors["model.norm.weight"] = np_(params["final_norm"])
     if not config.tie_embeddings:
         tensors["lm_head.weight"] = np_(params["lm_head"])

@@ -17,6 +17,12 @@ Parameter pytree (plain dicts/tuples; weights stored [out, in], never upcast in 
           "w_gate_up": [2F, D],            # rows: F gate rows, then F up rows
           "w_down":    [D, F],
           "post_ffn_norm": [D],            # only gemma3 (norm of the MLP output)
+          # a mixture-of-experts layer (config.is_moe_layer(i), arch qwen3moe) has instead of
+          # w_gate_up / w_down (X = n_experts, F' = expert_ffn_dim; specjax.models.moe), the
+          # experts input-major ([in, out] per expert, unlike the other weights):
+          "router":          [X, D],
+          "experts_gate_up": [X, D, 2F'],  # per expert: F' gate columns, then F' up columns
+          "experts_down":    [X, F', D],
         }, ...),
       "final_norm": [D],
       "lm_head":    [V, D],            # absent when config.tie_embeddings
@@ -43,7 +49,7 @@ import math
 import struct
 from typing import Any, ClassVar, Self
 
-ARCHS = ("llama", "qwen2", "qwen3", "gemma3")
+ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 DTYPES = ("float32", "float16", "bfloat16")
 
 
@@ -96,6 +102,14 @@ class ModelConfig:
     rope_theta_swa: float = 0.0  # RoPE base of the sliding-window layers (0 = rope_theta)
     attn_scale: float = 0.0  # the queries' score scale (0 = 1 / sqrt(head_dim))
     final_logit_softcap: float = 0.0  # logits = c * tanh(logits / c) (0 = off)
+    # Mixture of experts (arch qwen3moe; specjax.models.moe): 0 experts = dense FFNs.
+    n_experts: int = 0
+    n_experts_used: int = 0  # top-k experts per token
+    expert_ffn_dim: int = 0  # each expert's feed-forward width F'
+    norm_topk_prob: bool = False  # renormalise the top-k router probabilities to sum 1
+    # Per layer: True = mixture-of-experts FFN, False = dense (ffn_dim). Empty with
+    # n_experts > 0 means every layer.
+    moe_layers: tuple[bool, ...] = ()
 
     def __post_init__(self) -> None:
         if self.arch not in ARCHS:
@@ -138,6 +152,32 @@ class ModelConfig:
             bad = [f for f in self.rope_factors if not (math.isfinite(f) and f > 0)]
             if bad:
                 raise ValueError(f"rope_factors must be finite and positive, got {bad[:4]}")
+        self._check_experts()
+
+    def _check_experts(self) -> None:
+        moe = self.arch == "qwen3moe"
+        if moe != (self.n_experts > 0):
+            raise ValueError(
+                f"arch {self.arch!r} with n_experts={self.n_experts}: qwen3moe has experts "
+                "(n_experts > 0), the other architectures none"
+            )
+        if not moe:
+            if self.moe_layers:
+                raise ValueError(f"moe_layers given for arch {self.arch!r}, which has no experts")
+            return
+        if not self.qk_norm:
+            raise ValueError("qwen3moe has q/k norm: set qk_norm=True")
+        if not 1 <= self.n_experts_used <= self.n_experts:
+            raise ValueError(
+                f"n_experts_used must be in 1..n_experts ({self.n_experts}), "
+                f"got {self.n_experts_used}"
+            )
+        if self.expert_ffn_dim <= 0:
+            raise ValueError(f"expert_ffn_dim must be positive, got {self.expert_ffn_dim}")
+        if self.moe_layers and len(self.moe_layers) != self.n_layers:
+            raise ValueError(
+                f"moe_layers has {len(self.moe_layers)} entries for {self.n_layers} layers"
+            )
 
     # Short aliases matching the dimension key in specjax.types.
     @property
@@ -176,13 +216,24 @@ class ModelConfig:
             return self.sliding_window
         return 0
 
+    def is_moe_layer(self, layer: int) -> bool:
+        """Whether `layer`'s FFN is a mixture of experts (else dense, `ffn_dim` wide)."""
+        if self.n_experts <= 0:
+            return False
+        return not self.moe_layers or self.moe_layers[layer]
+
     def num_params(self) -> int:
         E, D, F, H, G, V = self.E, self.D, self.F, self.H, self.G, self.V
-        per_layer = 2 * D + (H + 2 * G) * E * D + D * H * E + 3 * D * F
+        per_layer = 2 * D + (H + 2 * G) * E * D + D * H * E
         per_layer += (H + 2 * G) * E if self.qkv_bias else 0
         per_layer += 2 * E if self.qk_norm else 0
         per_layer += 2 * D if self.arch == "gemma3" else 0
         total = V * D + self.L * per_layer + D
+        for i in range(self.L):
+            if self.is_moe_layer(i):
+                total += self.n_experts * (D + 3 * D * self.expert_ffn_dim)
+            else:
+                total += 3 * D * F
         return total if self.tie_embeddings else total + V * D
 
     def to_dict(self) -> dict[str, Any]:
@@ -195,8 +246,9 @@ class ModelConfig:
         scaling = data.get("rope_scaling")
         if isinstance(scaling, dict):
             data["rope_scaling"] = RopeScaling(**scaling)
-        if "swa_layers" in data and data["swa_layers"] is not None:
-            data["swa_layers"] = tuple(bool(x) for x in data["swa_layers"])
+        for name in ("swa_layers", "moe_layers"):
+            if name in data and data[name] is not None:
+                data[name] = tuple(bool(x) for x in data[name])
         if data.get("rope_factors") is not None:
             data["rope_factors"] = tuple(float(x) for x in data["rope_factors"])
         known = {f.name for f in dataclasses.fields(cls)}

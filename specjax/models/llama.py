@@ -1,4 +1,4 @@
-"""Llama-family decoder (llama / qwen2 / qwen3 / gemma3) as a pure function of (params, tokens, positions, cache).
+"""Llama-family decoder (llama / qwen2 / qwen3 / qwen3moe / gemma3) as a pure function of (params, tokens, positions, cache).
 
 gemma3's differences are static branches on `config.arch` (specjax.models.config's docstring
 lists them); its cache may be a `SWACache` (specjax.memory.swa: the sliding-window layers'
@@ -27,6 +27,8 @@ Invariants:
   mark; elsewhere (TPU), and for what the kernel does not take (a head dim that is not a
   power of two, more than `KERNEL_MAX_ROWS` query rows per KV head: prompt chunks), one
   masked pass over every cell in XLA's ops. Both mask by position and assume no cell order.
+* A qwen3moe layer (`config.is_moe_layer`) runs `models.moe.moe_ffn` in place of the dense
+  FFN; everything else is qwen3's.
 * RoPE angles are computed once per forward (`_materialised`), not per layer.
 * Compute runs in the parameter dtype; norms, softmax and logits accumulate in float32. Cached
   K/V are stored in the cache's dtypes (F16 by default in `generate`) and read in the compute
@@ -49,6 +51,7 @@ from specjax.kernels import gpu as gpu_kernels
 from specjax.memory.kv import KVCache, row_high_water, used_cells, write_layer, write_positions
 from specjax.memory.swa import SWACache
 from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
+from specjax.models.moe import init_moe_layer, moe_ffn
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array, Params
 
@@ -689,10 +692,13 @@ def forward_compute(
         out = linear(attn, layer["wo"])
         x = x + (rms_norm(out, layer["post_attn_norm"], config.norm_eps) if gemma else out)
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = linear(h, layer["w_gate_up"])
-        gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
-        out = linear(act * up, layer["w_down"])
+        if config.is_moe_layer(i):
+            out = moe_ffn(config, layer, h)
+        else:
+            gate_up = linear(h, layer["w_gate_up"])
+            gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
+            act = jax.nn.gelu(gate, approximate=True) if gemma else jax.nn.silu(gate)
+            out = linear(act * up, layer["w_down"])
         x = x + (rms_norm(out, layer["post_ffn_norm"], config.norm_eps) if gemma else out)
     if config.L in hidden_layers:
         hidden[config.L] = x
@@ -801,15 +807,19 @@ def init_params(config: ModelConfig, key: Array) -> Params:
 
     keys = iter(jax.random.split(key, 4 + 4 * config.L))
     layers = []
-    for _ in range(config.L):
+    for i in range(config.L):
         layer = {
             "attn_norm": jnp.ones((D,), dtype),
             "wqkv": normal(next(keys), ((H + 2 * G) * E, D), std),
             "wo": normal(next(keys), (D, H * E), out_std),
             "ffn_norm": jnp.ones((D,), dtype),
-            "w_gate_up": normal(next(keys), (2 * F, D), std),
-            "w_down": normal(next(keys), (D, F), out_std),
         }
+        if config.is_moe_layer(i):
+            layer.update(init_moe_layer(config, next(keys), std, out_std))
+            next(keys)
+        else:
+            layer["w_gate_up"] = normal(next(keys), (2 * F, D), std)
+            layer["w_down"] = normal(next(keys), (D, F), out_std)
         if config.qkv_bias:
             layer["bqkv"] = jnp.zeros(((H + 2 * G) * E,), dtype)
         if config.qk_norm:
