@@ -411,17 +411,15 @@ class _Slots:
 
 
 def _fit_draft_limits(
-    spec: SpecConfig, context: int, prompt_lengths: list[int], max_new: np.ndarray
+    spec: SpecConfig, context: int, prompt_lengths: list[int]
 ) -> SpecConfig | None:
-    """`spec` with its draft limits clamped to what a round can still verify (the CLI's rule,
-    `config.fit_draft_limits`): the context after the shortest prompt, and the most tokens a
-    row generates - 1 (llama.cpp's server drafts at most n_remaining - 1); a warning says
-    what changed."""
+    """`spec` with its draft limits clamped to what the context leaves after the shortest
+    prompt (`config.fit_draft_limits`), with a warning saying what changed: a limit beyond
+    the context only widens the compiled draft. Unlike the CLI's one-shot runs, `max_new_tokens`
+    does not clamp here: the rounds' budgets already stop drafts at it, and a limit cut to it
+    would change the static draft width (a compile) from call to call."""
     room = context - min(prompt_lengths) - 1
     why = f"n_ctx {context}, prompt of {min(prompt_lengths)} tokens"
-    longest = int(max_new.max())
-    if longest - 1 < room:
-        room, why = longest - 1, f"max_new_tokens {longest}"
     fitted, notes = fit_draft_limits(spec, room, why)
     if notes:
         warnings.warn("; ".join(notes), stacklevel=3)
@@ -557,7 +555,7 @@ def generate(
     if (max_new < 0).any():  # until the context is full: the context stop comes first
         max_new = np.where(max_new < 0, context + 1, max_new)
     if _slots is None and spec is not None:  # a Generator's chain is fixed when it is made
-        spec = _fit_draft_limits(spec, context, [len(p) for p in prompt_ids], max_new)
+        spec = _fit_draft_limits(spec, context, [len(p) for p in prompt_ids])
     seeds = _per_row(seed, n_prompts, "seed")
     sampling_args = _sampling_args(n_prompts, temperature, top_k, top_p, min_p, repeat_penalty)
     if _slots is None:
