@@ -181,7 +181,7 @@ def run(
     targets: list[str],
     n_ctx: int,
     shipped: bool,
-    twins: bool = True,
+    with_twins: bool = True,
 ) -> list[dict[str, Any]]:
     sets = [("tiny", True, tiny_models(n_ctx))]
     deeper_target = tiny_models(n_ctx, target_extra=EXTRA_LAYERS)
@@ -202,7 +202,7 @@ def run(
                     row["note"] = "generate made no executable through api._compiled"
                 # the tiny set's first B: deeper twins count kernels per layer
                 twins = {}
-                if twins and tiny and batch == batches[0] and config != "hybrid-plain":
+                if with_twins and tiny and batch == batches[0] and config != "hybrid-plain":
                     twins["per_target_layer"] = capture(deeper_target, config, batch, n_ctx, tiny)
                     if cap["draft_layers"]:
                         twins["per_draft_layer"] = capture(deeper_draft, config, batch, n_ctx, tiny)
@@ -543,7 +543,7 @@ def main(argv: list[str] | None = None) -> None:
         [t for t in a.targets.split(",") if t],
         a.n_ctx,
         a.shipped,
-        twins=not a.no_twins,
+        with_twins=not a.no_twins,
     )
     write_section(
         a.json,
