@@ -195,7 +195,12 @@ def per_layer_loops(base: dict[str, Any], deep: dict[str, Any], layers: int) -> 
 
 
 def run(
-    configs: list[str], batches: list[int], targets: list[str], n_ctx: int, shipped: bool
+    configs: list[str],
+    batches: list[int],
+    targets: list[str],
+    n_ctx: int,
+    shipped: bool,
+    with_twins: bool = True,
 ) -> list[dict[str, Any]]:
     sets = [("tiny", True, tiny_models(n_ctx))]
     deeper_target = tiny_models(n_ctx, target_extra=EXTRA_LAYERS)
@@ -218,7 +223,7 @@ def run(
                     row["note"] = "generate made no executable through api._compiled"
                 # the tiny set's first B: deeper twins count kernels per layer
                 twins = {}
-                if tiny and batch == batches[0] and config != "hybrid-plain":
+                if with_twins and tiny and batch == batches[0] and config != "hybrid-plain":
                     twins["per_target_layer"] = capture(deeper_target, config, batch, n_ctx, tiny)
                     if cap["draft_layers"]:
                         twins["per_draft_layer"] = capture(deeper_draft, config, batch, n_ctx, tiny)
@@ -509,6 +514,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--targets", default=",".join(aot.TARGETS))
     p.add_argument("--n-ctx", type=int, default=4096)
     p.add_argument("--shipped", action="store_true", help="also models/code-target (minutes)")
+    p.add_argument(
+        "--no-twins", action="store_true", help="no deeper twins (no per-layer counts): faster"
+    )
     p.add_argument("--json", default=str(DEFAULT_JSON), help="output path, '-' for none")
     p.add_argument(
         "--scale", action="store_true", help="issue 50 item 5: 8B target + 1B draft, abstract"
@@ -556,6 +564,7 @@ def main(argv: list[str] | None = None) -> None:
         [t for t in a.targets.split(",") if t],
         a.n_ctx,
         a.shipped,
+        with_twins=not a.no_twins,
     )
     write_section(
         a.json,

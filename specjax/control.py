@@ -16,8 +16,14 @@ the one place that chooses (at trace time, from the backend the program is trace
   each row read to its own high-water mark by a loop inside the kernel) instead of XLA's
   ops; None on CPU and TPU.
 * `compiler_options(platform)`: what the project's executables are compiled with by default
-  on each platform (GPU: loops and conditionals captured in CUDA graphs, so no loop of a
-  round runs from the host); a flag the user sets in XLA_FLAGS wins.
+  on each platform (GPU: loops and conditionals captured in CUDA graphs, however few the
+  thunks around them, so no loop of a round runs from the host); a flag the user sets in
+  XLA_FLAGS wins.
+* `at_row(x_B, r)`: `x_B[r]` for a row index `r` that a loop counts (a `fori_loop` over
+  rows): a dynamic slice on CPU, a one-hot reduction on accelerators. XLA GPU makes a
+  dynamic slice whose offset follows a loop's counter a copy whose offset the host works out
+  at every iteration (a `kDynamicSliceFusion`): that loop, and every loop around it, then
+  runs from the host.
 * `moe_dispatch(pairs, n_experts)`: how a mixture-of-experts layer (`specjax.models.moe`)
   runs its experts over `pairs` token-expert pairs (see its docstring for the figures).
 
@@ -39,6 +45,12 @@ from specjax.types import Array
 #: loop or conditional outside a command buffer reads its predicate back to the host at
 #: every iteration. Needs CUDA >= 12.3 (conditional graph nodes).
 GPU_COMMAND_BUFFER = "FUSION,CUBLAS,CUBLASLT,CUSTOM_CALL,CUDNN,WHILE,CONDITIONAL"
+#: The fewest consecutive capturable thunks XLA GPU makes a command buffer of (its default
+#: 5). XLA counts the thunks of one sequence, not what they hold: a capturable loop with
+#: fewer than that many thunks beside it (a draft loop between two kernels, say) stayed out
+#: of every command buffer, and so did every loop in its body (5 of the 9 host-driven loops
+#: of ngram-mod + draft-simple at B = 32 on the H100). 1: every capturable run is captured.
+GPU_MIN_GRAPH_SIZE = "1"
 
 
 def cpu_control_flow() -> bool:
@@ -69,13 +81,31 @@ def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
     )[1]
 
 
+def at_row(x_B: Array, r: Array) -> Array:
+    """`x_B[r]` (a scalar: `x_B` is `[B]`, `r` a traced row index, 0 <= r < B). On
+    accelerators a one-hot reduction, not a dynamic slice: XLA GPU lowers a dynamic slice
+    indexed by a loop's counter to a copy whose offset the host computes at every iteration
+    (a `kDynamicSliceFusion`, `dynamic_slice_config.loop_index` in the optimised HLO), which
+    no command buffer holds (jaxlib 0.10.2: not in a loop that is not unrolled, and not below
+    CUDA 12.9 at all), so the loops around it run from the host. Its values are `x_B[r]`'s."""
+    if cpu_control_flow():
+        return x_B[r]
+    hit_B = jnp.arange(x_B.shape[0]) == r
+    if x_B.dtype == jnp.bool_:
+        return jnp.any(hit_B & x_B)
+    return jnp.sum(jnp.where(hit_B, x_B, jnp.zeros_like(x_B)), dtype=x_B.dtype)
+
+
 def compiler_options(platform: str) -> dict[str, str]:
     """Default XLA options of the project's executables on `platform` ("cpu", "gpu" or
     "cuda", "tpu"), less those the user set in XLA_FLAGS."""
     user = os.environ.get("XLA_FLAGS", "")
     options: dict[str, str] = {}
-    if platform in ("gpu", "cuda") and "xla_gpu_enable_command_buffer" not in user:
-        options["xla_gpu_enable_command_buffer"] = GPU_COMMAND_BUFFER
+    if platform in ("gpu", "cuda"):
+        if "xla_gpu_enable_command_buffer" not in user:
+            options["xla_gpu_enable_command_buffer"] = GPU_COMMAND_BUFFER
+        if "xla_gpu_graph_min_graph_size" not in user:
+            options["xla_gpu_graph_min_graph_size"] = GPU_MIN_GRAPH_SIZE
     return options
 
 

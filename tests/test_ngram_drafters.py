@@ -323,6 +323,43 @@ def test_mod_row_by_row_path_matches_reference(monkeypatch: Any) -> None:
             run_session(d, batch=2, k_max=4, seed=seed)
 
 
+def test_mod_row_by_row_path_with_accelerator_control_flow(monkeypatch: Any) -> None:
+    """The row-by-row path as traced for a GPU or TPU (per-row reads by `control.at_row`'s
+    one-hot reduction, not a dynamic slice by the row loop's counter), run here on CPU: it
+    meets the reference as the CPU's does (configs unique to this test: own jit)."""
+    from specjax import aot
+    from specjax.drafters import ngram_mod
+
+    monkeypatch.setattr(ngram_mod, "_LOG_PER_ROW", 2)
+    with aot.backend_as("gpu"):
+        for d in (
+            NgramMod(n_match=2, n_min=1, n_max=6, pool_size=53),
+            NgramMod(n_match=3, n_min=5, n_max=9, pool_size=512),
+        ):
+            for seed in range(3):
+                run_session(d, batch=3, k_max=4, seed=seed)
+
+
+def test_at_row_reads_the_row_on_every_backend() -> None:
+    """`control.at_row(x, r)` inside a loop over rows equals `x[r]` on CPU and with the
+    accelerators' one-hot reduction (int32 with negatives, bool)."""
+    from specjax import aot, control
+
+    ints = jnp.asarray([5, -7, 0, 2**31 - 1, -(2**31)], jnp.int32)
+    bools = jnp.asarray([True, False, False, True, True])
+
+    def gather(x: Any) -> Any:
+        out = jnp.zeros_like(x)
+        return jax.lax.fori_loop(0, x.shape[0], lambda r, o: o.at[r].set(control.at_row(x, r)), out)
+
+    for backend in ("cpu", "gpu"):
+        with aot.backend_as(backend):
+            for x in (ints, bools):
+                got = jax.jit(gather)(x)
+                assert got.dtype == x.dtype and np.array_equal(np.asarray(got), np.asarray(x))
+        jax.clear_caches()
+
+
 def test_sessions_exercise_drafts_and_shrinks() -> None:
     """The random sessions above do produce drafts and history shrinks (non-vacuous)."""
     total = {"drafts": 0, "shrinks": 0}

@@ -65,7 +65,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from specjax.control import run_once
+from specjax.control import at_row, run_once
 from specjax.drafters.base import Drafter, DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
@@ -323,14 +323,14 @@ class NgramMod(ModelFreeDrafter):
         lengths = history.length.astype(jnp.int32)
 
         def body(r: Any, st: NgramModState) -> NgramModState:
-            cur_len = lengths[r]
-            on = rows[r]
+            cur_len = at_row(lengths, r)  # (not lengths[r]: see `control.at_row`)
+            on = at_row(rows, r)
             go = on & (cur_len >= n)
             hi = jnp.where(go, cur_len - n, 0)
             st = self._ingest(st, history.tokens, r, jnp.int32(0), hi, _BEGIN_CHUNK)
             st = self._reset_if(st, go & (st.used > P // 4))  # used / P > 0.25
-            i_last = jnp.where(on, hi, st.i_last[r])
-            ndl = jnp.where(on, 0, st.n_draft_last[r])
+            i_last = jnp.where(on, hi, at_row(st.i_last, r))
+            ndl = jnp.where(on, 0, at_row(st.n_draft_last, r))
             return replace(
                 st,
                 i_last=st.i_last.at[r].set(i_last),
@@ -495,10 +495,12 @@ class NgramMod(ModelFreeDrafter):
             r: Any, carry: tuple[NgramModState, Array, Array]
         ) -> tuple[NgramModState, Array, Array]:
             st, out_tok, out_len = carry
-            cur_len = lengths[r]
-            d = inp.drafting[r]
+            # per-row scalars by `control.at_row`, not `x[r]`: on a GPU a dynamic slice by
+            # the loop's counter is a host-driven copy, and this loop would run from the host
+            cur_len = at_row(lengths, r)
+            d = at_row(inp.drafting, r)
             go = d & (cur_len >= n)
-            i_last = st.i_last[r]
+            i_last = at_row(st.i_last, r)
             need = go & (i_last + CHUNK < cur_len)
             hi = jnp.where(need, cur_len - n, i_last)
             st = self._ingest(st, tokens_BS, r, i_last, hi, _DRAFT_CHUNK)
@@ -507,7 +509,7 @@ class NgramMod(ModelFreeDrafter):
 
             # pattern: the last n-1 history tokens, then id_last
             key = tokens_BS[r, jnp.clip(cur_len - n + 1 + cols, 0, S - 1)]
-            key = jnp.where(cols == n - 1, inp.last_token[r].astype(jnp.int32), key)
+            key = jnp.where(cols == n - 1, at_row(inp.last_token, r).astype(jnp.int32), key)
             buf = lax.dynamic_update_slice(jnp.zeros((width,), jnp.int32), key, (0,))
 
             def c_cond(c: tuple[Array, Array, Array]) -> Array:
@@ -527,7 +529,9 @@ class NgramMod(ModelFreeDrafter):
             st = replace(
                 st,
                 i_last=st.i_last.at[r].set(i_last),
-                n_draft_last=st.n_draft_last.at[r].set(jnp.where(d, length, st.n_draft_last[r])),
+                n_draft_last=st.n_draft_last.at[r].set(
+                    jnp.where(d, length, at_row(st.n_draft_last, r))
+                ),
             )
             out_tok = out_tok.at[r].set(lax.dynamic_slice(buf, (n,), (k_max,)))
             out_len = out_len.at[r].set(length)
