@@ -43,6 +43,7 @@ array [B, T, D] per requested id in `hidden_layers` order (layer ids of a llama 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -53,7 +54,7 @@ from specjax.memory.kv import KVCache, keep_prefix, row_high_water
 from specjax.memory.swa import SWACache, commit_swa, keep_prefix_swa, ring_cells
 from specjax.models import qwen35
 from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
-from specjax.models.llama import ForwardCompute, commit_kv, forward_compute, new_cache
+from specjax.models.llama import commit_kv, forward_compute, new_cache
 from specjax.pytree import replace
 from specjax.types import Array, Params
 
@@ -193,15 +194,12 @@ class _PartAttentionMemory:
     checkpoints = False
     seq_rm_type = "PART"
 
+    #: the memory's commit of the new K/V (`commit_kv`'s arguments) and its
+    #: `seq_rm(row, keep, -1)` (`keep_prefix`'s)
+    _commit: Callable[..., Any]
+    _keep_prefix: Callable[[Any, Array], Any]
+
     def _high_water(self, memory: Any) -> Array:
-        raise NotImplementedError
-
-    def _commit(
-        self, memory: Any, positions_BT: Array, out: ForwardCompute, after: Any, high_water: Any
-    ) -> Any:
-        raise NotImplementedError
-
-    def _keep_prefix(self, memory: Any, keep_B: Array) -> Any:
         raise NotImplementedError
 
     def forward(
@@ -232,7 +230,9 @@ class _PartAttentionMemory:
         )
         assert out.logits is not None
         after = None if fresh else out.logits
-        memory = self._commit(memory, positions_BT, out, after, high_water)
+        memory = self._commit(
+            memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water
+        )
         return TargetForward(out.logits, memory, tuple(out.hidden))
 
     def settle(
@@ -266,13 +266,8 @@ class KVTargetMemory(_PartAttentionMemory):
     def _high_water(self, memory: KVCache) -> Array:
         return row_high_water(memory.pos)
 
-    def _commit(
-        self, memory: KVCache, positions_BT: Array, out: ForwardCompute, after: Any, high_water: Any
-    ) -> KVCache:
-        return commit_kv(memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water)
-
-    def _keep_prefix(self, memory: KVCache, keep_B: Array) -> KVCache:
-        return keep_prefix(memory, keep_B)
+    _commit = staticmethod(commit_kv)
+    _keep_prefix = staticmethod(keep_prefix)
 
     def drop_from(self, memory: KVCache, start_B: Array) -> KVCache:
         memory = keep_prefix(memory, start_B)
@@ -338,20 +333,10 @@ class SWATargetMemory(_PartAttentionMemory):
     def _high_water(self, memory: SWACache) -> Array:
         return row_high_water(memory.full.pos)  # the full part's
 
-    def _commit(
-        self,
-        memory: SWACache,
-        positions_BT: Array,
-        out: ForwardCompute,
-        after: Any,
-        high_water: Any,
-    ) -> SWACache:
-        return commit_swa(memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water)
-
-    def _keep_prefix(self, memory: SWACache, keep_B: Array) -> SWACache:
-        # keep >= length + 1, so the ring still holds everything the next token sees
-        # (`specjax.memory.swa`)
-        return keep_prefix_swa(memory, keep_B)
+    _commit = staticmethod(commit_swa)
+    #: keep >= length + 1, so the ring still holds everything the next token sees
+    #: (`specjax.memory.swa`)
+    _keep_prefix = staticmethod(keep_prefix_swa)
 
     def drop_from(self, memory: SWACache, start_B: Array) -> SWACache:
         memory = keep_prefix_swa(memory, start_B)
