@@ -252,11 +252,7 @@ def _load_hybrid(path: str, dtype: str | None) -> Model | None:
 
         if not is_qwen35_folder(path):
             return None
-        config, params, tokenizer = load_qwen35_hf(path, dtype=dtype)
-        if dtype is None and default_compute_dtype(config.dtype) != config.dtype:
-            config = dataclasses.replace(config, dtype=default_compute_dtype(config.dtype))
-            params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)
-        return Model(config=config, params=params, tokenizer=tokenizer, path=str(path))  # type: ignore[arg-type]
+        return _hybrid_model(path, dtype, *load_qwen35_hf(path, dtype=dtype))
     if not (os.path.isfile(path) and str(path).lower().endswith(".gguf")):
         return None
     try:
@@ -267,7 +263,11 @@ def _load_hybrid(path: str, dtype: str | None) -> Model | None:
         return None
     from specjax.io.gguf_qwen35 import load_qwen35_gguf
 
-    config, params, tokenizer = load_qwen35_gguf(path, dtype=dtype)
+    return _hybrid_model(path, dtype, *load_qwen35_gguf(path, dtype=dtype))
+
+
+def _hybrid_model(path: str, dtype: str | None, config: Any, params: Any, tokenizer: Any) -> Model:
+    """A loaded qwen35 model; without a `dtype` asked for, in its default compute dtype."""
     if dtype is None and default_compute_dtype(config.dtype) != config.dtype:
         config = dataclasses.replace(config, dtype=default_compute_dtype(config.dtype))
         params = jax.tree.map(lambda x: jnp.asarray(x, config.dtype), params)

@@ -14,6 +14,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from specjax.drafters.base import DRAFTER_TYPES, PRIORITY
+from specjax.pytree import check_known_keys
 
 #: ngram-cache drafts a fixed number of tokens upstream ("TODO get from config").
 NGRAM_CACHE_N_DRAFT = 8
@@ -216,10 +217,7 @@ class SpecConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> SpecConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown speculative config keys: {', '.join(unknown)}")
+        check_known_keys(cls, data, "unknown speculative config keys")
         data = dict(data)
         for key in ("types", "synth_rates"):
             if key in data and isinstance(data[key], list):

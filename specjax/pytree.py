@@ -4,11 +4,15 @@ Array fields are pytree leaves (traced under jit). Fields declared with `static_
 pytree metadata: hashed into the jit cache key, so changing one recompiles. Sizes (capacity,
 K_max, vocabulary) are static; everything a user changes per call (temperature, n_max, seeds)
 must be an array field.
+
+Configs (plain frozen dataclasses, not pytrees) read from JSON / YAML check their keys with
+`check_known_keys`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Iterable, Mapping
 from typing import Any, TypeVar, dataclass_transform
 
 import jax
@@ -41,3 +45,14 @@ def pytree_dataclass(cls: type[T]) -> type[T]:
 def replace(obj: T, **changes: Any) -> T:
     """`dataclasses.replace`, re-exported so state updates read the same everywhere."""
     return dataclasses.replace(obj, **changes)  # type: ignore[type-var]
+
+
+def check_known_keys(
+    cls: Any, data: Mapping[str, Any], what: str, *, exclude: Iterable[str] = ()
+) -> None:
+    """A `from_dict`'s check: ValueError `{what}: a, b` naming, sorted, the keys of `data` that
+    are not fields of the dataclass `cls` (fields in `exclude` count as unknown)."""
+    known = {f.name for f in dataclasses.fields(cls)} - set(exclude)
+    unknown = sorted(set(data) - known)
+    if unknown:
+        raise ValueError(f"{what}: {', '.join(unknown)}")

@@ -24,6 +24,8 @@ from specjax.cli.options import (
     _spec_from_options,
     fit_drafts,
     load_options,
+    print_stats,
+    sampling_options,
 )
 from specjax.io.paths import check_writable
 
@@ -167,9 +169,7 @@ def batch_main(argv: list[str]) -> int:
             f"{summary.context} tokens (finish_reason context): -c/--ctx-size sets it",
             file=log,
         )
-    if summary.stats is not None:
-        for line in summary.stats.lines():
-            print(line, file=log)
+    print_stats(summary.stats, log)
     if summary.interrupted:
         print(
             "specjax batch: interrupted (Ctrl-C); every record in --out is whole, the requests "
@@ -195,12 +195,7 @@ def _run(
         draft=draft,
         n_ctx=int(opts["ctx_size"]) or None,
         n_predict=int(opts["n_predict"]),
-        temperature=float(opts["temp"]),
-        top_k=int(opts["top_k"]),
-        top_p=float(opts["top_p"]),
-        min_p=float(opts["min_p"]),
-        repeat_penalty=float(opts["repeat_penalty"]),
-        seed=int(opts["seed"]),
+        **sampling_options(opts),
         errors_path=opts.get("errors_path"),
         prefill_chunk=int(opts["prefill_chunk"]),
         fsync_interval=float(opts["fsync_interval"]),

@@ -24,6 +24,8 @@ from specjax.cli.options import (
     _load_options,
     _spec_from_options,
     fit_drafts,
+    print_stats,
+    sampling_options,
 )
 from specjax.io.paths import check_writable
 
@@ -272,12 +274,7 @@ def generate_main(argv: list[str]) -> int:
             stream=stream,
             interrupt=interrupt,
             max_new_tokens=int(opts["n_predict"]),
-            temperature=float(opts["temp"]),
-            top_k=int(opts["top_k"]),
-            top_p=float(opts["top_p"]),
-            min_p=float(opts["min_p"]),
-            repeat_penalty=float(opts["repeat_penalty"]),
-            seed=int(opts["seed"]),
+            **sampling_options(opts),
             n_ctx=int(opts["ctx_size"] or 0) or None,  # (None: sized by the run, <= context)
             spec=spec,
             draft=draft,
@@ -327,9 +324,7 @@ def generate_main(argv: list[str]) -> int:
             f"({restored['n_tokens']} tokens) from {restored['path']}",
             file=log,
         )
-    if result.stats is not None:
-        for line in result.stats.lines():
-            print(line, file=log)
+    print_stats(result.stats, log)
     status = 0
     if saves_dynamic_cache:
         # llama.cpp's lookup example: merge this run's context caches into the dynamic cache

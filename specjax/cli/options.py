@@ -308,6 +308,27 @@ def _spec_from_options(opts: dict[str, Any]):
     return SpecConfig(**kwargs)
 
 
+def sampling_options(opts: dict[str, Any]) -> dict[str, Any]:
+    """The sampler's keyword arguments (`specjax.generate`, `specjax.jobs.batch.batch`) from
+    the command's options (`--temp`, `--top-k`, `--top-p`, `--min-p`, `--repeat-penalty`,
+    `--seed`)."""
+    return dict(
+        temperature=float(opts["temp"]),
+        top_k=int(opts["top_k"]),
+        top_p=float(opts["top_p"]),
+        min_p=float(opts["min_p"]),
+        repeat_penalty=float(opts["repeat_penalty"]),
+        seed=int(opts["seed"]),
+    )
+
+
+def print_stats(stats: Any, log: Any) -> None:
+    """A run's statistics lines (`SpecStats.lines`) on `log`, when it has statistics."""
+    if stats is not None:
+        for line in stats.lines():
+            print(line, file=log)
+
+
 def fit_drafts(spec: Any, room: int, why: str, log: Any) -> Any:
     """`specjax.config.fit_draft_limits` with its note printed on `log` (`specjax: ...`)."""
     spec, notes = fit_draft_limits(spec, room, why)

@@ -129,26 +129,20 @@ def _cache_types(model: Any, cache_type_k: str | None, cache_type_v: str | None)
 
 # ----------------------------------------------------------------------------- compute
 @functools.partial(jax.jit, static_argnames=("config", "capacity", "k_dtype", "v_dtype"))
-def _prefill_attention(
+def _prefill(
     config: Any, params: Any, tokens_BT: Array, n_B: Array, capacity: int, k_dtype: str,
     v_dtype: str,
 ) -> Any:  # fmt: skip
+    """A fresh prefill of each row's first n_B tokens: the `KVCache` of an attention-only
+    target, the `qwen35.State` of a hybrid one (its `kv` the attention layers' cache)."""
     B, T = tokens_BT.shape
     pos = jnp.where(jnp.arange(T)[None] < n_B[:, None], jnp.arange(T)[None], -1)
+    if getattr(config, "arch", None) == "qwen35":
+        state = qwen35.new_state(config, B, capacity, k_dtype, v_dtype)
+        return qwen35.forward(config, params, tokens_BT, pos, state, cache_empty=True).state
     cache = new_cache(config, B, capacity, k_dtype, v_dtype)
     out = forward_compute(config, params, tokens_BT, pos, cache, cache_empty=True, logits=False)
     return commit_kv(cache, pos, out.k, out.v)
-
-
-@functools.partial(jax.jit, static_argnames=("config", "capacity", "k_dtype", "v_dtype"))
-def _prefill_hybrid(
-    config: Any, params: Any, tokens_BT: Array, n_B: Array, capacity: int, k_dtype: str,
-    v_dtype: str,
-) -> Any:  # fmt: skip
-    B, T = tokens_BT.shape
-    pos = jnp.where(jnp.arange(T)[None] < n_B[:, None], jnp.arange(T)[None], -1)
-    state = qwen35.new_state(config, B, capacity, k_dtype, v_dtype)
-    return qwen35.forward(config, params, tokens_BT, pos, state, cache_empty=True).state
 
 
 def prompt_states(
@@ -170,9 +164,8 @@ def prompt_states(
     for b, p in enumerate(prompts):
         toks[b, : len(p) - 1] = p[:-1]
     n_B = jnp.asarray([n - 1 for n in lens], jnp.int32)
-    fn = _prefill_hybrid if _is_hybrid(model) else _prefill_attention
     out = jax.device_get(
-        fn(model.config, model.params, jnp.asarray(toks), n_B, T, k_dtype, v_dtype)
+        _prefill(model.config, model.params, jnp.asarray(toks), n_B, T, k_dtype, v_dtype)
     )
     kv = out.kv if _is_hybrid(model) else out
     states = []

@@ -43,6 +43,7 @@ array [B, T, D] per requested id in `hidden_layers` order (layer ids of a llama 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any, NamedTuple, Protocol
 
 import jax
@@ -182,27 +183,31 @@ def part_rollback_counts(verified_B: Array, n_rollback_B: Array) -> Array:
     )
 
 
-@dataclasses.dataclass(frozen=True)
-class KVTargetMemory:
-    """An attention-only target over a `KVCache` (rollback level PART)."""
+class _PartAttentionMemory:
+    """What `KVTargetMemory` and `SWATargetMemory` share: an attention-only model's forward
+    through `forward_compute` and the PART rollback `seq_rm(row, keep, -1)`, which drops
+    the rejected cells of every row at once. A memory gives its high-water mark, its commit
+    of the new K/V and its `keep_prefix`."""
 
     config: ModelConfig
-    #: KV cache dtypes (llama.cpp's `-ctk` / `-ctv`); None = the model's dtype.
-    cache_type_k: str | None = None
-    cache_type_v: str | None = None
 
     checkpoints = False
     seq_rm_type = "PART"
 
-    def init(self, batch: int, capacity: int) -> KVCache:
-        return new_cache(self.config, batch, capacity, self.cache_type_k, self.cache_type_v)
+    #: the memory's commit of the new K/V (`commit_kv`'s arguments) and its
+    #: `seq_rm(row, keep, -1)` (`keep_prefix`'s)
+    _commit: Callable[..., Any]
+    _keep_prefix: Callable[[Any, Array], Any]
+
+    def _high_water(self, memory: Any) -> Array:
+        raise NotImplementedError
 
     def forward(
         self,
         params: Params,
         tokens_BT: Array,
         positions_BT: Array,
-        memory: KVCache,
+        memory: Any,
         hidden_layers: tuple[int, ...] = (),
         *,
         fresh: bool = False,
@@ -211,7 +216,7 @@ class KVTargetMemory:
         # `fresh`: the cache holds nothing yet (prefill), so nothing is read. Otherwise the
         # read and the write share one pass over the cells (the high-water mark), and the
         # write is ordered after the reads (`after`) so that it stays in place.
-        high_water = None if fresh else row_high_water(memory.pos)
+        high_water = None if fresh else self._high_water(memory)
         out = forward_compute(
             self.config,
             params,
@@ -225,23 +230,44 @@ class KVTargetMemory:
         )
         assert out.logits is not None
         after = None if fresh else out.logits
-        memory = commit_kv(memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water)
+        memory = self._commit(
+            memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water
+        )
         return TargetForward(out.logits, memory, tuple(out.hidden))
 
     def settle(
         self,
-        before: KVCache,
-        after: KVCache,
+        before: Any,
+        after: Any,
         length_B: Array,
         n_drafted_B: Array,
         n_accepted_B: Array,
         active_B: Array,
         replaying_B: Array | None,
-    ) -> tuple[KVCache, None, Array]:
+    ) -> tuple[Any, None, Array]:
         """PART: `seq_rm(row, keep, -1)` drops the rejected cells of every row at once."""
         paths = part_rollback_counts(active_B & (n_drafted_B > 0), n_drafted_B - n_accepted_B)
         keep = jnp.where(active_B, length_B + n_accepted_B + 1, length_B)
-        return keep_prefix(after, keep), None, paths
+        return self._keep_prefix(after, keep), None, paths
+
+
+@dataclasses.dataclass(frozen=True)
+class KVTargetMemory(_PartAttentionMemory):
+    """An attention-only target over a `KVCache` (rollback level PART)."""
+
+    config: ModelConfig
+    #: KV cache dtypes (llama.cpp's `-ctk` / `-ctv`); None = the model's dtype.
+    cache_type_k: str | None = None
+    cache_type_v: str | None = None
+
+    def init(self, batch: int, capacity: int) -> KVCache:
+        return new_cache(self.config, batch, capacity, self.cache_type_k, self.cache_type_v)
+
+    def _high_water(self, memory: KVCache) -> Array:
+        return row_high_water(memory.pos)
+
+    _commit = staticmethod(commit_kv)
+    _keep_prefix = staticmethod(keep_prefix)
 
     def drop_from(self, memory: KVCache, start_B: Array) -> KVCache:
         memory = keep_prefix(memory, start_B)
@@ -271,7 +297,7 @@ def uses_swa_cache(config: Any) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class SWATargetMemory:
+class SWATargetMemory(_PartAttentionMemory):
     """An attention-only target with sliding-window layers over a `SWACache` (rollback level
     PART): `batch_width` is the widest batch that may be rolled back (k_max + 1)."""
 
@@ -279,9 +305,6 @@ class SWATargetMemory:
     batch_width: int
     cache_type_k: str | None = None
     cache_type_v: str | None = None
-
-    checkpoints = False
-    seq_rm_type = "PART"
 
     def __post_init__(self) -> None:
         if not any(self.config.layer_window(i) for i in range(self.config.L)):
@@ -307,52 +330,13 @@ class SWATargetMemory:
             v_dtype=self.cache_type_v or k_dtype,
         )
 
-    def forward(
-        self,
-        params: Params,
-        tokens_BT: Array,
-        positions_BT: Array,
-        memory: SWACache,
-        hidden_layers: tuple[int, ...] = (),
-        *,
-        fresh: bool = False,
-        logit_index: Array | None = None,
-    ) -> TargetForward:
-        # as KVTargetMemory.forward, the high-water mark being the full part's
-        high_water = None if fresh else row_high_water(memory.full.pos)
-        out = forward_compute(
-            self.config,
-            params,
-            tokens_BT,
-            positions_BT,
-            memory,
-            hidden_layers,
-            cache_empty=fresh,
-            logit_index=logit_index,
-            high_water_B=high_water,
-        )
-        assert out.logits is not None
-        after = None if fresh else out.logits
-        memory = commit_swa(
-            memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water
-        )
-        return TargetForward(out.logits, memory, tuple(out.hidden))
+    def _high_water(self, memory: SWACache) -> Array:
+        return row_high_water(memory.full.pos)  # the full part's
 
-    def settle(
-        self,
-        before: SWACache,
-        after: SWACache,
-        length_B: Array,
-        n_drafted_B: Array,
-        n_accepted_B: Array,
-        active_B: Array,
-        replaying_B: Array | None,
-    ) -> tuple[SWACache, None, Array]:
-        """PART: `seq_rm(row, keep, -1)` on both parts; keep >= length + 1, so the ring
-        still holds everything the next token sees (`specjax.memory.swa`)."""
-        paths = part_rollback_counts(active_B & (n_drafted_B > 0), n_drafted_B - n_accepted_B)
-        keep = jnp.where(active_B, length_B + n_accepted_B + 1, length_B)
-        return keep_prefix_swa(after, keep), None, paths
+    _commit = staticmethod(commit_swa)
+    #: keep >= length + 1, so the ring still holds everything the next token sees
+    #: (`specjax.memory.swa`)
+    _keep_prefix = staticmethod(keep_prefix_swa)
 
     def drop_from(self, memory: SWACache, start_B: Array) -> SWACache:
         memory = keep_prefix_swa(memory, start_B)

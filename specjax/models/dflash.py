@@ -136,12 +136,7 @@ class DFlashConfig(FeatureHeadConfig):
         }
         if self.fc_scale:
             out["fc_scale"] = (1,)
-        if self.own_embed:
-            out["embed"] = (self.V, D)
-        if self.own_lm_head:
-            out["lm_head"] = (self.Vd, D)
-        if self.has_d2t:
-            out["d2t"] = (self.Vd,)
+        out.update(self.vocab_shapes())
         if self.is_dspark:
             out["markov_w1"] = (self.V, self.R)
             out["markov_w2"] = (self.Vd, self.R)

@@ -98,12 +98,7 @@ class Eagle3Config(FeatureHeadConfig):
         }
         if self.norm_before_fc:
             out["enc_norm"] = (self.n_embd_enc,)
-        if self.own_embed:
-            out["embed"] = (self.vocab_size, D)
-        if self.own_lm_head:
-            out["lm_head"] = (self.Vd, D)
-        if self.has_d2t:
-            out["d2t"] = (self.Vd,)
+        out.update(self.vocab_shapes())
         return out
 
     def num_params(self) -> int:

@@ -88,6 +88,19 @@ class FeatureHeadConfig(HeadDims):
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         self.check_head_dims()
 
+    def vocab_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The head's own vocabulary weights (`param_shapes`' entries, in this order): its
+        token embedding and LM head when it does not share the target's (`own_embed`,
+        `own_lm_head`), its draft-to-target id table when it has a reduced vocabulary."""
+        out: dict[str, tuple[int, ...]] = {}
+        if self.own_embed:
+            out["embed"] = (self.V, self.D)
+        if self.own_lm_head:
+            out["lm_head"] = (self.Vd, self.D)
+        if self.has_d2t:
+            out["d2t"] = (self.Vd,)
+        return out
+
     @property
     def n_embd_enc(self) -> int:
         """Width of the gathered features: one target hidden row per target layer."""

@@ -45,7 +45,7 @@ import jax.numpy as jnp
 
 from specjax.memory.kv import KVCache, used_cells
 from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, _attend_prompt, commit_kv, rms_norm
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import check_known_keys, pytree_dataclass
 from specjax.types import Array, Params
 
 DTYPES = ("float32", "float16", "bfloat16")
@@ -211,10 +211,7 @@ class Qwen35Config:
         data = dict(data)
         if "rope_sections" in data:
             data["rope_sections"] = tuple(int(x) for x in data["rope_sections"])
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown qwen35 config keys: {', '.join(unknown)}")
+        check_known_keys(cls, data, "unknown qwen35 config keys")
         return cls(**data)
 
 

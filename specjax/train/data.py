@@ -36,6 +36,8 @@ from typing import Any
 import numpy as np
 import yaml
 
+from specjax.pytree import check_known_keys
+
 BOS, EOS, PAD = "<s>", "</s>", "<pad>"
 SPECIAL_TOKENS = (BOS, EOS, PAD)  # ids 0, 1, 2
 VALIDATION_EVERY = 50
@@ -112,10 +114,7 @@ class TokenizerConfig:
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TokenizerConfig:
-        known = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise ValueError(f"unknown tokenizer config keys: {', '.join(unknown)}")
+        check_known_keys(cls, data, "unknown tokenizer config keys")
         return cls(**data)
 
 

@@ -51,6 +51,7 @@ import numpy as np
 import yaml
 
 from specjax.models.config import ModelConfig
+from specjax.pytree import check_known_keys
 from specjax.train import objectives as obj
 from specjax.train.target import (
     DataConfig,
@@ -135,10 +136,7 @@ class DistillRecipe:
         generated = raw.pop("generated", None)
         if generated is not None:
             sections["generated"] = _from_dict(GeneratedData, generated, "generated")
-        known = {f.name for f in dataclasses.fields(cls)} - set(sections)
-        unknown = sorted(set(raw) - known)
-        if unknown:
-            raise ValueError(f"unknown keys in the distillation recipe: {', '.join(unknown)}")
+        check_known_keys(cls, raw, "unknown keys in the distillation recipe", exclude=sections)
         for key in ("draft", "target"):
             if not raw.get(key):
                 raise ValueError(f"the distillation recipe needs {key!r} (a .gguf or params .npz)")

@@ -47,7 +47,7 @@ import yaml
 from specjax.models import qwen35
 from specjax.models.config import ModelConfig
 from specjax.models.llama import forward_compute, init_params, new_cache
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import check_known_keys, pytree_dataclass
 from specjax.types import Array, Params
 
 # ---------------------------------------------------------------------------------------------
@@ -66,10 +66,7 @@ def model_config_from_dict(data: dict[str, Any]) -> AnyModelConfig:
 
 def _from_dict(cls: type, data: dict[str, Any] | None, section: str) -> Any:
     data = dict(data or {})
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - known)
-    if unknown:
-        raise ValueError(f"unknown keys in config section {section!r}: {', '.join(unknown)}")
+    check_known_keys(cls, data, f"unknown keys in config section {section!r}")
     return cls(**data)
 
 
