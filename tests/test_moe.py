@@ -5,23 +5,19 @@ trips (F32 exact, Q8_0 bounded) with llama.cpp's tensor names and layouts."""
 
 from __future__ import annotations
 
-import random
-
 import gguf
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-import tokenizers
 from oracles import moe_reference
-from tokenizers import decoders, models, pre_tokenizers, trainers
 
 from specjax.api import generate
 from specjax.config import SpecConfig
 from specjax.io import load_gguf, load_hf, save_gguf, save_hf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import ModelConfig, forward_fn, moe, new_cache
-from specjax.testing import jittered_params, noisy_copy, row_logits, tiny_model
+from specjax.testing import jittered_params, noisy_copy, row_logits, tiny_model, tiny_tokenizer
 
 MOE = dict(arch="qwen3moe", qk_norm=True, n_experts=8, n_experts_used=2, expert_ffn_dim=16)
 BASE = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -156,26 +152,9 @@ def test_ngram_greedy_is_lossless(target, plain):
 
 
 # ------------------------------------------------------------------ files
-WORDS = "the cat sat on a mat über café 東京 12345 don't hello world draft".split()  # noqa: SIM905
-
-
 @pytest.fixture(scope="module")
 def tok() -> Tokenizer:
-    rng = random.Random(0)
-    lines = [" ".join(rng.choice(WORDS) for _ in range(10)) for _ in range(100)]
-    hf = tokenizers.Tokenizer(models.BPE())
-    hf.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    hf.decoder = decoders.ByteLevel()
-    hf.train_from_iterator(
-        lines,
-        trainers.BpeTrainer(
-            vocab_size=280,
-            special_tokens=["<|endoftext|>"],
-            show_progress=False,
-            initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        ),
-    )
-    return Tokenizer(hf, bos_id=0, eos_id=0)
+    return tiny_tokenizer(280)  # type: ignore[return-value]
 
 
 FILE_CONFIG = ModelConfig(**{**BASE, "vocab_size": 300}, **MOE, norm_topk_prob=True)
