@@ -70,7 +70,7 @@ def forward_seconds(model: specjax.Model, length: int, repeats: int) -> tuple[fl
 
     def compile_prefill() -> Any:
         # a new function each time: jit caches traces by function, and the ablation differs
-        # only in what `llama._layer_attention` is while tracing
+        # only in what `llama._attention_over_cells` (the forward's attention) is while tracing
         def prefill(p: Any, t: jax.Array, pos: jax.Array, c: Any) -> Any:
             return llama.forward_compute(cfg, p, t, pos, c, cache_empty=True, logit_index=last)
 
@@ -82,12 +82,12 @@ def forward_seconds(model: specjax.Model, length: int, repeats: int) -> tuple[fl
         return q.reshape(B, T_, H * E)
 
     exes = [compile_prefill()]
-    original = llama._layer_attention
-    llama._layer_attention = identity
+    original = llama._attention_over_cells
+    llama._attention_over_cells = identity
     try:
         exes.append(compile_prefill())
     finally:
-        llama._layer_attention = original
+        llama._attention_over_cells = original
     times: list[list[float]] = [[], []]
     for _ in range(repeats + 1):  # the first of each is a warm-up
         for exe, out in zip(exes, times):
