@@ -619,3 +619,31 @@ def test_protocol_names_and_hashable_configs() -> None:
         assert d.name == name and isinstance(d, Drafter)
         assert hash(d) == hash(type(d)()) and d == type(d)()
     assert NgramMapK().key_only and not NgramMapK4V().key_only
+
+
+def test_from_spec_reads_each_type_s_own_options() -> None:
+    """Each type takes its own `--spec-<type>-*` options (values all distinct, none the
+    default), written out by hand here as llama.cpp's flags name them."""
+    from specjax.config import SpecConfig
+
+    spec = SpecConfig(
+        ngram_simple_size_n=3,
+        ngram_simple_size_m=5,
+        ngram_map_k_size_n=4,
+        ngram_map_k_size_m=6,
+        ngram_map_k_min_hits=2,
+        ngram_map_k4v_size_n=7,
+        ngram_map_k4v_size_m=9,
+        ngram_map_k4v_min_hits=3,
+        ngram_mod_n_match=8,
+        ngram_mod_n_min=11,
+        ngram_mod_n_max=13,
+        ngram_mod_pool_size=1024,
+    )
+    for want in (
+        NgramSimple(size_n=3, size_m=5),
+        NgramMapK(size_n=4, size_m=6, min_hits=2),
+        NgramMapK4V(size_n=7, size_m=9, min_hits=3),
+        NgramMod(n_match=8, n_min=11, n_max=13, pool_size=1024),
+    ):
+        assert type(want).from_spec(spec, None, None) == (want, None)

@@ -315,6 +315,16 @@ class ModelFreeDrafter(Drafter):
     #: may finish such a round without them (`engine.empty_rounds_are_plain`). A subclass
     #: whose feedback does more must set it False.
     quiet_without_draft: ClassVar[bool] = True
+    #: The fields `from_spec` sets from the SpecConfig: field f from `<name>_<f>` (the type
+    #: name with "_" for "-"; llama.cpp's `--spec-<name>-<f>`), e.g. ngram-mod's n_max from
+    #: `SpecConfig.ngram_mod_n_max` (`--spec-ngram-mod-n-max`).
+    spec_options: ClassVar[tuple[str, ...]] = ()
+
+    @classmethod
+    def from_spec(cls, spec: Any, target: Any, draft: Any) -> tuple[Drafter, Any]:
+        """The drafter with its `spec_options` from `spec`; no parameters."""
+        prefix = cls.name.replace("-", "_") + "_"
+        return cls(**{field: getattr(spec, prefix + field) for field in cls.spec_options}), None
 
     def process(self, params: Any, state: Any, batch: TargetBatch) -> Any:
         del params, batch

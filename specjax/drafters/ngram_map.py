@@ -51,19 +51,16 @@ Policies / deviations:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
-from specjax.drafters.base import Drafter, DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
+from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
 from specjax.drafters.ngram_simple import pad_tokens, window_equal
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
-
-if TYPE_CHECKING:
-    from specjax.config import SpecConfig
 
 HASH_MAP_SIZE = 262144  # COMMON_NGRAM_HASH_MAP_SIZE
 MAX_VALUES = 4  # COMMON_NGRAM_MAX_VALUES
@@ -147,6 +144,7 @@ class NgramMap(ModelFreeDrafter):
     #: round the governor turns off may skip the calls (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     ask_steps: ClassVar[float] = 0.1
+    spec_options: ClassVar[tuple[str, ...]] = ("size_n", "size_m", "min_hits")
     key_only: bool = True
     size_n: int = 12
     size_m: int = 48
@@ -529,15 +527,6 @@ class NgramMapK(NgramMap):
     name: ClassVar[str] = "ngram-map-k"
     key_only: bool = True
 
-    @classmethod
-    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
-        """`--spec-ngram-map-k-size-n/-size-m/-min-hits`; no parameters."""
-        return cls(
-            size_n=spec.ngram_map_k_size_n,
-            size_m=spec.ngram_map_k_size_m,
-            min_hits=spec.ngram_map_k_min_hits,
-        ), None
-
 
 @dataclass(frozen=True)
 class NgramMapK4V(NgramMap):
@@ -545,12 +534,3 @@ class NgramMapK4V(NgramMap):
 
     name: ClassVar[str] = "ngram-map-k4v"
     key_only: bool = False
-
-    @classmethod
-    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
-        """`--spec-ngram-map-k4v-size-n/-size-m/-min-hits`; no parameters."""
-        return cls(
-            size_n=spec.ngram_map_k4v_size_n,
-            size_m=spec.ngram_map_k4v_size_m,
-            min_hits=spec.ngram_map_k4v_min_hits,
-        ), None

@@ -59,19 +59,16 @@ Token ids must be non-negative (an added token equal to EMPTY would be invisible
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
 from specjax.control import at_row, run_once
-from specjax.drafters.base import Drafter, DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
+from specjax.drafters.base import DraftInput, DraftOutput, ModelFreeDrafter, TokenHistory
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
-
-if TYPE_CHECKING:
-    from specjax.config import SpecConfig
 
 POOL_SIZE = 4 * 1024 * 1024
 EMPTY = -1
@@ -197,20 +194,11 @@ class NgramMod(ModelFreeDrafter):
     ask_steps: ClassVar[float] = 0.13
     #: `renew` makes a fresh state in an old one's buffers (the `[P]` pool is not allocated)
     can_renew: ClassVar[bool] = True
+    spec_options: ClassVar[tuple[str, ...]] = ("n_match", "n_min", "n_max", "pool_size")
     n_match: int = 24
     n_min: int = 48
     n_max: int = 64
     pool_size: int = POOL_SIZE
-
-    @classmethod
-    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
-        """`--spec-ngram-mod-n-match/-n-min/-n-max`; no parameters."""
-        return cls(
-            n_match=spec.ngram_mod_n_match,
-            n_min=spec.ngram_mod_n_min,
-            n_max=spec.ngram_mod_n_max,
-            pool_size=spec.ngram_mod_pool_size,
-        ), None
 
     def __post_init__(self) -> None:
         if self.n_match < 1:

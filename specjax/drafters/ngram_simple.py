@@ -22,14 +22,13 @@ This module also holds the small window helpers the other n-gram drafters share.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import jax
 import jax.numpy as jnp
 from jax import lax
 
 from specjax.drafters.base import (
-    Drafter,
     DraftInput,
     DraftOutput,
     ModelFreeDrafter,
@@ -38,9 +37,6 @@ from specjax.drafters.base import (
 )
 from specjax.pytree import pytree_dataclass
 from specjax.types import Array
-
-if TYPE_CHECKING:
-    from specjax.config import SpecConfig
 
 # ---------------------------------------------------------------------------------------------
 # shared helpers (one row; tokens are int32 [S])
@@ -102,13 +98,9 @@ class NgramSimple(ModelFreeDrafter):
     #: No state: a round the governor turns off may skip the call (`engine.spec_step`).
     idle_noop: ClassVar[bool] = True
     ask_steps: ClassVar[float] = 0.07
+    spec_options: ClassVar[tuple[str, ...]] = ("size_n", "size_m")
     size_n: int = 12
     size_m: int = 48
-
-    @classmethod
-    def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
-        """`--spec-ngram-simple-size-n/-size-m`; no parameters."""
-        return cls(size_n=spec.ngram_simple_size_n, size_m=spec.ngram_simple_size_m), None
 
     def __post_init__(self) -> None:
         if self.size_n < 1 or self.size_m < 1:
