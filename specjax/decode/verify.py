@@ -37,7 +37,7 @@ fields; `verify_rows` is the batched entry point that computes every branch and 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -212,32 +212,40 @@ def _synthetic(
 # public per-row verifiers
 
 
-def verify_match(
-    logits_TV: Array,
-    draft_K: Array,
-    valid_K: Array,
-    params: SamplingParams,
-    pos0: Array,
-    *,
-    allowed_TV: Array | None = None,
-) -> VerifyResult:
-    """llama.cpp's `common_sampler_sample_and_accept_n`: accept while target draw == draft."""
-    target = _row_target(logits_TV, params, pos0, allowed_TV)
-    return _match(target, draft_K, valid_K.astype(bool))
+def _target_only_verifier(
+    core: Callable[[_RowTarget, Array, Array], VerifyResult], name: str, doc: str
+) -> Callable[..., VerifyResult]:
+    """The public per-row verifier `name` of a branch `core` that reads nothing but the
+    target and the draft: `(logits_TV, draft_K, valid_K, params, pos0, *, allowed_TV=None)`."""
+
+    def verify(
+        logits_TV: Array,
+        draft_K: Array,
+        valid_K: Array,
+        params: SamplingParams,
+        pos0: Array,
+        *,
+        allowed_TV: Array | None = None,
+    ) -> VerifyResult:
+        target = _row_target(logits_TV, params, pos0, allowed_TV)
+        return core(target, draft_K, valid_K.astype(bool))
+
+    verify.__name__ = verify.__qualname__ = name
+    verify.__doc__ = doc
+    return verify
 
 
-def verify_replay(
-    logits_TV: Array,
-    draft_K: Array,
-    valid_K: Array,
-    params: SamplingParams,
-    pos0: Array,
-    *,
-    allowed_TV: Array | None = None,
-) -> VerifyResult:
-    """Checkpoint replay: accept all valid draft tokens untested, sample at row n_valid."""
-    target = _row_target(logits_TV, params, pos0, allowed_TV)
-    return _replay(target, draft_K, valid_K.astype(bool))
+verify_match = _target_only_verifier(
+    _match,
+    "verify_match",
+    """llama.cpp's `common_sampler_sample_and_accept_n`: accept while target draw == draft.""",
+)
+
+verify_replay = _target_only_verifier(
+    _replay,
+    "verify_replay",
+    """Checkpoint replay: accept all valid draft tokens untested, sample at row n_valid.""",
+)
 
 
 def verify_rejection(
