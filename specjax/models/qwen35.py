@@ -208,13 +208,8 @@ class Qwen35State:
     conv: tuple[Array, ...]  # per delta-net layer [B, d_conv - 1, C] float32
     ssm: tuple[Array, ...]  # per delta-net layer [B, Hv, S(value), S(key)] float32
 
-    @property
-    def batch(self) -> int:
-        return self.kv.batch
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.capacity
+    batch = alias("kv.batch")
+    capacity = alias("kv.capacity")
 
 
 def new_state(
