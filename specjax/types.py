@@ -15,11 +15,17 @@ suffixes (`logits_BTV`):
     F  feed-forward width
     L  layers
     W  window (recent-token window for penalties / n-gram history)
+
+A config or state names its sizes with these keys through `alias` / `axis_size` (`V =
+alias("vocab_size")`, `batch = alias("kv.batch")`, `capacity = axis_size("pos", 1)`):
+read-only class attributes, not dataclass fields, so pytree flattening, equality and hashing
+(jit static arguments) see only the fields.
 """
 
 from __future__ import annotations
 
-from typing import Any, TypeAlias
+import operator
+from typing import Any, NoReturn, Self, TypeAlias, overload
 
 import jax
 
@@ -29,3 +35,41 @@ Params: TypeAlias = dict[str, Any]
 
 #: Position value of an empty cache cell and of a padding token in a batch.
 EMPTY_POS = -1
+
+
+class SizeAlias:
+    """A read-only int attribute that reads another (`alias`, `axis_size`): the size a field,
+    a part's attribute or an array's axis holds."""
+
+    def __init__(self, path: str, axis: int | None = None) -> None:
+        self.path = path
+        self.axis = axis
+        self._read = operator.attrgetter(path)
+        self.name = path
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Self: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> int: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Self | int:
+        if obj is None:
+            return self
+        value = self._read(obj)
+        return value if self.axis is None else int(value.shape[self.axis])
+
+    def __set__(self, obj: object, value: NoReturn) -> NoReturn:
+        raise AttributeError(f"{self.name} is read-only: it reads {self.path}")
+
+
+def alias(path: str) -> SizeAlias:
+    """The attribute at `path` (a field, or a dotted path into a part: "kv.batch") under
+    another name."""
+    return SizeAlias(path)
+
+
+def axis_size(array: str, axis: int) -> SizeAlias:
+    """The length of axis `axis` of the array attribute `array` (static under jit)."""
+    return SizeAlias(array, axis)

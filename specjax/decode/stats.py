@@ -33,7 +33,7 @@ import numpy as np
 
 from specjax.memory.target import ROLLBACK_PATHS, part_rollback_counts
 from specjax.pytree import pytree_dataclass, replace
-from specjax.types import Array
+from specjax.types import Array, axis_size
 
 
 def rollback_dict(counts: Any) -> dict[str, int]:
@@ -88,13 +88,8 @@ class SpecStats:
             n_rollback=jnp.zeros((len(ROLLBACK_PATHS),), jnp.int32),
         )
 
-    @property
-    def n_impl(self) -> int:
-        return int(self.n_call_begin.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.n_accepted_per_pos.shape[0])
+    n_impl = axis_size("n_call_begin", 0)
+    k = axis_size("n_accepted_per_pos", 0)
 
     def to_host(self) -> SpecStats:
         """The same counters as numpy int64 arrays (after one device_get)."""

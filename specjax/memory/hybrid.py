@@ -53,7 +53,7 @@ from specjax.memory.kv import KVCache
 from specjax.models import qwen35
 from specjax.models.llama import forward_fn, new_cache
 from specjax.pytree import pytree_dataclass, replace, static_field
-from specjax.types import EMPTY_POS, Array, Params
+from specjax.types import EMPTY_POS, Array, Params, alias, axis_size
 
 _POS_INF = np.iinfo(np.int32).max
 IntLike = int | Array
@@ -94,9 +94,7 @@ class RecurrentMemory:
     rs_idx: Array  # [B] int32, pending rollback plane (0 = none)
     n_rs_seq: int = static_field()
 
-    @property
-    def batch(self) -> int:
-        return int(self.pos.shape[0])
+    batch = axis_size("pos", 0)
 
     @property
     def n_planes(self) -> int:
@@ -324,13 +322,8 @@ class HybridMemory:
     kv: KVCache  # the attention layers (PART)
     rec: RecurrentMemory
 
-    @property
-    def batch(self) -> int:
-        return self.rec.batch
-
-    @property
-    def n_rs_seq(self) -> int:
-        return self.rec.n_rs_seq
+    batch = alias("rec.batch")
+    n_rs_seq = alias("rec.n_rs_seq")
 
     @staticmethod
     def init(

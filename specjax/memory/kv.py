@@ -34,7 +34,7 @@ import numpy as np
 
 from specjax.errors import CacheOverflowError
 from specjax.pytree import pytree_dataclass, static_field
-from specjax.types import EMPTY_POS, Array
+from specjax.types import EMPTY_POS, Array, axis_size
 
 #: Cache types accepted by `-ctk` / `-ctv` (llama.cpp's names) and their JAX dtypes.
 CACHE_TYPES: dict[str, str] = {"f32": "float32", "f16": "float16", "bf16": "bfloat16"}
@@ -58,13 +58,8 @@ class KVCache:
     #: RoPE inverse frequencies [E/2], needed to re-rotate keys when positions shift.
     inv_freq: tuple[float, ...] = static_field()
 
-    @property
-    def batch(self) -> int:
-        return int(self.pos.shape[0])
-
-    @property
-    def capacity(self) -> int:
-        return int(self.pos.shape[1])
+    batch = axis_size("pos", 0)
+    capacity = axis_size("pos", 1)
 
     @property
     def n_layers(self) -> int:

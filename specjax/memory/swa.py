@@ -50,7 +50,7 @@ import jax.numpy as jnp
 from specjax.memory import ops
 from specjax.memory.kv import KVCache, write_layer, write_positions
 from specjax.pytree import pytree_dataclass, replace, static_field
-from specjax.types import EMPTY_POS, Array
+from specjax.types import EMPTY_POS, Array, alias
 
 
 @pytree_dataclass
@@ -61,19 +61,11 @@ class SWACache:
     swa: tuple[bool, ...] = static_field()
     window: int = static_field()
 
-    @property
-    def batch(self) -> int:
-        return self.full.batch
-
-    @property
-    def capacity(self) -> int:
-        """Cells per row of the full layers: the context (S)."""
-        return self.full.capacity
-
-    @property
-    def ring_cells(self) -> int:
-        """Cells per row of a sliding-window layer (R)."""
-        return self.ring.capacity
+    batch = alias("full.batch")
+    #: cells per row of the full layers: the context (S)
+    capacity = alias("full.capacity")
+    #: cells per row of a sliding-window layer (R)
+    ring_cells = alias("ring.capacity")
 
     @property
     def overflow(self) -> Array:

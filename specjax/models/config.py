@@ -49,6 +49,8 @@ import math
 import struct
 from typing import Any, ClassVar, Self
 
+from specjax.types import alias
+
 ARCHS = ("llama", "qwen2", "qwen3", "qwen3moe", "gemma3")
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -72,8 +74,32 @@ class RopeScaling:
     original_max_position: int = 8192
 
 
+class DecoderDims:
+    """The dimension keys (specjax.types) of a decoder's sizes, shared by the model configs
+    (`ModelConfig`, qwen35's) and the feature-drafter heads' (`HeadDims`): a frozen dataclass
+    with `vocab_size`, `dim`, `n_heads`, `n_kv_heads`, `head_dim` (0 = dim / n_heads) and
+    `ffn_dim` fields inherits them."""
+
+    vocab_size: int
+    dim: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+
+    V = alias("vocab_size")
+    D = alias("dim")
+    H = alias("n_heads")
+    G = alias("n_kv_heads")
+    F = alias("ffn_dim")
+
+    @property
+    def E(self) -> int:
+        return self.head_dim or self.dim // self.n_heads
+
+
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class ModelConfig:
+class ModelConfig(DecoderDims):
     """Everything static about a Llama-family decoder. Hashable: usable as a jit static arg."""
 
     arch: str = "llama"
@@ -179,34 +205,7 @@ class ModelConfig:
                 f"moe_layers has {len(self.moe_layers)} entries for {self.n_layers} layers"
             )
 
-    # Short aliases matching the dimension key in specjax.types.
-    @property
-    def V(self) -> int:
-        return self.vocab_size
-
-    @property
-    def D(self) -> int:
-        return self.dim
-
-    @property
-    def L(self) -> int:
-        return self.n_layers
-
-    @property
-    def H(self) -> int:
-        return self.n_heads
-
-    @property
-    def G(self) -> int:
-        return self.n_kv_heads
-
-    @property
-    def E(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def F(self) -> int:
-        return self.ffn_dim
+    L = alias("n_layers")
 
     def layer_window(self, layer: int) -> int:
         """Sliding window of `layer` (0 = full attention)."""
@@ -304,19 +303,12 @@ def rope_pair_factors(config: ModelConfig) -> list[float]:
     return [p / s for p, s in zip(plain, rope_frequencies(config))]
 
 
-class HeadDims:
+class HeadDims(DecoderDims):
     """Dimension keys (specjax.types) and shape checks shared by the feature-drafter heads
-    (EAGLE-3, DFlash / DSpark): a frozen dataclass with `vocab_size`, `draft_vocab` (0 = the
-    full vocabulary), `dim`, `n_heads`, `n_kv_heads`, `head_dim` (0 = dim / n_heads) and
-    `ffn_dim` fields inherits them."""
+    (EAGLE-3, DFlash / DSpark): a frozen dataclass with `DecoderDims`' fields and
+    `draft_vocab` (0 = the full vocabulary) inherits them."""
 
-    vocab_size: int
     draft_vocab: int
-    dim: int
-    n_heads: int
-    n_kv_heads: int
-    head_dim: int
-    ffn_dim: int
     #: the head's name in error messages
     KIND: ClassVar[str] = "head"
 
@@ -351,33 +343,9 @@ class HeadDims:
             raise ValueError(f"dim ({self.dim}) is not divisible by n_heads ({self.n_heads})")
 
     @property
-    def V(self) -> int:
-        return self.vocab_size
-
-    @property
     def Vd(self) -> int:
         return self.draft_vocab or self.vocab_size
 
     @property
     def has_d2t(self) -> bool:
         return self.Vd != self.vocab_size
-
-    @property
-    def D(self) -> int:
-        return self.dim
-
-    @property
-    def H(self) -> int:
-        return self.n_heads
-
-    @property
-    def G(self) -> int:
-        return self.n_kv_heads
-
-    @property
-    def E(self) -> int:
-        return self.head_dim or self.dim // self.n_heads
-
-    @property
-    def F(self) -> int:
-        return self.ffn_dim

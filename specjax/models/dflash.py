@@ -51,7 +51,7 @@ from specjax.memory.kv import KVCache
 from specjax.models import feature_head as fh
 from specjax.models import llama
 from specjax.models.feature_head import FeatureHeadConfig
-from specjax.types import Array, Params
+from specjax.types import Array, Params, alias
 
 #: `dflash.block_size` when the metadata key is absent (upstream's default).
 DEFAULT_BLOCK_SIZE = 16
@@ -93,13 +93,8 @@ class DFlashConfig(FeatureHeadConfig):
         if self.markov_rank < 0:
             raise ValueError(f"markov_rank must be >= 0, got {self.markov_rank}")
 
-    @property
-    def L(self) -> int:
-        return self.n_layers
-
-    @property
-    def R(self) -> int:
-        return self.markov_rank
+    L = alias("n_layers")
+    R = alias("markov_rank")
 
     @property
     def is_dspark(self) -> bool:

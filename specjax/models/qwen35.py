@@ -44,9 +44,10 @@ import jax
 import jax.numpy as jnp
 
 from specjax.memory.kv import KVCache, used_cells
+from specjax.models.config import DecoderDims
 from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, _attend_prompt, commit_kv, rms_norm
 from specjax.pytree import check_known_keys, pytree_dataclass
-from specjax.types import Array, Params
+from specjax.types import Array, Params, alias
 
 DTYPES = ("float32", "float16", "bfloat16")
 
@@ -61,8 +62,9 @@ def default_rope_sections(rope_dim: int) -> tuple[int, int, int, int]:
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
-class Qwen35Config:
-    """Everything static about a qwen35 model. Hashable: usable as a jit static arg."""
+class Qwen35Config(DecoderDims):
+    """Everything static about a qwen35 model. Hashable: usable as a jit static arg.
+    Dimension keys: `DecoderDims`' (E = head_dim), L, and the delta-net layers' S, Hk, Hv."""
 
     arch: str = "qwen35"
     vocab_size: int
@@ -125,33 +127,7 @@ class Qwen35Config:
         if self.n_nextn < 0:
             raise ValueError(f"n_nextn must be >= 0, got {self.n_nextn}")
 
-    @property
-    def V(self) -> int:
-        return self.vocab_size
-
-    @property
-    def D(self) -> int:
-        return self.dim
-
-    @property
-    def L(self) -> int:
-        return self.n_layers
-
-    @property
-    def H(self) -> int:
-        return self.n_heads
-
-    @property
-    def G(self) -> int:
-        return self.n_kv_heads
-
-    @property
-    def E(self) -> int:
-        return self.head_dim
-
-    @property
-    def F(self) -> int:
-        return self.ffn_dim
+    L = alias("n_layers")
 
     @property
     def n_rot(self) -> int:
@@ -161,17 +137,9 @@ class Qwen35Config:
     def sections(self) -> tuple[int, int, int, int]:
         return tuple(self.rope_sections)  # type: ignore[return-value]
 
-    @property
-    def S(self) -> int:
-        return self.ssm_state_size
-
-    @property
-    def Hk(self) -> int:
-        return self.ssm_k_heads
-
-    @property
-    def Hv(self) -> int:
-        return self.ssm_v_heads
+    S = alias("ssm_state_size")
+    Hk = alias("ssm_k_heads")
+    Hv = alias("ssm_v_heads")
 
     @property
     def key_dim(self) -> int:
@@ -240,13 +208,8 @@ class Qwen35State:
     conv: tuple[Array, ...]  # per delta-net layer [B, d_conv - 1, C] float32
     ssm: tuple[Array, ...]  # per delta-net layer [B, Hv, S(value), S(key)] float32
 
-    @property
-    def batch(self) -> int:
-        return self.kv.batch
-
-    @property
-    def capacity(self) -> int:
-        return self.kv.capacity
+    batch = alias("kv.batch")
+    capacity = alias("kv.capacity")
 
 
 def new_state(
