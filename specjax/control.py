@@ -15,6 +15,12 @@ the one place that chooses (at trace time, from the backend the program is trace
   layer (`specjax.kernels.gpu`, Pallas lowered by Triton, on GPUs: every segment by position,
   each row read to its own high-water mark by a loop inside the kernel) instead of XLA's
   ops; None on CPU and TPU.
+* `draft_steps_in_cache()`: a draft model's k-step loop writes each step's K/V straight into
+  its cache on a TPU (the cache is then loop-carried and updated in place), and into a small
+  scratch beside the read-only cache elsewhere (committed after the loop). XLA TPU (v6e)
+  gives a cache that a loop only reads the layout its products prefer (cells minor), so it
+  re-laid out the whole draft cache before every draft loop; a cache the loop writes keeps
+  its stored layout. CPU and GPU attend the scratch in their kernels (native, Pallas).
 * `compiler_options(platform)`: what the project's executables are compiled with by default
   on each platform (GPU: loops and conditionals captured in CUDA graphs, however few the
   thunks around them, so no loop of a round runs from the host); a flag the user sets in
@@ -70,6 +76,14 @@ def attention_kernel() -> str | None:
     segment by position, cells read up to each row's high-water mark); None elsewhere: XLA
     CPU keeps its chunk loop and native kernels, a TPU the masked pass (`models.llama`)."""
     return PALLAS_GPU if jax.default_backend() in ("gpu", "cuda") else None
+
+
+def draft_steps_in_cache() -> bool:
+    """Whether a draft model's steps write their K/V into its cache as they run (TPU) rather
+    than into a scratch committed after the loop (CPU, GPU). Deviceless, tiny configuration,
+    draft-simple at B = 32 and 4096 cells (benchmarks/accelerators.py): on a TPU v6e the
+    scratch form copies a cache-sized buffer in every round, this form none."""
+    return jax.default_backend() == "tpu"
 
 
 def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:

@@ -8,11 +8,13 @@ Invariants:
   tokens in CATCH_UP-wide ones; a row further behind, e.g. whose prompt continuous
   batching did not evaluate (`lazy_prompt`), alone in batch-1 chunks of CATCH_UP_ROW),
   then drafts.
-* The k-step loop runs on device and reads the draft cache without writing it: each step's
-  K/V go to a small scratch ([B, G, K, E] per layer) that later steps attend to. After the
-  loop the scratch (id_last, d_1, ... as fed) is committed at its real positions, and
-  `rollback` trims what verification rejected (llama.cpp's `seq_rm`), so accepted drafts are
-  never evaluated twice and nothing of cache size is copied per round.
+* The k-step loop runs on device. On CPU and GPU it reads the draft cache without writing
+  it: each step's K/V go to a small scratch ([B, G, K, E] per layer) that later steps attend
+  to, and after the loop the scratch (id_last, d_1, ... as fed) is committed at its real
+  positions. On a TPU (`control.draft_steps_in_cache`) each step writes its K/V into the
+  loop-carried cache, as llama.cpp's draft context does. Either way `rollback` trims what
+  verification rejected (llama.cpp's `seq_rm`), so accepted drafts are never evaluated twice
+  and nothing of cache size is copied per round.
 * Drafting samples from a softmax over the top-10 draft logits at temperature 1 and takes
   the argmax; a row stops when that top probability is < p_min (token not added) or its
   length reaches its budget; drafts shorter than n_min are cleared.
@@ -63,7 +65,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
-from specjax.control import run_once
+from specjax.control import draft_steps_in_cache, run_once
 from specjax.drafters import draft_tokens
 from specjax.drafters.base import (
     Drafter,
@@ -186,7 +188,10 @@ class DraftSimple(Drafter):
 
     def _loop_start(self, state: Any, batch: int, k_max: int) -> Any:
         """The draft loop's model carry: a [B, G, K, E] scratch per layer for the K/V of the
-        fed tokens (the cache itself is only read inside the loop)."""
+        fed tokens (the cache itself is only read inside the loop), or on a TPU the cache,
+        which each step writes (`control.draft_steps_in_cache`)."""
+        if draft_steps_in_cache():
+            return state.cache
         cfg = self.config
         shape = (batch, cfg.G, k_max, cfg.E)
         return ExtraKV(
@@ -199,6 +204,11 @@ class DraftSimple(Drafter):
         self, params: Params, state: Any, carry: Any, tok_B: Array, pos_B: Array, i: Array
     ) -> tuple[Array, Any]:
         """Feed one token per row (pos -1: none): (logits [B, V], carry)."""
+        if isinstance(carry, KVCache):
+            out = forward_compute(self.config, params, tok_B[:, None], pos_B[:, None], carry)
+            assert out.logits is not None
+            cache = commit_kv(carry, pos_B[:, None], out.k, out.v, after=out.logits)
+            return out.logits[:, 0], cache
         out = forward_compute(
             self.config, params, tok_B[:, None], pos_B[:, None], state.cache, extra=carry
         )
@@ -213,6 +223,9 @@ class DraftSimple(Drafter):
     def _loop_end(self, state: Any, carry: Any, reads: Array) -> Any:
         """The state after the loop: what was fed (id_last, d_1, ...) is kept, and `rollback`
         trims the part verification rejects."""
+        if isinstance(carry, KVCache):  # the steps wrote the cache: count what they fed
+            fed = jnp.sum(carry.pos >= state.n_past[:, None], axis=1).astype(jnp.int32)
+            return replace(state, cache=carry, n_past=state.n_past + fed)
         cache = commit_kv(
             state.cache,
             carry.pos,

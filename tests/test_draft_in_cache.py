@@ -1,0 +1,52 @@
+"""draft-simple's TPU form (`control.draft_steps_in_cache`): the draft loop's steps write their
+K/V into the loop-carried draft cache instead of a scratch committed after the loop. Run here
+on CPU with the switch forced on: speculative greedy equals plain greedy, drafts are made and
+some rejected, the drafts are the scratch form's (the same statistics), and the draft loop
+really carried the cache. (That the form copies no
+cache-sized buffer on a TPU v6e is tests/test_accelerators.py's, compiled deviceless.)"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import pytest
+
+from specjax import api
+from specjax.api import generate
+from specjax.config import SpecConfig
+from specjax.drafters import draft_simple
+from specjax.memory.kv import KVCache
+from specjax.testing import noisy_copy, tiny_model
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40], [41, 42]]
+MAX_NEW = [26, 26, 12, 26, 20]
+
+
+@pytest.mark.usefixtures("no_compile_cache")
+def test_draft_steps_written_into_the_cache_are_lossless(monkeypatch: Any) -> None:
+    target = tiny_model(0)
+    plain = generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+    carried: list[type] = []
+    step = draft_simple.DraftSimple._loop_step
+
+    def recording_step(self: Any, params: Any, state: Any, carry: Any, *rest: Any) -> Any:
+        carried.append(type(carry))
+        return step(self, params, state, carry, *rest)
+
+    spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=5)
+    draft = noisy_copy(target, 0.6)
+    scratch = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)
+    api.clear_compiled()
+    jax.clear_caches()  # trace again, with the switch on
+    monkeypatch.setattr(draft_simple, "draft_steps_in_cache", lambda: True)
+    monkeypatch.setattr(draft_simple.DraftSimple, "_loop_step", recording_step)
+    out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)
+    api.clear_compiled()
+    jax.clear_caches()
+    assert carried and set(carried) == {KVCache}
+    assert out.tokens == plain.tokens
+    stats = out.stats.to_dict()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats == scratch.stats.to_dict()
+    assert scratch.tokens == plain.tokens
