@@ -16,7 +16,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import ModelFileError
+from specjax.errors import ModelFileError, file_error
 from specjax.io.gguf_io import (
     _config_dtype,
     _f32,
@@ -137,19 +137,11 @@ class GGUFFile:
             raise self.error(f"tensors {what} has no slot for: {listed}")
 
     def tokenizer(self) -> Tokenizer:
-        try:
+        with file_error(self.path, "invalid tokenizer metadata"):
             return Tokenizer.from_gguf_fields(self.fields, source=self.path)
-        except ValueError as e:
-            if isinstance(e, ModelFileError):
-                raise
-            raise self.error(f"invalid tokenizer metadata: {e}") from e
 
     def hparams(self, make: Callable[[], Any], what: str) -> Any:
         """`make()` (a config constructor) with its ValueError as a ModelFileError naming
         the file and `what` ("EAGLE-3", "qwen35")."""
-        try:
+        with file_error(self.path, f"invalid {what} hyper-parameters"):
             return make()
-        except ValueError as e:
-            if isinstance(e, ModelFileError):
-                raise
-            raise self.error(f"invalid {what} hyper-parameters: {e}") from e

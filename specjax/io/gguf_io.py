@@ -48,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from specjax.errors import ModelFileError
+from specjax.errors import ModelFileError, file_error
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import (
     ARCHS,
@@ -479,7 +479,7 @@ def load_gguf(
             expert_ffn_dim=key("expert_feed_forward_length"),
             norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises
         )
-    try:
+    with file_error(path, "invalid model hyper-parameters"):
         config = ModelConfig(
             arch=arch,
             vocab_size=V,
@@ -501,10 +501,6 @@ def load_gguf(
             **gemma,
             **moe,
         )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid model hyper-parameters: {e}") from e
 
     used: set[str] = set()
     half_params = False
@@ -609,12 +605,8 @@ def load_gguf(
             f"{path}: tensors specjax's {arch} model has no slot for: {', '.join(unused[:8])}"
             + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
         )
-    try:
+    with file_error(path, "invalid tokenizer metadata"):
         tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid tokenizer metadata: {e}") from e
     return config, params, tokenizer
 
 
