@@ -214,6 +214,36 @@ def test_yaml_spec_type_list_items_are_separate_values(tmp_path):
     assert spec is not None and spec.types == ("ngram-mod",)
 
 
+def test_each_spec_flag_sets_its_spec_config_field():
+    """llama.cpp's `--spec-*` flags, each with a value unlike its default, land in the
+    SpecConfig field of the same name."""
+    fields = {
+        "--spec-draft-n-max": ("draft_n_max", "7"),
+        "--spec-draft-n-min": ("draft_n_min", "2"),
+        "--spec-draft-p-min": ("draft_p_min", "0.25"),
+        "--spec-draft-sampling": ("draft_sampling", "probabilistic"),
+        "--spec-ngram-simple-size-n": ("ngram_simple_size_n", "5"),
+        "--spec-ngram-simple-size-m": ("ngram_simple_size_m", "9"),
+        "--spec-ngram-map-k-size-n": ("ngram_map_k_size_n", "6"),
+        "--spec-ngram-map-k-size-m": ("ngram_map_k_size_m", "11"),
+        "--spec-ngram-map-k-min-hits": ("ngram_map_k_min_hits", "3"),
+        "--spec-ngram-map-k4v-size-n": ("ngram_map_k4v_size_n", "4"),
+        "--spec-ngram-map-k4v-size-m": ("ngram_map_k4v_size_m", "13"),
+        "--spec-ngram-map-k4v-min-hits": ("ngram_map_k4v_min_hits", "2"),
+        "--spec-ngram-mod-n-match": ("ngram_mod_n_match", "10"),
+        "--spec-ngram-mod-n-min": ("ngram_mod_n_min", "20"),
+        "--spec-ngram-mod-n-max": ("ngram_mod_n_max", "30"),
+    }
+    flags = [part for flag, (_, value) in fields.items() for part in (flag, value)]
+    spec = cli._spec_from_options(
+        cli._load_options(["-m", "x", "-p", "y", "--spec-type", "ngram-mod", *flags])
+    )
+    assert spec is not None
+    for flag, (field, value) in fields.items():
+        want = value if field == "draft_sampling" else float(value)
+        assert getattr(spec, field) == want, flag
+
+
 def test_sampling_values_follow_llama_cpp(gguf_path, tmp_path, capsys):
     def run(*flags):
         out = tmp_path / "o.jsonl"

@@ -378,6 +378,30 @@ def test_gguf_round_trip(tmp_path, variant):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def test_gguf_save_refuses_before_writing(tmp_path):
+    """A head llama.cpp cannot express (own embeddings, the target's LM head) and a tokenizer
+    larger than the head's vocabulary are refused with the numbers, and no file is written."""
+    import dataclasses
+
+    from specjax.io.dflash_gguf import save_dflash_gguf
+    from specjax.testing import tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    V = tok.vocab_size  # type: ignore[attr-defined]
+    cfg = tiny_training_head(V, 8, 4, dspark=False)
+    params = df.init_params(cfg, jax.random.key(0))
+    path = tmp_path / "head.gguf"
+    untied = dataclasses.replace(cfg, own_lm_head=False)
+    with pytest.raises(ValueError, match=r"own token embeddings but the target's LM head"):
+        save_dflash_gguf(path, untied, df.init_params(untied, jax.random.key(0)), tok)
+    small = dataclasses.replace(cfg, vocab_size=V - 3, mask_token_id=V - 4)
+    with pytest.raises(ValueError, match=rf"{V} tokens but the head's vocabulary is {V - 3}$"):
+        save_dflash_gguf(path, small, df.init_params(small, jax.random.key(0)), tok)
+    with pytest.raises(ValueError, match=r"dtype must be one of f32, f16, bf16, q8_0"):
+        save_dflash_gguf(path, cfg, params, tok, dtype="q4_k")
+    assert list(tmp_path.iterdir()) == []
+
+
 # --------------------------------------------------------------------------- training
 def tiny_training_head(V: int, Dt: int, W: int, dspark: bool) -> df.DFlashConfig:
     """A head with its own embeddings and LM head, for the trainer's block tests."""

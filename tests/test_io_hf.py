@@ -241,7 +241,11 @@ def test_config_from_transformers_style_json():
         ),
         ({"architectures": ["MistralForCausalLM"], "sliding_window": 0}, "sliding_window=0"),
         ({"hidden_size": None}, "missing hidden_size"),
-        ({"num_key_value_heads": 3}, "multiple of n_kv_heads"),
+        (
+            {"num_key_value_heads": 3},
+            r"^config\.json: invalid model hyper-parameters: n_heads \(4\) must be a multiple "
+            r"of n_kv_heads \(3\)",
+        ),
     ],
 )
 def test_config_errors(change, message):

@@ -86,6 +86,16 @@ def test_bpe_properties(bpe):
         bpe.token_text(300)
 
 
+def test_vocabulary_facts_are_the_constructors_and_read_only(bpe):
+    tok = Tokenizer(bpe.hf_tokenizer, bos_id=2, eos_id=1, pad_id=3, unk_id=4, add_eos=True)
+    facts = (tok.bos_id, tok.eos_id, tok.pad_id, tok.unk_id, tok.add_bos, tok.add_eos)
+    assert facts == (2, 1, 3, 4, False, True)
+    for name in ("bos_id", "eog_ids", "add_bos", "pre", "vocab_type", "add_space_prefix"):
+        with pytest.raises(AttributeError, match=rf"{name}"):
+            setattr(tok, name, None)
+    assert tok.bos_id == 2
+
+
 def test_bpe_special_and_bos(bpe):
     assert bpe.encode("a<|im_end|>b") == [*bpe.encode("a"), 1, *bpe.encode("b")]
     plain = bpe.encode("<|im_end|>", parse_special=False)

@@ -263,6 +263,27 @@ def _read_config(path: Path) -> dict[str, Any]:
     return loaded
 
 
+#: The SpecConfig fields set as they are from the option of the same name after `spec_`
+#: (`--spec-draft-n-max`, `--spec-ngram-mod-n-match`, ...).
+_SPEC_FIELDS = (
+    "draft_n_max",
+    "draft_n_min",
+    "draft_p_min",
+    "draft_sampling",
+    "ngram_simple_size_n",
+    "ngram_simple_size_m",
+    "ngram_map_k_size_n",
+    "ngram_map_k_size_m",
+    "ngram_map_k_min_hits",
+    "ngram_map_k4v_size_n",
+    "ngram_map_k4v_size_m",
+    "ngram_map_k4v_min_hits",
+    "ngram_mod_n_match",
+    "ngram_mod_n_min",
+    "ngram_mod_n_max",
+)
+
+
 def _spec_from_options(opts: dict[str, Any]):
     from specjax.config import SpecConfig, types_from_values
 
@@ -283,22 +304,8 @@ def _spec_from_options(opts: dict[str, Any]):
     synth_len = opts.get("spec_synthetic_acceptance_length")
     kwargs = dict(
         types=tuple(types),
-        draft_n_max=opts["spec_draft_n_max"],
-        draft_n_min=opts["spec_draft_n_min"],
-        draft_p_min=opts["spec_draft_p_min"],
+        **{field: opts[f"spec_{field}"] for field in _SPEC_FIELDS},
         adaptive=opts["spec_governor"] != "off",
-        draft_sampling=opts["spec_draft_sampling"],
-        ngram_simple_size_n=opts["spec_ngram_simple_size_n"],
-        ngram_simple_size_m=opts["spec_ngram_simple_size_m"],
-        ngram_map_k_size_n=opts["spec_ngram_map_k_size_n"],
-        ngram_map_k_size_m=opts["spec_ngram_map_k_size_m"],
-        ngram_map_k_min_hits=opts["spec_ngram_map_k_min_hits"],
-        ngram_map_k4v_size_n=opts["spec_ngram_map_k4v_size_n"],
-        ngram_map_k4v_size_m=opts["spec_ngram_map_k4v_size_m"],
-        ngram_map_k4v_min_hits=opts["spec_ngram_map_k4v_min_hits"],
-        ngram_mod_n_match=opts["spec_ngram_mod_n_match"],
-        ngram_mod_n_min=opts["spec_ngram_mod_n_min"],
-        ngram_mod_n_max=opts["spec_ngram_mod_n_max"],
         lookup_cache_static=opts.get("lookup_cache_static"),
         lookup_cache_dynamic=opts.get("lookup_cache_dynamic"),
         synth_len=-1.0 if synth_len is None else float(synth_len),

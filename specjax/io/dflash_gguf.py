@@ -40,9 +40,10 @@ from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGUFWriter
 
-from specjax.io.gguf_file import GGUFFile, add_d2t, check_save, tensor_adder, write_hparams
-from specjax.io.gguf_io import atomic_gguf_writer
+from specjax.io.gguf_file import GGUFFile
+from specjax.io.gguf_io import TensorAdder, add_d2t, gguf_saver, write_hparams
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.dflash import DEFAULT_BLOCK_SIZE, DFlashConfig, check_params
 from specjax.types import Params
@@ -50,75 +51,68 @@ from specjax.types import Params
 ARCH = "dflash"
 
 
-def save_dflash_gguf(
-    path: str | os.PathLike[str],
-    config: DFlashConfig,
-    params: Params,
-    tokenizer: Tokenizer,
-    dtype: str = "f16",
-) -> None:
-    """Write a DFlash / DSpark head llama.cpp loads (`-md` with `--spec-type draft-dflash` or
-    `draft-dspark`)."""
-    path = os.fspath(path)
-    check_save(config, params, tokenizer, dtype, check_params, "the head's vocabulary")
+def _check_savable(config: DFlashConfig, params: Params) -> None:
+    """ValueError for params the config does not describe or a head with no GGUF form."""
+    check_params(config, params)
     if config.own_embed and not config.own_lm_head:
         raise ValueError(
             "a DFlash head with its own token embeddings but the target's LM head has no GGUF "
             "form: llama.cpp ties output to token_embd when output.weight is absent"
         )
-    with atomic_gguf_writer(path, ARCH) as w:
-        name = "specjax-dspark" if config.is_dspark else "specjax-dflash"
-        write_hparams(w, config, dtype, name, block_count=config.L, rope_dims=config.E)
-        w.add_uint32(f"{ARCH}.block_size", config.block_size)
-        w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
-        if config.is_dspark:
-            w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
-            w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
-        tokenizer.write_gguf_metadata(w, config.V)
-        w.add_mask_token_id(config.mask_token_id)
 
-        add = tensor_adder(w, dtype)
 
-        def add_f32(name: str, arr: Any) -> None:
-            w.add_tensor(name, np.asarray(arr, np.float32))
+def _write_dflash(w: GGUFWriter, add: TensorAdder, config: DFlashConfig, params: Params) -> None:
+    """Write a DFlash / DSpark head llama.cpp loads (`-md` with `--spec-type draft-dflash` or
+    `draft-dspark`)."""
+    name = "specjax-dspark" if config.is_dspark else "specjax-dflash"
+    write_hparams(w, config, name, block_count=config.L, rope_dims=config.E)
+    w.add_uint32(f"{ARCH}.block_size", config.block_size)
+    w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
+    if config.is_dspark:
+        w.add_bool(f"{ARCH}.sample_from_anchor", config.sample_from_anchor)
+        w.add_bool(f"{ARCH}.has_confidence_head", config.has_confidence)
+    w.add_mask_token_id(config.mask_token_id)
 
-        H, G, E, F = config.H, config.G, config.E, config.F
-        if config.own_embed:
-            add("token_embd.weight", params["embed"])
-        add("fc.weight", params["fc"])
-        if config.fc_scale:
-            add_f32("fc.scale", params["fc_scale"])
-        add("enc.output_norm.weight", params["enc_norm"])
-        add("output_norm.weight", params["final_norm"])
-        if config.own_lm_head:
-            add("output.weight", params["lm_head"])
-        if config.rope_factors:
-            add_f32("rope_freqs.weight", config.rope_factors)
-        for i, layer in enumerate(params["layers"]):
-            p = f"blk.{i}."
-            wqkv = np.asarray(layer["wqkv"], np.float32)
-            gate_up = np.asarray(layer["w_gate_up"], np.float32)
-            add(p + "attn_norm.weight", layer["attn_norm"])
-            add(p + "attn_q.weight", wqkv[: H * E])
-            add(p + "attn_k.weight", wqkv[H * E : (H + G) * E])
-            add(p + "attn_v.weight", wqkv[(H + G) * E :])
-            add(p + "attn_output.weight", layer["wo"])
-            add(p + "attn_q_norm.weight", layer["q_norm"])
-            add(p + "attn_k_norm.weight", layer["k_norm"])
-            add(p + "ffn_norm.weight", layer["ffn_norm"])
-            add(p + "ffn_gate.weight", gate_up[:F])
-            add(p + "ffn_up.weight", gate_up[F:])
-            add(p + "ffn_down.weight", layer["w_down"])
-        if config.is_dspark:
-            add("markov_w1.weight", params["markov_w1"])
-            add("markov_w2.weight", params["markov_w2"])
-            if config.markov_w2_scale:
-                add_f32("markov_w2.scale", params["markov_w2_scale"])
-            if config.has_confidence:
-                add("conf_proj.weight", params["conf_proj"])
-                add_f32("conf_proj.bias", params["conf_proj_b"])
-        if config.has_d2t:
-            add_d2t(w, params["d2t"])
+    H, G, E, F = config.H, config.G, config.E, config.F
+    if config.own_embed:
+        add("token_embd.weight", params["embed"])
+    add("fc.weight", params["fc"])
+    if config.fc_scale:
+        add("fc.scale", params["fc_scale"], f32=True)
+    add("enc.output_norm.weight", params["enc_norm"])
+    add("output_norm.weight", params["final_norm"])
+    if config.own_lm_head:
+        add("output.weight", params["lm_head"])
+    if config.rope_factors:
+        add("rope_freqs.weight", config.rope_factors, f32=True)
+    for i, layer in enumerate(params["layers"]):
+        p = f"blk.{i}."
+        wqkv = np.asarray(layer["wqkv"], np.float32)
+        gate_up = np.asarray(layer["w_gate_up"], np.float32)
+        add(p + "attn_norm.weight", layer["attn_norm"])
+        add(p + "attn_q.weight", wqkv[: H * E])
+        add(p + "attn_k.weight", wqkv[H * E : (H + G) * E])
+        add(p + "attn_v.weight", wqkv[(H + G) * E :])
+        add(p + "attn_output.weight", layer["wo"])
+        add(p + "attn_q_norm.weight", layer["q_norm"])
+        add(p + "attn_k_norm.weight", layer["k_norm"])
+        add(p + "ffn_norm.weight", layer["ffn_norm"])
+        add(p + "ffn_gate.weight", gate_up[:F])
+        add(p + "ffn_up.weight", gate_up[F:])
+        add(p + "ffn_down.weight", layer["w_down"])
+    if config.is_dspark:
+        add("markov_w1.weight", params["markov_w1"])
+        add("markov_w2.weight", params["markov_w2"])
+        if config.markov_w2_scale:
+            add("markov_w2.scale", params["markov_w2_scale"], f32=True)
+        if config.has_confidence:
+            add("conf_proj.weight", params["conf_proj"])
+            add("conf_proj.bias", params["conf_proj_b"], f32=True)
+    if config.has_d2t:
+        add_d2t(w, params["d2t"])
+
+
+save_dflash_gguf = gguf_saver(ARCH, _write_dflash, _check_savable, "the head's vocabulary", "f16")
 
 
 def _as_bool(value: Any) -> bool:
@@ -131,7 +125,8 @@ def _as_bool(value: Any) -> bool:
 def load_dflash_gguf(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[DFlashConfig, Params, Tokenizer]:
-    """Read a `dflash` GGUF into (config, params, tokenizer); d2t becomes int32."""
+    """Read a `dflash` GGUF into (config, params, tokenizer); d2t becomes int32.
+    `dtype` is the config's and the weights' dtype (None: the file's, as `load_gguf`)."""
     f = GGUFFile(path, ARCH)
     fields, tensors, key = f.fields, f.tensors, f.key
     layers = fields.get(f"{ARCH}.target_layers")

@@ -31,20 +31,18 @@ import os
 
 import jax.numpy as jnp
 import numpy as np
+from gguf import GGUFWriter
 
-from specjax.io.gguf_file import (
-    GGUFFile,
-    add_d2t,
-    check_save,
-    tensor_adder,
-    write_hparams,
-)
+from specjax.io.gguf_file import GGUFFile
 from specjax.io.gguf_io import (
+    TensorAdder,
     _on_device,
-    atomic_gguf_writer,
+    add_d2t,
+    gguf_saver,
     permute_qk,
     read_architecture,
     unpermute_qk,
+    write_hparams,
 )
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.eagle3 import Eagle3Config, check_params
@@ -58,58 +56,51 @@ def gguf_architecture(path: str | os.PathLike[str]) -> str | None:
     return read_architecture(path)
 
 
-def save_eagle3_gguf(
-    path: str | os.PathLike[str],
-    config: Eagle3Config,
-    params: Params,
-    tokenizer: Tokenizer,
-    dtype: str = "f16",
-) -> None:
+def _write_eagle3(w: GGUFWriter, add: TensorAdder, config: Eagle3Config, params: Params) -> None:
     """Write an EAGLE-3 head llama.cpp loads (`-md` with `--spec-type draft-eagle3`)."""
-    path = os.fspath(path)
-    check_save(config, params, tokenizer, dtype, check_params, "the head's vocabulary")
-    with atomic_gguf_writer(path, ARCH) as w:
-        write_hparams(w, config, dtype, "specjax-eagle3", block_count=1, rope_dims=config.E)
-        w.add_vocab_size(config.V)
-        w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
-        w.add_uint32(f"{ARCH}.target_hidden_size", config.target_hidden)
-        w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
-        w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
-        tokenizer.write_gguf_metadata(w, config.V)
-        add = tensor_adder(w, dtype)
-        H, G, E = config.H, config.G, config.E
-        wqkv = np.asarray(params["wqkv"], np.float32)
-        q, k, v = wqkv[: H * E], wqkv[H * E : (H + G) * E], wqkv[(H + G) * E :]
-        gate_up = np.asarray(params["w_gate_up"], np.float32)
-        if config.own_embed:
-            add("token_embd.weight", params["embed"])
-        add("fc.weight", params["fc"])
-        if config.norm_before_fc:
-            add("enc.output_norm.weight", params["enc_norm"])
-        add("output_norm.weight", params["final_norm"])
-        if config.own_lm_head:
-            add("output.weight", params["lm_head"])
-        p = "blk.0."
-        add(p + "attn_norm.weight", params["attn_norm"])
-        add(p + "attn_norm_2.weight", params["hidden_norm"])
-        add(p + "attn_q.weight", permute_qk(q, H))
-        add(p + "attn_k.weight", permute_qk(k, G))
-        add(p + "attn_v.weight", v)
-        add(p + "attn_output.weight", params["wo"])
-        add(p + "ffn_norm.weight", params["ffn_norm"])
-        add(p + "ffn_gate.weight", gate_up[: config.F])
-        add(p + "ffn_up.weight", gate_up[config.F :])
-        add(p + "ffn_down.weight", params["w_down"])
-        if config.rope_factors:
-            w.add_tensor("rope_freqs.weight", np.asarray(config.rope_factors, np.float32))
-        if config.has_d2t:
-            add_d2t(w, params["d2t"])
+    write_hparams(w, config, "specjax-eagle3", block_count=1, rope_dims=config.E)
+    w.add_vocab_size(config.V)
+    w.add_array(f"{ARCH}.target_layers", [int(i) for i in config.target_layers])
+    w.add_uint32(f"{ARCH}.target_hidden_size", config.target_hidden)
+    w.add_bool(f"{ARCH}.norm_before_residual", config.norm_before_residual)
+    w.add_bool(f"{ARCH}.norm_before_fc", config.norm_before_fc)
+    H, G, E = config.H, config.G, config.E
+    wqkv = np.asarray(params["wqkv"], np.float32)
+    q, k, v = wqkv[: H * E], wqkv[H * E : (H + G) * E], wqkv[(H + G) * E :]
+    gate_up = np.asarray(params["w_gate_up"], np.float32)
+    if config.own_embed:
+        add("token_embd.weight", params["embed"])
+    add("fc.weight", params["fc"])
+    if config.norm_before_fc:
+        add("enc.output_norm.weight", params["enc_norm"])
+    add("output_norm.weight", params["final_norm"])
+    if config.own_lm_head:
+        add("output.weight", params["lm_head"])
+    p = "blk.0."
+    add(p + "attn_norm.weight", params["attn_norm"])
+    add(p + "attn_norm_2.weight", params["hidden_norm"])
+    add(p + "attn_q.weight", permute_qk(q, H))
+    add(p + "attn_k.weight", permute_qk(k, G))
+    add(p + "attn_v.weight", v)
+    add(p + "attn_output.weight", params["wo"])
+    add(p + "ffn_norm.weight", params["ffn_norm"])
+    add(p + "ffn_gate.weight", gate_up[: config.F])
+    add(p + "ffn_up.weight", gate_up[config.F :])
+    add(p + "ffn_down.weight", params["w_down"])
+    if config.rope_factors:
+        w.add_tensor("rope_freqs.weight", np.asarray(config.rope_factors, np.float32))
+    if config.has_d2t:
+        add_d2t(w, params["d2t"])
+
+
+save_eagle3_gguf = gguf_saver(ARCH, _write_eagle3, check_params, "the head's vocabulary", "f16")
 
 
 def load_eagle3_gguf(
     path: str | os.PathLike[str], *, dtype: str | None = None
 ) -> tuple[Eagle3Config, Params, Tokenizer]:
-    """Read an `eagle3` GGUF into (config, params, tokenizer); d2t becomes int32."""
+    """Read an `eagle3` GGUF into (config, params, tokenizer); d2t becomes int32.
+    `dtype` is the config's and the weights' dtype (None: the file's, as `load_gguf`)."""
     f = GGUFFile(path, ARCH)
     key, tensors = f.key, f.tensors
     layers = f.fields.get(f"{ARCH}.target_layers")

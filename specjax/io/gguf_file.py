@@ -1,10 +1,9 @@
-"""What the GGUF formats of the heads and the qwen35 model share: the checks before a save,
-the common hyper-parameter keys, the tensor writer, and reading a file (`GGUFFile`: its
-metadata keys, its tensors consumed one by one, the d2t table, the tokenizer).
+"""What loading the GGUF formats of the heads and the qwen35 model shares: reading a file
+(`GGUFFile`: its metadata keys, its tensors consumed one by one, the d2t table, the tokenizer).
+Their saves are `specjax.io.gguf_io.gguf_saver`'s, like `save_gguf`.
 
 Used by `specjax.io.eagle3_gguf`, `specjax.io.dflash_gguf` and `specjax.io.gguf_qwen35`.
-Invariants: 2-D weights are written in the save dtype (F32/F16/BF16/Q8_0 as `save_gguf`), 1-D
-ones as F32; a load names the file and the key or tensor in every error (`ModelFileError`);
+Invariants: a load names the file and the key or tensor in every error (`ModelFileError`);
 `refuse_unused` fails a load that left a tensor unread.
 """
 
@@ -14,17 +13,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import gguf
 import jax.numpy as jnp
 import numpy as np
-from gguf import GGMLQuantizationType as QT
 
-from specjax.errors import ModelFileError
+from specjax.errors import ModelFileError, file_error
 from specjax.io.gguf_io import (
-    _FILE_TYPE,
-    SAVE_DTYPES,
     _config_dtype,
-    _encode_tensor,
     _f32,
     _field_values,
     _open_reader,
@@ -32,66 +26,9 @@ from specjax.io.gguf_io import (
     rope_factors_from_tensor,
 )
 from specjax.io.tokenizer import Tokenizer
-from specjax.types import Array, Params
+from specjax.types import Array
 
 
-# ------------------------------------------------------------------------------- saving
-def check_save(
-    config: Any,
-    params: Params,
-    tokenizer: Tokenizer,
-    dtype: str,
-    check_params: Callable[[Any, Params], None],
-    what: str,
-) -> None:
-    """ValueError for an unknown save dtype, parameters the config does not describe, or a
-    tokenizer larger than the vocabulary `what` names ("the model vocabulary")."""
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
-    check_params(config, params)
-    if tokenizer.vocab_size > config.V:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the {what}'s vocabulary is {config.V}"
-        )
-
-
-def write_hparams(
-    w: gguf.GGUFWriter, config: Any, dtype: str, name: str, block_count: int, rope_dims: int
-) -> None:
-    """The keys every architecture here writes (`config`: a model or head config with
-    `max_position`, `rope_theta`, `norm_eps` and the dimension keys D, F, H, G, E): name, file type, context, widths, block
-    count, head counts and dims, RoPE dimension count and base, RMS-norm epsilon."""
-    w.add_name(name)
-    w.add_file_type(_FILE_TYPE[dtype])
-    w.add_context_length(config.max_position)
-    w.add_embedding_length(config.D)
-    w.add_block_count(block_count)
-    w.add_feed_forward_length(config.F)
-    w.add_head_count(config.H)
-    w.add_head_count_kv(config.G)
-    w.add_key_length(config.E)
-    w.add_value_length(config.E)
-    w.add_rope_dimension_count(rope_dims)
-    w.add_rope_freq_base(config.rope_theta)
-    w.add_layer_norm_rms_eps(config.norm_eps)
-
-
-def tensor_adder(w: gguf.GGUFWriter, dtype: str) -> Callable[..., None]:
-    """`add(name, arr, f32=False)`: writes `arr` in the save dtype (1-D and `f32`: F32)."""
-
-    def add(name: str, arr: Any, f32: bool = False) -> None:
-        data, raw = _encode_tensor(np.asarray(arr, np.float32), "f32" if f32 else dtype)
-        w.add_tensor(name, data, raw_dtype=raw)
-
-    return add
-
-
-def add_d2t(w: gguf.GGUFWriter, d2t: Array) -> None:
-    """The draft-to-target id table as llama.cpp reads it (I64 absolute target ids)."""
-    w.add_tensor("d2t", np.asarray(d2t, np.int64), raw_dtype=QT.I64)
-
-
-# ------------------------------------------------------------------------------- loading
 class GGUFFile:
     """A GGUF file opened for reading as architecture `arch` (ModelFileError otherwise):
     `fields` (metadata), `tensors` (by name) and the names `get` has consumed."""
@@ -200,19 +137,11 @@ class GGUFFile:
             raise self.error(f"tensors {what} has no slot for: {listed}")
 
     def tokenizer(self) -> Tokenizer:
-        try:
+        with file_error(self.path, "invalid tokenizer metadata"):
             return Tokenizer.from_gguf_fields(self.fields, source=self.path)
-        except ValueError as e:
-            if isinstance(e, ModelFileError):
-                raise
-            raise self.error(f"invalid tokenizer metadata: {e}") from e
 
     def hparams(self, make: Callable[[], Any], what: str) -> Any:
         """`make()` (a config constructor) with its ValueError as a ModelFileError naming
         the file and `what` ("EAGLE-3", "qwen35")."""
-        try:
+        with file_error(self.path, f"invalid {what} hyper-parameters"):
             return make()
-        except ValueError as e:
-            if isinstance(e, ModelFileError):
-                raise
-            raise self.error(f"invalid {what} hyper-parameters: {e}") from e

@@ -21,7 +21,9 @@ Invariants:
 * Saving writes 1-D tensors (norms, biases, rope factors) as F32 like llama.cpp, and 2-D
   weights as F32 / F16 / BF16 / Q8_0. Q8_0 needs rows divisible by 32; other rows fall back to F16.
 * A save never clobbers an existing file with a partial one: it writes a temp file in the
-  target's directory and ``os.replace``s it at the end.
+  target's directory and ``os.replace``s it at the end. Every GGUF format's save (``save_gguf``,
+  ``save_qwen35_gguf``, ``save_eagle3_gguf``, ``save_dflash_gguf``) is made by `gguf_saver`,
+  which refuses a bad dtype, parameters or tokenizer before anything is written.
 * RoPE frequency factors are stored as llama.cpp does, a ``rope_freqs.weight`` tensor of per-
   pair divisors (from `ModelConfig.rope_factors`, or computed from a llama3 `RopeScaling`, then
   with ``specjax.rope_scaling.*`` keys, ignored by llama.cpp, that let a reload recover the
@@ -34,10 +36,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
+import operator
 import os
 import tempfile
-from collections.abc import Iterator, Mapping
-from typing import Any
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any, Protocol, TypeVar
 
 import gguf
 import jax
@@ -45,7 +48,7 @@ import jax.numpy as jnp
 import numpy as np
 from gguf import GGMLQuantizationType as QT
 
-from specjax.errors import ModelFileError
+from specjax.errors import ModelFileError, file_error
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import (
     ARCHS,
@@ -275,29 +278,6 @@ def _field_values(reader: gguf.GGUFReader) -> dict[str, Any]:
 _GGUF_STRING = 8
 
 
-@contextlib.contextmanager
-def atomic_gguf_writer(path: str, arch: str) -> Iterator[gguf.GGUFWriter]:
-    """A GGUFWriter on a temp file beside `path`: after the `with` body adds metadata and
-    tensors, the file is written, closed and `os.replace`d onto `path` (mode 0644); on any
-    error the temp file is removed and an existing `path` is left untouched."""
-    folder = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
-    os.close(fd)
-    try:
-        writer = gguf.GGUFWriter(tmp, arch)
-        yield writer
-        writer.write_header_to_file()
-        writer.write_kv_data_to_file()
-        writer.write_tensors_to_file()
-        writer.close()
-        os.replace(tmp, path)
-        os.chmod(path, 0o644)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
 def read_architecture(path: str | os.PathLike[str]) -> str | None:
     """`general.architecture` from the GGUF header without parsing the file.
 
@@ -499,7 +479,7 @@ def load_gguf(
             expert_ffn_dim=key("expert_feed_forward_length"),
             norm_topk_prob=True,  # llama.cpp's qwen3moe graph always renormalises
         )
-    try:
+    with file_error(path, "invalid model hyper-parameters"):
         config = ModelConfig(
             arch=arch,
             vocab_size=V,
@@ -521,10 +501,6 @@ def load_gguf(
             **gemma,
             **moe,
         )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid model hyper-parameters: {e}") from e
 
     used: set[str] = set()
     half_params = False
@@ -629,12 +605,8 @@ def load_gguf(
             f"{path}: tensors specjax's {arch} model has no slot for: {', '.join(unused[:8])}"
             + (f" (+{len(unused) - 8} more)" if len(unused) > 8 else "")
         )
-    try:
+    with file_error(path, "invalid tokenizer metadata"):
         tokenizer = Tokenizer.from_gguf_fields(fields, source=path)
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{path}: invalid tokenizer metadata: {e}") from e
     return config, params, tokenizer
 
 
@@ -683,103 +655,206 @@ def _encode_tensor(arr: np.ndarray, dtype: str) -> tuple[np.ndarray, QT | None]:
 _FILE_TYPE = {"f32": 0, "f16": 1, "q8_0": 7, "bf16": 32}  # llama_ftype
 
 
-def save_gguf(
-    path: str | os.PathLike[str],
-    config: ModelConfig,
-    params: Params,
-    tokenizer: Tokenizer,
-    dtype: str = "f32",
-) -> None:
-    """Write a GGUF file llama.cpp loads; `dtype` (see SAVE_DTYPES) applies to 2-D weights."""
+@contextlib.contextmanager
+def atomic_gguf_writer(path: str | os.PathLike[str], arch: str) -> Iterator[gguf.GGUFWriter]:
+    """A GGUFWriter on a temp file beside `path`: after the `with` body adds metadata and
+    tensors, the file is written, closed and `os.replace`d onto `path` (mode 0644); on any
+    error the temp file is removed and an existing `path` is left untouched."""
     path = os.fspath(path)
-    if dtype not in SAVE_DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
+    folder = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=os.path.basename(path) + ".", suffix=".tmp", dir=folder)
+    os.close(fd)
+    try:
+        writer = gguf.GGUFWriter(tmp, arch)
+        yield writer
+        writer.write_header_to_file()
+        writer.write_kv_data_to_file()
+        writer.write_tensors_to_file()
+        writer.close()
+        os.replace(tmp, path)
+        os.chmod(path, 0o644)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+class TensorAdder(Protocol):
+    """`add(name, arr, f32=False)`: writes `arr` in the save dtype (1-D and `f32`: F32)."""
+
+    def __call__(self, name: str, arr: Any, f32: bool = False) -> None: ...
+
+
+def tensor_adder(w: gguf.GGUFWriter, dtype: str) -> TensorAdder:
+    """The `TensorAdder` of a file saved in `dtype` (one of SAVE_DTYPES)."""
+
+    def add(name: str, arr: Any, f32: bool = False) -> None:
+        data, raw = _encode_tensor(np.asarray(arr, np.float32), "f32" if f32 else dtype)
+        w.add_tensor(name, data, raw_dtype=raw)
+
+    return add
+
+
+def write_hparams(
+    w: gguf.GGUFWriter, config: Any, name: str, block_count: int, rope_dims: int
+) -> None:
+    """The keys every architecture here writes (`config`: a model or head config with
+    `max_position`, `rope_theta`, `norm_eps` and the dimension keys D, F, H, G, E): name,
+    context, widths, block count, head counts and dims, RoPE dimension count and base, RMS-norm
+    epsilon."""
+    w.add_name(name)
+    w.add_context_length(config.max_position)
+    w.add_embedding_length(config.D)
+    w.add_block_count(block_count)
+    w.add_feed_forward_length(config.F)
+    w.add_head_count(config.H)
+    w.add_head_count_kv(config.G)
+    w.add_key_length(config.E)
+    w.add_value_length(config.E)
+    w.add_rope_dimension_count(rope_dims)
+    w.add_rope_freq_base(config.rope_theta)
+    w.add_layer_norm_rms_eps(config.norm_eps)
+
+
+def add_d2t(w: gguf.GGUFWriter, d2t: Array) -> None:
+    """The draft-to-target id table as llama.cpp reads it (I64 absolute target ids)."""
+    w.add_tensor("d2t", np.asarray(d2t, np.int64), raw_dtype=QT.I64)
+
+
+class _SavedConfig(Protocol):
+    @property
+    def V(self) -> int: ...
+
+
+ConfigT = TypeVar("ConfigT", bound=_SavedConfig)
+ConfigT_contra = TypeVar("ConfigT_contra", bound=_SavedConfig, contravariant=True)
+
+
+class GGUFSave(Protocol[ConfigT_contra]):
+    """`save(path, config, params, tokenizer, dtype)`: a format's save function (`gguf_saver`)."""
+
+    def __call__(
+        self,
+        path: str | os.PathLike[str],
+        config: ConfigT_contra,
+        params: Params,
+        tokenizer: Tokenizer,
+        dtype: str = ...,
+    ) -> None: ...
+
+
+def gguf_saver(
+    arch: str | Callable[[ConfigT], str],
+    write: Callable[[gguf.GGUFWriter, TensorAdder, ConfigT, Params], None],
+    check: Callable[[ConfigT, Params], None],
+    vocabulary: str,
+    dtype: str,
+) -> GGUFSave[ConfigT]:
+    """The save function of a GGUF format, `save(path, config, params, tokenizer, dtype)` with
+    `write`'s docstring, `dtype` its default.
+
+    Before anything is written it raises ValueError for a dtype not in SAVE_DTYPES, parameters
+    `check` refuses, or a tokenizer larger than the vocabulary `vocabulary` names ("the model
+    vocabulary"). It then writes `path` atomically (`atomic_gguf_writer`) as architecture
+    `arch` (a function of the config for a format of several): the file type, what
+    `write(w, add, config, params)` adds (`add`: a `TensorAdder` in the save dtype), and the
+    tokenizer's metadata for a vocabulary of `config.V`."""
+    default_dtype = dtype
+
+    def save(
+        path: str | os.PathLike[str],
+        config: ConfigT,
+        params: Params,
+        tokenizer: Tokenizer,
+        dtype: str = default_dtype,
+    ) -> None:
+        if dtype not in SAVE_DTYPES:
+            raise ValueError(f"dtype must be one of {', '.join(SAVE_DTYPES)}, got {dtype!r}")
+        check(config, params)
+        if tokenizer.vocab_size > config.V:
+            raise ValueError(
+                f"tokenizer has {tokenizer.vocab_size} tokens but {vocabulary} is {config.V}"
+            )
+        with atomic_gguf_writer(path, arch if isinstance(arch, str) else arch(config)) as w:
+            w.add_file_type(_FILE_TYPE[dtype])
+            write(w, tensor_adder(w, dtype), config, params)
+            tokenizer.write_gguf_metadata(w, config.V)
+
+    save.__doc__, save.__module__ = write.__doc__, write.__module__
+    return save
+
+
+def _check_savable(config: ModelConfig, params: Params) -> None:
+    """ValueError for a config llama.cpp's architecture cannot hold or params it does not
+    describe."""
     _validate_for_gguf(config)
     check_params(config, params)
-    if tokenizer.vocab_size > config.V:
-        raise ValueError(
-            f"tokenizer has {tokenizer.vocab_size} tokens but the model vocabulary is {config.V}"
-        )
 
-    with atomic_gguf_writer(path, config.arch) as writer:
-        writer.add_name("specjax")
-        writer.add_file_type(_FILE_TYPE[dtype])
-        writer.add_context_length(config.max_position)
-        writer.add_embedding_length(config.D)
-        writer.add_block_count(config.L)
-        writer.add_feed_forward_length(config.F)
-        writer.add_head_count(config.H)
-        writer.add_head_count_kv(config.G)
-        writer.add_key_length(config.E)
-        writer.add_value_length(config.E)
-        writer.add_rope_dimension_count(config.E)
-        writer.add_rope_freq_base(config.rope_theta)
-        writer.add_layer_norm_rms_eps(config.norm_eps)
-        writer.add_vocab_size(config.V)
-        if config.n_experts:
-            writer.add_expert_count(config.n_experts)
-            writer.add_expert_used_count(config.n_experts_used)
-            writer.add_expert_feed_forward_length(config.expert_ffn_dim)
-        if config.sliding_window > 0:
-            writer.add_sliding_window(config.sliding_window)
-            if config.swa_layers:
-                writer.add_sliding_window_pattern([bool(x) for x in config.swa_layers])
-        if config.rope_scaling is not None:
-            s = config.rope_scaling
-            writer.add_float32(_SPECJAX_ROPE + "factor", s.factor)
-            writer.add_float32(_SPECJAX_ROPE + "low_freq_factor", s.low_freq_factor)
-            writer.add_float32(_SPECJAX_ROPE + "high_freq_factor", s.high_freq_factor)
-            writer.add_uint32(_SPECJAX_ROPE + "original_max_position", s.original_max_position)
-        tokenizer.write_gguf_metadata(writer, config.V)
 
-        def add(name: str, arr: Any) -> None:
-            data, raw = _encode_tensor(np.asarray(arr, np.float32), dtype)
-            writer.add_tensor(name, data, raw_dtype=raw)
+def _write_model(w: gguf.GGUFWriter, add: TensorAdder, config: ModelConfig, params: Params) -> None:
+    """Write a GGUF file llama.cpp loads; `dtype` (see SAVE_DTYPES) applies to 2-D weights."""
+    write_hparams(w, config, "specjax", config.L, config.E)
+    w.add_vocab_size(config.V)
+    if config.n_experts:
+        w.add_expert_count(config.n_experts)
+        w.add_expert_used_count(config.n_experts_used)
+        w.add_expert_feed_forward_length(config.expert_ffn_dim)
+    if config.sliding_window > 0:
+        w.add_sliding_window(config.sliding_window)
+        if config.swa_layers:
+            w.add_sliding_window_pattern([bool(x) for x in config.swa_layers])
+    if config.rope_scaling is not None:
+        s = config.rope_scaling
+        w.add_float32(_SPECJAX_ROPE + "factor", s.factor)
+        w.add_float32(_SPECJAX_ROPE + "low_freq_factor", s.low_freq_factor)
+        w.add_float32(_SPECJAX_ROPE + "high_freq_factor", s.high_freq_factor)
+        w.add_uint32(_SPECJAX_ROPE + "original_max_position", s.original_max_position)
 
-        add("token_embd.weight", params["embed"])
-        add("output_norm.weight", params["final_norm"])
-        if not config.tie_embeddings:
-            add("output.weight", params["lm_head"])
-        if config.rope_scaling is not None or config.rope_factors:
-            add("rope_freqs.weight", llama3_factors(config))
-        permute = config.arch == "llama"
-        for i, layer in enumerate(params["layers"]):
-            p = f"blk.{i}."
-            parts = split_layer(config, layer)
-            q, k = parts["q"], parts["k"]
+    add("token_embd.weight", params["embed"])
+    add("output_norm.weight", params["final_norm"])
+    if not config.tie_embeddings:
+        add("output.weight", params["lm_head"])
+    if config.rope_scaling is not None or config.rope_factors:
+        add("rope_freqs.weight", llama3_factors(config))
+    permute = config.arch == "llama"
+    for i, layer in enumerate(params["layers"]):
+        p = f"blk.{i}."
+        parts = split_layer(config, layer)
+        q, k = parts["q"], parts["k"]
+        if permute:
+            q, k = permute_qk(np.asarray(q), config.H), permute_qk(np.asarray(k), config.G)
+        add(p + "attn_norm.weight", layer["attn_norm"])
+        add(p + "attn_q.weight", q)
+        add(p + "attn_k.weight", k)
+        add(p + "attn_v.weight", parts["v"])
+        if config.qkv_bias:
+            bq, bk = parts["q_bias"], parts["k_bias"]
             if permute:
-                q, k = permute_qk(np.asarray(q), config.H), permute_qk(np.asarray(k), config.G)
-            add(p + "attn_norm.weight", layer["attn_norm"])
-            add(p + "attn_q.weight", q)
-            add(p + "attn_k.weight", k)
-            add(p + "attn_v.weight", parts["v"])
-            if config.qkv_bias:
-                bq, bk = parts["q_bias"], parts["k_bias"]
-                if permute:
-                    bq, bk = (
-                        permute_qk(np.asarray(bq), config.H),
-                        permute_qk(np.asarray(bk), config.G),
-                    )
-                add(p + "attn_q.bias", bq)
-                add(p + "attn_k.bias", bk)
-                add(p + "attn_v.bias", parts["v_bias"])
-            if config.qk_norm:
-                add(p + "attn_q_norm.weight", layer["q_norm"])
-                add(p + "attn_k_norm.weight", layer["k_norm"])
-            add(p + "attn_output.weight", layer["wo"])
-            add(p + "ffn_norm.weight", layer["ffn_norm"])
-            if config.is_moe_layer(i):
-                gate_up, F_x = np.asarray(layer["experts_gate_up"]), config.expert_ffn_dim
-                writer.add_tensor(
-                    p + "ffn_gate_inp.weight", np.asarray(layer["router"], np.float32)
+                bq, bk = (
+                    permute_qk(np.asarray(bq), config.H),
+                    permute_qk(np.asarray(bk), config.G),
                 )
-                gate_up = gate_up.transpose(0, 2, 1)  # [X, 2F', D] as GGUF stores them
-                add(p + "ffn_gate_exps.weight", gate_up[:, :F_x])
-                add(p + "ffn_up_exps.weight", gate_up[:, F_x:])
-                add(
-                    p + "ffn_down_exps.weight", np.asarray(layer["experts_down"]).transpose(0, 2, 1)
-                )
-                continue
-            add(p + "ffn_gate.weight", parts["gate"])
-            add(p + "ffn_up.weight", parts["up"])
-            add(p + "ffn_down.weight", layer["w_down"])
+            add(p + "attn_q.bias", bq)
+            add(p + "attn_k.bias", bk)
+            add(p + "attn_v.bias", parts["v_bias"])
+        if config.qk_norm:
+            add(p + "attn_q_norm.weight", layer["q_norm"])
+            add(p + "attn_k_norm.weight", layer["k_norm"])
+        add(p + "attn_output.weight", layer["wo"])
+        add(p + "ffn_norm.weight", layer["ffn_norm"])
+        if config.is_moe_layer(i):
+            gate_up, F_x = np.asarray(layer["experts_gate_up"]), config.expert_ffn_dim
+            add(p + "ffn_gate_inp.weight", layer["router"], f32=True)
+            gate_up = gate_up.transpose(0, 2, 1)  # [X, 2F', D] as GGUF stores them
+            add(p + "ffn_gate_exps.weight", gate_up[:, :F_x])
+            add(p + "ffn_up_exps.weight", gate_up[:, F_x:])
+            add(p + "ffn_down_exps.weight", np.asarray(layer["experts_down"]).transpose(0, 2, 1))
+            continue
+        add(p + "ffn_gate.weight", parts["gate"])
+        add(p + "ffn_up.weight", parts["up"])
+        add(p + "ffn_down.weight", layer["w_down"])
+
+
+save_gguf = gguf_saver(
+    operator.attrgetter("arch"), _write_model, _check_savable, "the model vocabulary", "f32"
+)

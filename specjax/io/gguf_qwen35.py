@@ -30,11 +30,8 @@ from typing import Any
 import gguf
 import jax.numpy as jnp
 
-from specjax.io.gguf_file import GGUFFile, check_save, tensor_adder, write_hparams
-from specjax.io.gguf_io import (
-    _f32,
-    atomic_gguf_writer,
-)
+from specjax.io.gguf_file import GGUFFile
+from specjax.io.gguf_io import TensorAdder, _f32, gguf_saver, write_hparams
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.qwen35 import Qwen35Config, check_params
 from specjax.types import Params
@@ -85,44 +82,37 @@ def layer_names(config: Qwen35Config, layer: int) -> dict[str, str]:
     return names
 
 
-def save_qwen35_gguf(
-    path: str | os.PathLike[str],
-    config: Qwen35Config,
-    params: Params,
-    tokenizer: Tokenizer,
-    dtype: str = "f32",
+def _write_qwen35(
+    w: gguf.GGUFWriter, add: TensorAdder, config: Qwen35Config, params: Params
 ) -> None:
     """Write a qwen35 GGUF llama.cpp loads; `dtype` (SAVE_DTYPES) applies to 2-D weights."""
-    path = os.fspath(path)
-    check_save(config, params, tokenizer, dtype, check_params, "the model vocabulary")
-    with atomic_gguf_writer(path, ARCH) as w:
-        write_hparams(w, config, dtype, "specjax", config.L + config.n_nextn, config.n_rot)
-        w.add_rope_dimension_sections(list(config.sections))
-        w.add_ssm_conv_kernel(config.ssm_conv_kernel)
-        w.add_ssm_inner_size(config.value_dim)
-        w.add_ssm_state_size(config.S)
-        w.add_ssm_time_step_rank(config.Hv)
-        w.add_ssm_group_count(config.Hk)
-        w.add_full_attention_interval(config.full_attention_interval)
-        if config.n_nextn:
-            w.add_nextn_predict_layers(config.n_nextn)
-        w.add_vocab_size(config.V)
-        tokenizer.write_gguf_metadata(w, config.V)
+    write_hparams(w, config, "specjax", config.L + config.n_nextn, config.n_rot)
+    w.add_rope_dimension_sections(list(config.sections))
+    w.add_ssm_conv_kernel(config.ssm_conv_kernel)
+    w.add_ssm_inner_size(config.value_dim)
+    w.add_ssm_state_size(config.S)
+    w.add_ssm_time_step_rank(config.Hv)
+    w.add_ssm_group_count(config.Hk)
+    w.add_full_attention_interval(config.full_attention_interval)
+    if config.n_nextn:
+        w.add_nextn_predict_layers(config.n_nextn)
+    w.add_vocab_size(config.V)
 
-        add = tensor_adder(w, dtype)
+    add("token_embd.weight", params["embed"])
+    add("output_norm.weight", params["final_norm"])
+    if not config.tie_embeddings:
+        add("output.weight", params["lm_head"])
+    for i, layer in enumerate(params["layers"]):
+        for ours, theirs in layer_names(config, i).items():
+            add(f"blk.{i}.{theirs}", layer[ours], ours in _ALWAYS_F32)
+    for n, block in enumerate(params.get("nextn", ())):
+        names = {**COMMON, **ATTENTION, **NEXTN}
+        for ours, theirs in names.items():
+            if ours in block:
+                add(f"blk.{config.L + n}.{theirs}", block[ours])
 
-        add("token_embd.weight", params["embed"])
-        add("output_norm.weight", params["final_norm"])
-        if not config.tie_embeddings:
-            add("output.weight", params["lm_head"])
-        for i, layer in enumerate(params["layers"]):
-            for ours, theirs in layer_names(config, i).items():
-                add(f"blk.{i}.{theirs}", layer[ours], ours in _ALWAYS_F32)
-        for n, block in enumerate(params.get("nextn", ())):
-            names = {**COMMON, **ATTENTION, **NEXTN}
-            for ours, theirs in names.items():
-                if ours in block:
-                    add(f"blk.{config.L + n}.{theirs}", block[ours])
+
+save_qwen35_gguf = gguf_saver(ARCH, _write_qwen35, check_params, "the model vocabulary", "f32")
 
 
 def load_qwen35_gguf(

@@ -36,7 +36,7 @@ import numpy as np
 import safetensors
 import safetensors.numpy
 
-from specjax.errors import ModelFileError
+from specjax.errors import ModelFileError, file_error
 from specjax.io.gguf_io import check_params, split_layer
 from specjax.io.tokenizer import Tokenizer
 from specjax.models.config import ModelConfig, RopeScaling
@@ -197,7 +197,7 @@ def _gemma3_config(hf: Mapping[str, Any], dtype: str | None, source: str) -> Mod
     scalar = float(hf.get("query_pre_attn_scalar", 256))
     cap = hf.get("final_logit_softcapping")
     factor = float(full.get("factor", 1.0)) if kind == "linear" else 1.0
-    try:
+    with file_error(source, "invalid model hyper-parameters"):
         return ModelConfig(
             arch="gemma3",
             vocab_size=int(hf.get("vocab_size", 262_208)),
@@ -221,8 +221,6 @@ def _gemma3_config(hf: Mapping[str, Any], dtype: str | None, source: str) -> Mod
             max_position=int(hf.get("max_position_embeddings", 131_072)),
             dtype=_DTYPES[raw_dtype],
         )
-    except ValueError as e:
-        raise ModelFileError(f"{source}: invalid model hyper-parameters: {e}") from e
 
 
 def refuse_quantized(hf: Mapping[str, Any], source: str) -> None:
@@ -313,7 +311,7 @@ def config_from_hf(
     raw_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if raw_dtype not in _DTYPES:
         raise ModelFileError(f"{source}: unsupported dtype {raw_dtype!r}")
-    try:
+    with file_error(source, "invalid model hyper-parameters"):
         return ModelConfig(
             arch=arch,
             vocab_size=need("vocab_size"),
@@ -335,10 +333,6 @@ def config_from_hf(
             dtype=_DTYPES[raw_dtype],
             **moe,
         )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{source}: invalid model hyper-parameters: {e}") from e
 
 
 def _moe_fields(hf: Mapping[str, Any], n_layers: int, source: str) -> dict[str, Any]:

@@ -40,7 +40,7 @@ from typing import Any
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.errors import ModelFileError
+from specjax.errors import ModelFileError, file_error
 from specjax.io.hf_io import (
     _DTYPES,
     _read_config,
@@ -137,7 +137,7 @@ def qwen35_config_from_hf(
     raw_dtype = dtype or hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if raw_dtype not in _DTYPES:
         raise ModelFileError(f"{source}: unsupported dtype {raw_dtype!r}")
-    try:
+    with file_error(source, "invalid Qwen3.5 hyper-parameters"):
         return Qwen35Config(
             vocab_size=need("vocab_size"),
             dim=D,
@@ -160,10 +160,6 @@ def qwen35_config_from_hf(
             max_position=int(hf.get("max_position_embeddings", 4096)),
             dtype=_DTYPES[raw_dtype],
         )
-    except ValueError as e:
-        if isinstance(e, ModelFileError):
-            raise
-        raise ModelFileError(f"{source}: invalid Qwen3.5 hyper-parameters: {e}") from e
 
 
 def grouped_to_tiled(x: np.ndarray, axis: int, n_k: int, n_v: int, block: int) -> np.ndarray:

@@ -36,7 +36,7 @@ import dataclasses
 import os
 import sys
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
@@ -451,6 +451,17 @@ def _tokenize(args: argparse.Namespace, text: str) -> tuple[list[int], int | Non
     return ids, n_ctx_train
 
 
+def _exit_status(command: Callable[[], None]) -> int:
+    """0 once `command()` has run; 1, with `error: ...` on stderr, when it stopped on bad input
+    or a file it could not read or write (ValueError, ModelFileError among them, or OSError)."""
+    try:
+        command()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def lookup_create_main(argv: Sequence[str] | None = None) -> int:
     """`lookup-create`: build a static cache (2-grams) from a text."""
     p = argparse.ArgumentParser(
@@ -460,7 +471,8 @@ def lookup_create_main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("-lcs", "--lookup-cache-static", required=True, help="output cache file")
     p.add_argument("--ngram-size", type=int, default=NGRAM_STATIC, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
-    try:
+
+    def create() -> None:
         ids, _ = _tokenize(args, _read_text(args))
         print("lookup-create: tokenization done", file=sys.stderr)
         cache = create_static_cache(ids, args.ngram_size)
@@ -469,10 +481,8 @@ def lookup_create_main(argv: Sequence[str] | None = None) -> int:
             file=sys.stderr,
         )
         save_cache(args.lookup_cache_static, cache)
-    except (ModelFileError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    return _exit_status(create)
 
 
 def lookup_merge_main(argv: Sequence[str] | None = None) -> int:
@@ -486,7 +496,8 @@ def lookup_merge_main(argv: Sequence[str] | None = None) -> int:
     if len(args.files) < 2:
         p.error("need at least one input and the output path")
     *inputs, output = args.files
-    try:
+
+    def merge() -> None:
         print(f"lookup-merge: loading file {inputs[0]}", file=sys.stderr)
         merged = load_cache(inputs[0])
         others = []
@@ -496,10 +507,8 @@ def lookup_merge_main(argv: Sequence[str] | None = None) -> int:
         merged = merge_caches(merged, *others)
         print(f"lookup-merge: saving file {output}", file=sys.stderr)
         save_cache(output, merged)
-    except (ModelFileError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    return 0
+
+    return _exit_status(merge)
 
 
 def lookup_stats_main(argv: Sequence[str] | None = None) -> int:

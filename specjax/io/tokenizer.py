@@ -28,7 +28,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Generic, NoReturn, Self, TypeVar, overload
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
@@ -246,6 +246,27 @@ def _read_json(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
+T = TypeVar("T")
+
+
+class _ReadOnly(Generic[T]):
+    """A read-only attribute reading the private one of its name after `_`: in a class,
+    `bos_id = _ReadOnly[int | None]()` is `self._bos_id`, and assigning it is an error."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name, self.private = name, "_" + name
+
+    @overload
+    def __get__(self, obj: None, owner: type | None = None) -> Self: ...
+    @overload
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Self | T:
+        return self if obj is None else getattr(obj, self.private)
+
+    def __set__(self, obj: object, value: object) -> NoReturn:
+        raise AttributeError(f"{self.name} is read-only")
+
+
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the llama.cpp vocabulary metadata specjax needs."""
 
@@ -385,46 +406,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tokens)
 
-    @property
-    def vocab_type(self) -> str:
-        return self._vocab_type
-
-    @property
-    def pre(self) -> str | None:
-        """llama.cpp pre-tokenizer name (byte-level BPE only; None when not recognised)."""
-        return self._pre
-
-    @property
-    def bos_id(self) -> int | None:
-        return self._bos_id
-
-    @property
-    def eos_id(self) -> int | None:
-        return self._eos_id
-
-    @property
-    def pad_id(self) -> int | None:
-        return self._pad_id
-
-    @property
-    def unk_id(self) -> int | None:
-        return self._unk_id
-
-    @property
-    def eog_ids(self) -> frozenset[int]:
-        return self._eog_ids
-
-    @property
-    def add_bos(self) -> bool:
-        return self._add_bos
-
-    @property
-    def add_eos(self) -> bool:
-        return self._add_eos
-
-    @property
-    def add_space_prefix(self) -> bool:
-        return self._add_space_prefix
+    vocab_type = _ReadOnly[str]()
+    #: llama.cpp pre-tokenizer name (byte-level BPE only; None when not recognised).
+    pre = _ReadOnly[str | None]()
+    bos_id = _ReadOnly[int | None]()
+    eos_id = _ReadOnly[int | None]()
+    pad_id = _ReadOnly[int | None]()
+    unk_id = _ReadOnly[int | None]()
+    eog_ids = _ReadOnly[frozenset[int]]()
+    add_bos = _ReadOnly[bool]()
+    add_eos = _ReadOnly[bool]()
+    add_space_prefix = _ReadOnly[bool]()
 
     @property
     def token_types(self) -> tuple[int, ...]:
