@@ -2,7 +2,7 @@
 
 gemma3's differences are static branches on `config.arch` (specjax.models.config's docstring
 lists them); its cache may be a `SWACache` (specjax.memory.swa: the sliding-window layers'
-cells in a ring), read and written per layer part by `forward_compute` / `commit_swa`.
+cells in a ring), read and written per layer part by `forward_compute` / `commit_kv`.
 
 Invariants:
 * `positions[b, t] == -1` marks padding: its K/V are not written and its logits are garbage
@@ -38,7 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +49,14 @@ from specjax.control import cpu_control_flow
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels import gpu as gpu_kernels
 from specjax.memory.kv import KVCache, row_high_water, used_cells, write_layer, write_positions
-from specjax.memory.swa import SWACache
+from specjax.memory.swa import SWACache, write_ring
 from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
 from specjax.models.moe import init_moe_layer, moe_ffn
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
+
+#: The caches `forward_compute` reads and `commit_kv` writes (its result is the kind it took).
+CacheT = TypeVar("CacheT", KVCache, SWACache)
 
 _MASKED = -1e30  # finite: a query that sees no key (padding) gets a uniform row, not NaN
 
@@ -720,15 +723,17 @@ def forward_compute(
 
 
 def commit_kv(
-    cache: KVCache,
+    cache: CacheT,
     positions_BT: Array,
     k: tuple[Array, ...],
     v: tuple[Array, ...],
     after: Array | None = None,
     high_water_B: Array | None = None,
-) -> KVCache:
-    """Write new tokens' K/V into the lowest free cells (padding, position -1, is skipped).
-    `high_water_B`: as `forward_compute`'s.
+) -> CacheT:
+    """Write new tokens' K/V (per model layer [B, T, G, E]) into the lowest free cells
+    (padding, position -1, is skipped); a `SWACache` takes its sliding-window layers' into
+    its ring (`swa.write_ring`), the others' into its full part. `high_water_B`: as
+    `forward_compute`'s (a `SWACache`'s full part's).
 
     `after`: an array computed from every read of `cache` (the logits, or the last hidden).
     XLA's CPU runtime runs independent ops concurrently, so an in-place write that does not
@@ -739,6 +744,17 @@ def commit_kv(
     if after is not None:
         probe = after.reshape(-1)[0]
         positions_BT = jnp.where(probe != probe, -1, positions_BT)
+    if isinstance(cache, SWACache):
+        full_k = tuple(x for x, f in zip(k, cache.swa) if not f)
+        full_v = tuple(x for x, f in zip(v, cache.swa) if not f)
+        full = commit_kv(cache.full, positions_BT, full_k, full_v, high_water_B=high_water_B)
+        ring = write_ring(
+            cache.ring,
+            positions_BT,
+            tuple(x for x, f in zip(k, cache.swa) if f),
+            tuple(x for x, f in zip(v, cache.swa) if f),
+        )
+        return replace(cache, full=full, ring=ring)
     cache, slot_BT = write_positions(cache, positions_BT, high_water_B)
     return KVCache(
         k=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.k, k)),
