@@ -295,9 +295,13 @@ def block_forward(
     x = fh.embedding(config, params, shared)[tokens_BW].astype(jnp.dtype(config.dtype))
     B, W, _ = x.shape
     cos, sin = fh.rope(config, positions_BW)
-    n_chunks = used = None
+    # per layer: the cached cells the block reads (none without a cache)
+    cells: list[llama.CachedCells | None] = [None] * len(params["layers"])
     if cache is not None:
         n_chunks, used = fh.cache_chunks(cache)
+        cells = [
+            llama.CachedCells((k, v, cache.pos), n_chunks, used) for k, v in zip(cache.k, cache.v)
+        ]
     # the kernel form of the weights (`kernel_params`, CPU) runs the attention on the native
     # kernel too: the block's rows over its own cells and the cached ones, a call each
     native = bool(params["layers"]) and isinstance(params["layers"][0]["wqkv"], llama.KernelWeight)
@@ -319,8 +323,7 @@ def block_forward(
         if ctx is not None:
             kv, ctx_pos = ctx
             own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
-        cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
-        attn = llama.attend_segments(qg, own, mask_pos_BW, 0, cached, n_chunks, used, native)
+        attn = llama.attend_segments(qg, own, mask_pos_BW, 0, cells[i], native)
         attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
         x = x + llama.linear(attn, layer["wo"])
         h = llama.rms_norm(x, layer["ffn_norm"], config.norm_eps)

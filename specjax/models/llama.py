@@ -342,28 +342,14 @@ def _attend_prompt(
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
 
 
-def _layer_attention(
-    config: ModelConfig,
-    layer_index: int,
-    q_BTHE: Array,
-    k_BTGE: Array,
-    v_BTGE: Array,
-    positions_BT: Array,
-    cache: KVCache,
-    n_chunks: Array | None,
-    extra: ExtraKV | None,
-    native: bool = False,
-    used: Array | None = None,
-) -> Array:
-    """Attention of the new tokens over the used cached cells (the first `used`), `extra`
-    cells and each other; `native`: on `cpu_kernels.attend_cache` where it takes the dtypes."""
-    cached = None
-    if n_chunks is not None:
-        cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
-    return _attention_over_cells(
-        config, layer_index, q_BTHE, k_BTGE, v_BTGE, positions_BT, cached, n_chunks, extra,
-        native, used,
-    )  # fmt: skip
+class CachedCells(NamedTuple):
+    """A layer's cached cells as attention reads them: the segment k, v [B, G, S, E], pos
+    [B, S], read up to the high-water mark `used` (one for all rows, or each row's [B] for the
+    GPU kernel), which is `n_chunks` chunks of CACHE_CHUNK cells (XLA CPU's loop)."""
+
+    segment: tuple[Array, Array, Array]
+    n_chunks: Array
+    used: Array
 
 
 def _attention_over_cells(
@@ -373,15 +359,14 @@ def _attention_over_cells(
     k_BTGE: Array,
     v_BTGE: Array,
     positions_BT: Array,
-    cached: tuple[Array, Array, Array] | None,
-    n_chunks: Array | None,
+    cached: CachedCells | None,
     extra: ExtraKV | None,
     native: bool,
-    used: Array | None,
 ) -> Array:
-    """`_layer_attention` over the layer's cached cells `cached` (k, v [B, G, S, E], pos
-    [B, S]; None: a prompt into an empty cache), whichever cache holds them (a `KVCache`, or
-    a `SWACache`'s ring or full part)."""
+    """Attention of the new tokens over the layer's cached cells (None: a prompt into an
+    empty cache), whichever cache holds them (a `KVCache`, or a `SWACache`'s ring or full
+    part), `extra` cells and each other; `native`: on `cpu_kernels.attend_cache` where it
+    takes the dtypes."""
     B, T, H, E = q_BTHE.shape
     G = config.G
     q = q_BTHE.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, E]
@@ -389,10 +374,10 @@ def _attention_over_cells(
     own = [(k_BTGE.transpose(0, 2, 1, 3), v_BTGE.transpose(0, 2, 1, 3), positions_BT)]
     if extra is not None:
         own.append((extra.k[layer_index], extra.v[layer_index], extra.pos))
-    if cached is None and extra is None and not _takes_native(native, q, own, cached):
+    if cached is None and extra is None and not _takes_native(native, q, own, None):
         out = _attend_prompt(q, *own[0], window)  # a prompt into an empty cache
     else:
-        out = attend_segments(q, own, positions_BT, window, cached, n_chunks, used, native)
+        out = attend_segments(q, own, positions_BT, window, cached, native)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
@@ -411,9 +396,7 @@ def attend_segments(
     own: list[tuple[Array, Array, Array]],
     q_pos_BT: Array,
     window: int,
-    cached: tuple[Array, Array, Array] | None,
-    n_chunks: Array | None,
-    used: Array | None,
+    cached: CachedCells | None,
     native: bool,
 ) -> Array:
     """Attention over `own` segments and the cached cells: on the native kernel
@@ -422,14 +405,15 @@ def attend_segments(
     chunks). The target's layers and the block heads' (`models.dflash`) share it. Where
     `control.attention_kernel()` names one (GPUs), a step over cached cells runs on it
     instead (`_attend_kernel`; `used`: the cells to read, per row [B] or for all rows)."""
-    if _takes_native(native, q_BGRTE, own, cached):
-        return _attend_native(q_BGRTE, own, q_pos_BT, window, cached, used)
+    segment, n_chunks, used = (None, None, None) if cached is None else cached
+    if _takes_native(native, q_BGRTE, own, segment):
+        return _attend_native(q_BGRTE, own, q_pos_BT, window, segment, used)
     kernel = control.attention_kernel()
-    if kernel is not None and cached is not None and _takes_kernel(q_BGRTE, own, cached):
+    if kernel is not None and segment is not None and _takes_kernel(q_BGRTE, own, segment):
         assert used is not None
         interpret = kernel == control.PALLAS_INTERPRET
-        return _attend_kernel(q_BGRTE, own, q_pos_BT, window, cached, used, interpret)
-    return _attend(q_BGRTE, own, q_pos_BT, window, cached, n_chunks)
+        return _attend_kernel(q_BGRTE, own, q_pos_BT, window, segment, used, interpret)
+    return _attend(q_BGRTE, own, q_pos_BT, window, segment, n_chunks)
 
 
 #: Most query rows per KV head (query heads sharing it x new tokens) `_attend_kernel` takes:
@@ -527,23 +511,19 @@ def cached_dtype(cache: KVCache | SWACache, layer: int, kind: str) -> jnp.dtype:
     return (part.k if kind == "k" else part.v)[j].dtype
 
 
-_Cells = tuple[tuple[Array, Array, Array] | None, Array | None, Array | None]
-
-
 def _cached_cells(
     config: ModelConfig,
     cache: KVCache | SWACache,
     cache_empty: bool,
     high_water_B: Array | None,
     per_row: bool = False,
-) -> list[_Cells]:
-    """Per layer: its cached cells (k, v, pos; None with `cache_empty`), the chunks of
-    CACHE_CHUNK cells below the high-water mark and the mark (`per_row`: each row's own
-    [B], for the GPU attention kernel; else one for all rows). A `SWACache` (gemma3 without
+) -> list[CachedCells | None]:
+    """Per layer: its cached cells (None with `cache_empty`), read up to the high-water mark
+    (`per_row`: each row's own [B], for the GPU attention kernel; else one for all rows). A `SWACache` (gemma3 without
     `swa_full`) reads its sliding-window layers from the ring, the others from the full part
     (`high_water_B` is the full part's)."""
     if cache_empty:
-        return [(None, None, None)] * config.L
+        return [None] * config.L
 
     def marks(part: KVCache, high_water: Array | None) -> tuple[Array, Array]:
         chunk = min(CACHE_CHUNK, part.capacity)
@@ -556,13 +536,14 @@ def _cached_cells(
 
     if not isinstance(cache, SWACache):
         n_chunks, used = marks(cache, high_water_B)
-        return [((cache.k[i], cache.v[i], cache.pos), n_chunks, used) for i in range(config.L)]
+        segments = [(cache.k[i], cache.v[i], cache.pos) for i in range(config.L)]
+        return [CachedCells(segment, n_chunks, used) for segment in segments]
     full, ring = marks(cache.full, high_water_B), marks(cache.ring, None)
-    out: list[_Cells] = []
+    out: list[CachedCells | None] = []
     for i in range(config.L):
         part, j = cache.part(i)
         n_chunks, used = ring if cache.swa[i] else full
-        out.append(((part.k[j], part.v[j], part.pos), n_chunks, used))
+        out.append(CachedCells((part.k[j], part.v[j], part.pos), n_chunks, used))
     return out
 
 
@@ -588,7 +569,7 @@ def _attend_qkv(
     used: Array,
     kernel: str,
 ) -> Array:
-    """`_layer_attention` in one kernel launch from the layer's projection `qkv` (before
+    """`_attention_over_cells` in one kernel launch from the layer's projection `qkv` (before
     RoPE and the split into heads): `gpu_kernels.attend_qkv`, which rotates the queries and
     the new keys itself and writes its output in the layout `wo` reads. No XLA kernel runs
     between the projection and the kernel, nor between the kernel and `wo`."""
@@ -678,7 +659,7 @@ def forward_compute(
         q = apply_rope(q, cos, sin)
         if config.attn_scale:  # attention scales scores by 1/sqrt(E): the queries make up the rest
             q = (q.astype(jnp.float32) * (config.attn_scale * math.sqrt(E))).astype(q.dtype)
-        cached, n_chunks, used = cells[i]
+        cached = cells[i]
         # Rounded to the cache dtypes first, so a token reads its batch-mates exactly as it
         # would read them from the cache: a verify batch equals one-token-at-a-time decoding.
         k = apply_rope(k, cos, sin).astype(cached_dtype(cache, i, "k"))
@@ -686,12 +667,11 @@ def forward_compute(
         new_k.append(k)
         new_v.append(v)
         if fused:  # the kernel reads q, k, v from `qkv` and rotates them itself
-            assert cached is not None and used is not None and kernel is not None
-            attn = _attend_qkv(config, i, qkv, cos, sin, positions_BT, cached, extra, used, kernel)
+            assert cached is not None and kernel is not None
+            segment, used = cached.segment, cached.used
+            attn = _attend_qkv(config, i, qkv, cos, sin, positions_BT, segment, extra, used, kernel)
         else:
-            attn = _attention_over_cells(
-                config, i, q, k, v, positions_BT, cached, n_chunks, extra, native, used
-            )
+            attn = _attention_over_cells(config, i, q, k, v, positions_BT, cached, extra, native)
         out = linear(attn, layer["wo"])
         x = x + (rms_norm(out, layer["post_attn_norm"], config.norm_eps) if gemma else out)
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
