@@ -517,7 +517,7 @@ def test_training_blocks_are_the_drafters_blocks(dspark):
     g = df.encode(cfg, params, f)
     kv = df.inject_kv(cfg, params, g, jnp.arange(T)[None])
     ctx_pos = jnp.where(jnp.arange(T) < n, jnp.arange(T), -1)[None]
-    h = df.block_hidden(cfg, params, {}, tokens, positions, mask_pos, None, (kv, ctx_pos))
+    h = df.block_forward(cfg, params, {}, tokens, positions, mask_pos, None, (kv, ctx_pos)).hidden
     np.testing.assert_allclose(np.asarray(h), np.asarray(want.hidden), rtol=1e-5, atol=1e-5)
     anchors = jnp.asarray([[n]])
     # the trainer's blocks (anchor_blocks) propose the drafter's first token, and the row

@@ -31,9 +31,9 @@ from specjax.io.gguf_io import _gemma3_keys
 from specjax.io.hf_io import config_from_hf
 from specjax.io.tokenizer import Tokenizer
 from specjax.memory import ops
-from specjax.memory.swa import SWACache, commit_swa
+from specjax.memory.swa import SWACache
 from specjax.memory.target import KVTargetMemory, SWATargetMemory
-from specjax.models.llama import forward_fn, new_cache
+from specjax.models.llama import commit_kv, forward_fn, new_cache
 from specjax.testing import noisy_copy
 
 V, D, F, H, G, E, L = 64, 32, 64, 4, 2, 16, 3
@@ -323,7 +323,7 @@ def swa_cache(ring: int) -> SWACache:
     )
 
 
-_commit = jax.jit(commit_swa)
+_commit = jax.jit(commit_kv)
 _seq_rm = jax.jit(lambda c, p0, p1: ops.seq_rm(c, 0, p0, p1))
 
 

@@ -45,10 +45,12 @@ Memory: `nbytes` counts both parts; a ring layer holds R cells per row instead o
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax.numpy as jnp
 
 from specjax.memory import ops
-from specjax.memory.kv import KVCache, write_layer, write_positions
+from specjax.memory.kv import KVCache, write_layer
 from specjax.pytree import pytree_dataclass, replace, static_field
 from specjax.types import EMPTY_POS, Array, alias
 
@@ -181,37 +183,6 @@ def write_ring(
     )
 
 
-def commit_swa(
-    cache: SWACache,
-    positions_BT: Array,
-    k: tuple[Array, ...],
-    v: tuple[Array, ...],
-    after: Array | None = None,
-    high_water_B: Array | None = None,
-) -> SWACache:
-    """`llama.commit_kv` for a `SWACache`: per model layer K/V `[B, T, G, E]`, the full
-    layers' into their lowest free cells, the sliding-window layers' into the ring.
-    `after` and `high_water_B` (the full part's) as `commit_kv`'s."""
-    if after is not None:  # (commit_kv's ordering of the write after the reads)
-        probe = after.reshape(-1)[0]
-        positions_BT = jnp.where(probe != probe, -1, positions_BT)
-    full_k = tuple(x for x, f in zip(k, cache.swa) if not f)
-    full_v = tuple(x for x, f in zip(v, cache.swa) if not f)
-    full, slot_BT = write_positions(cache.full, positions_BT, high_water_B)
-    full = replace(
-        full,
-        k=tuple(write_layer(c, slot_BT, x) for c, x in zip(full.k, full_k)),
-        v=tuple(write_layer(c, slot_BT, x) for c, x in zip(full.v, full_v)),
-    )
-    ring = write_ring(
-        cache.ring,
-        positions_BT,
-        tuple(x for x, f in zip(k, cache.swa) if f),
-        tuple(x for x, f in zip(v, cache.swa) if f),
-    )
-    return replace(cache, full=full, ring=ring)
-
-
 def keep_prefix_swa(cache: SWACache, keep_B: Array) -> SWACache:
     """`seq_rm(row, keep[row], -1)` for every row at once, both parts."""
 
@@ -219,3 +190,13 @@ def keep_prefix_swa(cache: SWACache, keep_B: Array) -> SWACache:
         return replace(part, pos=jnp.where(part.pos >= keep_B[:, None], EMPTY_POS, part.pos))
 
     return replace(cache, full=drop(cache.full), ring=drop(cache.ring))
+
+
+def __getattr__(name: str) -> Any:
+    """`commit_swa`: the former name of `specjax.models.llama.commit_kv`'s write of a
+    `SWACache`, kept for callers (looked up late: `models.llama` imports this module)."""
+    if name == "commit_swa":
+        from specjax.models.llama import commit_kv
+
+        return commit_kv
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -51,7 +51,7 @@ import jax.numpy as jnp
 
 from specjax.memory.hybrid import HybridMemory, forward_memory_hidden, select_recurrent
 from specjax.memory.kv import KVCache, keep_prefix, row_high_water
-from specjax.memory.swa import SWACache, commit_swa, keep_prefix_swa, ring_cells
+from specjax.memory.swa import SWACache, keep_prefix_swa, ring_cells
 from specjax.models import qwen35
 from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
 from specjax.models.llama import commit_kv, forward_compute, new_cache
@@ -185,18 +185,16 @@ def part_rollback_counts(verified_B: Array, n_rollback_B: Array) -> Array:
 
 class _PartAttentionMemory:
     """What `KVTargetMemory` and `SWATargetMemory` share: an attention-only model's forward
-    through `forward_compute` and the PART rollback `seq_rm(row, keep, -1)`, which drops
-    the rejected cells of every row at once. A memory gives its high-water mark, its commit
-    of the new K/V and its `keep_prefix`."""
+    through `forward_compute`, the commit of the new K/V by `commit_kv` (either cache) and
+    the PART rollback `seq_rm(row, keep, -1)`, which drops the rejected cells of every row at
+    once. A memory gives its high-water mark and its `keep_prefix`."""
 
     config: ModelConfig
 
     checkpoints = False
     seq_rm_type = "PART"
 
-    #: the memory's commit of the new K/V (`commit_kv`'s arguments) and its
-    #: `seq_rm(row, keep, -1)` (`keep_prefix`'s)
-    _commit: Callable[..., Any]
+    #: the memory's `seq_rm(row, keep, -1)` (`keep_prefix`'s arguments)
     _keep_prefix: Callable[[Any, Array], Any]
 
     def _high_water(self, memory: Any) -> Array:
@@ -230,9 +228,7 @@ class _PartAttentionMemory:
         )
         assert out.logits is not None
         after = None if fresh else out.logits
-        memory = self._commit(
-            memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water
-        )
+        memory = commit_kv(memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water)
         return TargetForward(out.logits, memory, tuple(out.hidden))
 
     def settle(
@@ -266,7 +262,6 @@ class KVTargetMemory(_PartAttentionMemory):
     def _high_water(self, memory: KVCache) -> Array:
         return row_high_water(memory.pos)
 
-    _commit = staticmethod(commit_kv)
     _keep_prefix = staticmethod(keep_prefix)
 
     def drop_from(self, memory: KVCache, start_B: Array) -> KVCache:
@@ -333,7 +328,6 @@ class SWATargetMemory(_PartAttentionMemory):
     def _high_water(self, memory: SWACache) -> Array:
         return row_high_water(memory.full.pos)  # the full part's
 
-    _commit = staticmethod(commit_swa)
     #: keep >= length + 1, so the ring still holds everything the next token sees
     #: (`specjax.memory.swa`)
     _keep_prefix = staticmethod(keep_prefix_swa)

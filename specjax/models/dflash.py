@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -230,59 +230,6 @@ def head_logits(config: DFlashConfig, params: Params, shared: Params, h_norm: Ar
     return fh.vocab_logits(config, params, shared, h_norm)
 
 
-def block_hidden(
-    config: DFlashConfig,
-    params: Params,
-    shared: Params,
-    tokens_BW: Array,
-    positions_BW: Array,
-    mask_pos_BW: Array,
-    cache: KVCache | None,
-    ctx: tuple[LayerKV, Array] | None = None,
-) -> Array:
-    """The layers over a block: RoPE at `positions` (-1 = padding, never attended), attention
-    visibility from `mask_pos` (a query sees every key at position <= its mask position: the
-    block's last position for every block row gives non-causal attention). Context: the
-    cache and/or an explicit `(kv, pos [B, C])` (training). Final-normed hidden [B, W, D]."""
-    E, H, G = config.E, config.H, config.G
-    x = fh.embedding(config, params, shared)[tokens_BW].astype(jnp.dtype(config.dtype))
-    B, W, _ = x.shape
-    cos, sin = fh.rope(config, positions_BW)
-    n_chunks = used = None
-    if cache is not None:
-        n_chunks, used = fh.cache_chunks(cache)
-    # the kernel form of the weights (`kernel_params`, CPU) runs the attention on the native
-    # kernel too: the block's rows over its own cells and the cached ones, a call each
-    native = bool(params["layers"]) and isinstance(params["layers"][0]["wqkv"], llama.KernelWeight)
-    for i, layer in enumerate(params["layers"]):
-        h = llama.rms_norm(x, layer["attn_norm"], config.norm_eps)
-        qkv = llama.linear(h, layer["wqkv"])
-        q = llama.rms_norm(qkv[..., : H * E].reshape(B, W, H, E), layer["q_norm"], config.norm_eps)
-        k = llama.rms_norm(
-            qkv[..., H * E : (H + G) * E].reshape(B, W, G, E), layer["k_norm"], config.norm_eps
-        )
-        v = qkv[..., (H + G) * E :].reshape(B, W, G, E)
-        q = llama.apply_rope(q, cos, sin)
-        k = llama.apply_rope(k, cos, sin)
-        if cache is not None:
-            k = k.astype(cache.k[i].dtype)
-            v = v.astype(cache.v[i].dtype)
-        qg = q.reshape(B, W, G, H // G, E).transpose(0, 2, 3, 1, 4)
-        own = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions_BW)]
-        if ctx is not None:
-            kv, ctx_pos = ctx
-            own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
-        cached = None if cache is None else (cache.k[i], cache.v[i], cache.pos)
-        attn = llama.attend_segments(qg, own, mask_pos_BW, 0, cached, n_chunks, used, native)
-        attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
-        x = x + llama.linear(attn, layer["wo"])
-        h = llama.rms_norm(x, layer["ffn_norm"], config.norm_eps)
-        gate_up = llama.linear(h, layer["w_gate_up"])
-        gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
-        x = x + llama.linear(jax.nn.silu(gate) * up, layer["w_down"])
-    return llama.rms_norm(x, params["final_norm"], config.norm_eps)
-
-
 def markov_head(
     config: DFlashConfig,
     params: Params,
@@ -330,14 +277,66 @@ def block_forward(
     mask_pos_BW: Array,
     cache: KVCache | None,
     ctx: tuple[LayerKV, Array] | None = None,
+    prev_BW: Array | None = None,
 ) -> BlockOutput:
-    """Block denoising: logits (+ DSpark bias) and confidences of every block row."""
-    h = block_hidden(config, params, shared, tokens_BW, positions_BW, mask_pos_BW, cache, ctx)
+    """Block denoising: logits (+ DSpark bias) and confidences of every block row, and the
+    final-normed hidden [B, W, D]. The layers run with RoPE at `positions` (-1 = padding,
+    never attended) and attention visibility from `mask_pos` (a query sees every key at
+    position <= its mask position: the block's last position for every block row gives
+    non-causal attention). Context: the cache and/or an explicit `(kv, pos [B, C])`
+    (training). `prev_BW` (training): the DSpark chain's teacher-forced previous tokens
+    (`markov_head`)."""
+    E, H, G = config.E, config.H, config.G
+    x = fh.embedding(config, params, shared)[tokens_BW].astype(jnp.dtype(config.dtype))
+    B, W, _ = x.shape
+    cos, sin = fh.rope(config, positions_BW)
+    # per layer: the cached cells the block reads (none without a cache)
+    cells: list[llama.CachedCells | None] = [None] * len(params["layers"])
+    if cache is not None:
+        n_chunks, used = fh.cache_chunks(cache)
+        cells = [
+            llama.CachedCells((k, v, cache.pos), n_chunks, used) for k, v in zip(cache.k, cache.v)
+        ]
+    # the kernel form of the weights (`kernel_params`, CPU) runs the attention on the native
+    # kernel too: the block's rows over its own cells and the cached ones, a call each
+    native = bool(params["layers"]) and isinstance(params["layers"][0]["wqkv"], llama.KernelWeight)
+    for i, layer in enumerate(params["layers"]):
+        h = llama.rms_norm(x, layer["attn_norm"], config.norm_eps)
+        qkv = llama.linear(h, layer["wqkv"])
+        q = llama.rms_norm(qkv[..., : H * E].reshape(B, W, H, E), layer["q_norm"], config.norm_eps)
+        k = llama.rms_norm(
+            qkv[..., H * E : (H + G) * E].reshape(B, W, G, E), layer["k_norm"], config.norm_eps
+        )
+        v = qkv[..., (H + G) * E :].reshape(B, W, G, E)
+        q = llama.apply_rope(q, cos, sin)
+        k = llama.apply_rope(k, cos, sin)
+        if cache is not None:
+            k = k.astype(cache.k[i].dtype)
+            v = v.astype(cache.v[i].dtype)
+        qg = q.reshape(B, W, G, H // G, E).transpose(0, 2, 3, 1, 4)
+        own = [(k.transpose(0, 2, 1, 3), v.transpose(0, 2, 1, 3), positions_BW)]
+        if ctx is not None:
+            kv, ctx_pos = ctx
+            own.append((kv.k[i].transpose(0, 2, 1, 3), kv.v[i].transpose(0, 2, 1, 3), ctx_pos))
+        attn = llama.attend_segments(qg, own, mask_pos_BW, 0, cells[i], native)
+        attn = attn.transpose(0, 3, 1, 2, 4).reshape(B, W, H * E)
+        x = x + llama.linear(attn, layer["wo"])
+        h = llama.rms_norm(x, layer["ffn_norm"], config.norm_eps)
+        gate_up = llama.linear(h, layer["w_gate_up"])
+        gate, up = gate_up[..., : config.F], gate_up[..., config.F :]
+        x = x + llama.linear(jax.nn.silu(gate) * up, layer["w_down"])
+    h = llama.rms_norm(x, params["final_norm"], config.norm_eps)
     logits = head_logits(config, params, shared, h)
     conf = None
     if config.is_dspark:
-        logits, conf = markov_head(config, params, logits, h, tokens_BW[:, 0])
+        logits, conf = markov_head(config, params, logits, h, tokens_BW[:, 0], prev_BW)
     return BlockOutput(logits, h, conf)
+
+
+def block_hidden(*args: Any, **kwargs: Any) -> Array:
+    """Deprecated: `block_forward(...).hidden`, the layers' final-normed hidden (under jit the
+    unused head costs nothing)."""
+    return block_forward(*args, **kwargs).hidden
 
 
 def kernel_params(params: Params) -> Params:

@@ -25,7 +25,7 @@ Parameter dict (weights [out, in], as specjax.models.config)::
 Invariants:
 * The decoder layer reuses the target's code: RoPE (`rope_angles`/`apply_rope`, rotate-half),
   attention over cache + own rows + `extra` scratch cells by position
-  (`specjax.models.llama._layer_attention`), RMSNorm and the cache layout; only the Q/K/V
+  (`specjax.models.llama._attention_over_cells`), RMSNorm and the cache layout; only the Q/K/V
   input and the residual differ. `decoder_qkv` / `decoder_out` are shared with training
   (`specjax.train.eagle3`), whose attention differs (training-time test rollout).
 * Like `forward_compute`, `decoder_compute` reads the cache and never writes it; `commit_kv`
@@ -45,9 +45,10 @@ from specjax.memory.kv import KVCache
 from specjax.models import feature_head as fh
 from specjax.models.feature_head import FeatureHeadConfig
 from specjax.models.llama import (
+    CachedCells,
     ExtraKV,
     KernelWeight,
-    _layer_attention,
+    _attention_over_cells,
     apply_rope,
     linear,
     rms_norm,
@@ -205,10 +206,10 @@ def decoder_compute(
     qkv = decoder_qkv(config, params, shared, tokens_BT, g_BTD, positions_BT)
     k = qkv.k.astype(cache.k[0].dtype)
     v = qkv.v.astype(cache.v[0].dtype)
-    n_chunks, used = fh.cache_chunks(cache)
+    cached = CachedCells((cache.k[0], cache.v[0], cache.pos), *fh.cache_chunks(cache))
     # decode weights in the native kernel's form (`kernel_params`): the native attention too
     native = isinstance(params["wqkv"], KernelWeight)
-    attn = _layer_attention(lc, 0, qkv.q, k, v, positions_BT, cache, n_chunks, extra, native, used)
+    attn = _attention_over_cells(lc, 0, qkv.q, k, v, positions_BT, cached, extra, native)
     prenorm = decoder_out(config, params, attn, qkv.residual)
     out = head_logits(config, params, shared, prenorm)
     return DecoderCompute(out, (k,), (v,), prenorm)

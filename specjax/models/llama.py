@@ -2,7 +2,7 @@
 
 gemma3's differences are static branches on `config.arch` (specjax.models.config's docstring
 lists them); its cache may be a `SWACache` (specjax.memory.swa: the sliding-window layers'
-cells in a ring), read and written per layer part by `forward_compute` / `commit_swa`.
+cells in a ring), read and written per layer part by `forward_compute` / `commit_kv`.
 
 Invariants:
 * `positions[b, t] == -1` marks padding: its K/V are not written and its logits are garbage
@@ -38,7 +38,7 @@ Invariants:
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, TypeVar
 
 import jax
 import jax.numpy as jnp
@@ -49,11 +49,14 @@ from specjax.control import cpu_control_flow
 from specjax.kernels import cpu as cpu_kernels
 from specjax.kernels import gpu as gpu_kernels
 from specjax.memory.kv import KVCache, row_high_water, used_cells, write_layer, write_positions
-from specjax.memory.swa import SWACache
+from specjax.memory.swa import SWACache, write_ring
 from specjax.models.config import ModelConfig, layer_rope_frequencies, rope_frequencies
 from specjax.models.moe import init_moe_layer, moe_ffn
-from specjax.pytree import pytree_dataclass
+from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array, Params
+
+#: The caches `forward_compute` reads and `commit_kv` writes (its result is the kind it took).
+CacheT = TypeVar("CacheT", KVCache, SWACache)
 
 _MASKED = -1e30  # finite: a query that sees no key (padding) gets a uniform row, not NaN
 
@@ -339,28 +342,14 @@ def _attend_prompt(
     return outs[0] if len(outs) == 1 else jnp.concatenate(outs, axis=3)
 
 
-def _layer_attention(
-    config: ModelConfig,
-    layer_index: int,
-    q_BTHE: Array,
-    k_BTGE: Array,
-    v_BTGE: Array,
-    positions_BT: Array,
-    cache: KVCache,
-    n_chunks: Array | None,
-    extra: ExtraKV | None,
-    native: bool = False,
-    used: Array | None = None,
-) -> Array:
-    """Attention of the new tokens over the used cached cells (the first `used`), `extra`
-    cells and each other; `native`: on `cpu_kernels.attend_cache` where it takes the dtypes."""
-    cached = None
-    if n_chunks is not None:
-        cached = (cache.k[layer_index], cache.v[layer_index], cache.pos)
-    return _attention_over_cells(
-        config, layer_index, q_BTHE, k_BTGE, v_BTGE, positions_BT, cached, n_chunks, extra,
-        native, used,
-    )  # fmt: skip
+class CachedCells(NamedTuple):
+    """A layer's cached cells as attention reads them: the segment k, v [B, G, S, E], pos
+    [B, S], read up to the high-water mark `used` (one for all rows, or each row's [B] for the
+    GPU kernel), which is `n_chunks` chunks of CACHE_CHUNK cells (XLA CPU's loop)."""
+
+    segment: tuple[Array, Array, Array]
+    n_chunks: Array
+    used: Array
 
 
 def _attention_over_cells(
@@ -370,15 +359,14 @@ def _attention_over_cells(
     k_BTGE: Array,
     v_BTGE: Array,
     positions_BT: Array,
-    cached: tuple[Array, Array, Array] | None,
-    n_chunks: Array | None,
+    cached: CachedCells | None,
     extra: ExtraKV | None,
     native: bool,
-    used: Array | None,
 ) -> Array:
-    """`_layer_attention` over the layer's cached cells `cached` (k, v [B, G, S, E], pos
-    [B, S]; None: a prompt into an empty cache), whichever cache holds them (a `KVCache`, or
-    a `SWACache`'s ring or full part)."""
+    """Attention of the new tokens over the layer's cached cells (None: a prompt into an
+    empty cache), whichever cache holds them (a `KVCache`, or a `SWACache`'s ring or full
+    part), `extra` cells and each other; `native`: on `cpu_kernels.attend_cache` where it
+    takes the dtypes."""
     B, T, H, E = q_BTHE.shape
     G = config.G
     q = q_BTHE.reshape(B, T, G, H // G, E).transpose(0, 2, 3, 1, 4)  # [B, G, R, T, E]
@@ -386,10 +374,10 @@ def _attention_over_cells(
     own = [(k_BTGE.transpose(0, 2, 1, 3), v_BTGE.transpose(0, 2, 1, 3), positions_BT)]
     if extra is not None:
         own.append((extra.k[layer_index], extra.v[layer_index], extra.pos))
-    if cached is None and extra is None and not _takes_native(native, q, own, cached):
+    if cached is None and extra is None and not _takes_native(native, q, own, None):
         out = _attend_prompt(q, *own[0], window)  # a prompt into an empty cache
     else:
-        out = attend_segments(q, own, positions_BT, window, cached, n_chunks, used, native)
+        out = attend_segments(q, own, positions_BT, window, cached, native)
     return out.transpose(0, 3, 1, 2, 4).reshape(B, T, H * E)
 
 
@@ -408,9 +396,7 @@ def attend_segments(
     own: list[tuple[Array, Array, Array]],
     q_pos_BT: Array,
     window: int,
-    cached: tuple[Array, Array, Array] | None,
-    n_chunks: Array | None,
-    used: Array | None,
+    cached: CachedCells | None,
     native: bool,
 ) -> Array:
     """Attention over `own` segments and the cached cells: on the native kernel
@@ -419,14 +405,15 @@ def attend_segments(
     chunks). The target's layers and the block heads' (`models.dflash`) share it. Where
     `control.attention_kernel()` names one (GPUs), a step over cached cells runs on it
     instead (`_attend_kernel`; `used`: the cells to read, per row [B] or for all rows)."""
-    if _takes_native(native, q_BGRTE, own, cached):
-        return _attend_native(q_BGRTE, own, q_pos_BT, window, cached, used)
+    segment, n_chunks, used = (None, None, None) if cached is None else cached
+    if _takes_native(native, q_BGRTE, own, segment):
+        return _attend_native(q_BGRTE, own, q_pos_BT, window, segment, used)
     kernel = control.attention_kernel()
-    if kernel is not None and cached is not None and _takes_kernel(q_BGRTE, own, cached):
+    if kernel is not None and segment is not None and _takes_kernel(q_BGRTE, own, segment):
         assert used is not None
         interpret = kernel == control.PALLAS_INTERPRET
-        return _attend_kernel(q_BGRTE, own, q_pos_BT, window, cached, used, interpret)
-    return _attend(q_BGRTE, own, q_pos_BT, window, cached, n_chunks)
+        return _attend_kernel(q_BGRTE, own, q_pos_BT, window, segment, used, interpret)
+    return _attend(q_BGRTE, own, q_pos_BT, window, segment, n_chunks)
 
 
 #: Most query rows per KV head (query heads sharing it x new tokens) `_attend_kernel` takes:
@@ -524,23 +511,19 @@ def cached_dtype(cache: KVCache | SWACache, layer: int, kind: str) -> jnp.dtype:
     return (part.k if kind == "k" else part.v)[j].dtype
 
 
-_Cells = tuple[tuple[Array, Array, Array] | None, Array | None, Array | None]
-
-
 def _cached_cells(
     config: ModelConfig,
     cache: KVCache | SWACache,
     cache_empty: bool,
     high_water_B: Array | None,
     per_row: bool = False,
-) -> list[_Cells]:
-    """Per layer: its cached cells (k, v, pos; None with `cache_empty`), the chunks of
-    CACHE_CHUNK cells below the high-water mark and the mark (`per_row`: each row's own
-    [B], for the GPU attention kernel; else one for all rows). A `SWACache` (gemma3 without
+) -> list[CachedCells | None]:
+    """Per layer: its cached cells (None with `cache_empty`), read up to the high-water mark
+    (`per_row`: each row's own [B], for the GPU attention kernel; else one for all rows). A `SWACache` (gemma3 without
     `swa_full`) reads its sliding-window layers from the ring, the others from the full part
     (`high_water_B` is the full part's)."""
     if cache_empty:
-        return [(None, None, None)] * config.L
+        return [None] * config.L
 
     def marks(part: KVCache, high_water: Array | None) -> tuple[Array, Array]:
         chunk = min(CACHE_CHUNK, part.capacity)
@@ -553,13 +536,14 @@ def _cached_cells(
 
     if not isinstance(cache, SWACache):
         n_chunks, used = marks(cache, high_water_B)
-        return [((cache.k[i], cache.v[i], cache.pos), n_chunks, used) for i in range(config.L)]
+        segments = [(cache.k[i], cache.v[i], cache.pos) for i in range(config.L)]
+        return [CachedCells(segment, n_chunks, used) for segment in segments]
     full, ring = marks(cache.full, high_water_B), marks(cache.ring, None)
-    out: list[_Cells] = []
+    out: list[CachedCells | None] = []
     for i in range(config.L):
         part, j = cache.part(i)
         n_chunks, used = ring if cache.swa[i] else full
-        out.append(((part.k[j], part.v[j], part.pos), n_chunks, used))
+        out.append(CachedCells((part.k[j], part.v[j], part.pos), n_chunks, used))
     return out
 
 
@@ -585,7 +569,7 @@ def _attend_qkv(
     used: Array,
     kernel: str,
 ) -> Array:
-    """`_layer_attention` in one kernel launch from the layer's projection `qkv` (before
+    """`_attention_over_cells` in one kernel launch from the layer's projection `qkv` (before
     RoPE and the split into heads): `gpu_kernels.attend_qkv`, which rotates the queries and
     the new keys itself and writes its output in the layout `wo` reads. No XLA kernel runs
     between the projection and the kernel, nor between the kernel and `wo`."""
@@ -675,7 +659,7 @@ def forward_compute(
         q = apply_rope(q, cos, sin)
         if config.attn_scale:  # attention scales scores by 1/sqrt(E): the queries make up the rest
             q = (q.astype(jnp.float32) * (config.attn_scale * math.sqrt(E))).astype(q.dtype)
-        cached, n_chunks, used = cells[i]
+        cached = cells[i]
         # Rounded to the cache dtypes first, so a token reads its batch-mates exactly as it
         # would read them from the cache: a verify batch equals one-token-at-a-time decoding.
         k = apply_rope(k, cos, sin).astype(cached_dtype(cache, i, "k"))
@@ -683,12 +667,11 @@ def forward_compute(
         new_k.append(k)
         new_v.append(v)
         if fused:  # the kernel reads q, k, v from `qkv` and rotates them itself
-            assert cached is not None and used is not None and kernel is not None
-            attn = _attend_qkv(config, i, qkv, cos, sin, positions_BT, cached, extra, used, kernel)
+            assert cached is not None and kernel is not None
+            segment, used = cached.segment, cached.used
+            attn = _attend_qkv(config, i, qkv, cos, sin, positions_BT, segment, extra, used, kernel)
         else:
-            attn = _attention_over_cells(
-                config, i, q, k, v, positions_BT, cached, n_chunks, extra, native, used
-            )
+            attn = _attention_over_cells(config, i, q, k, v, positions_BT, cached, extra, native)
         out = linear(attn, layer["wo"])
         x = x + (rms_norm(out, layer["post_attn_norm"], config.norm_eps) if gemma else out)
         h = rms_norm(x, layer["ffn_norm"], config.norm_eps)
@@ -720,15 +703,17 @@ def forward_compute(
 
 
 def commit_kv(
-    cache: KVCache,
+    cache: CacheT,
     positions_BT: Array,
     k: tuple[Array, ...],
     v: tuple[Array, ...],
     after: Array | None = None,
     high_water_B: Array | None = None,
-) -> KVCache:
-    """Write new tokens' K/V into the lowest free cells (padding, position -1, is skipped).
-    `high_water_B`: as `forward_compute`'s.
+) -> CacheT:
+    """Write new tokens' K/V (per model layer [B, T, G, E]) into the lowest free cells
+    (padding, position -1, is skipped); a `SWACache` takes its sliding-window layers' into
+    its ring (`swa.write_ring`), the others' into its full part. `high_water_B`: as
+    `forward_compute`'s (a `SWACache`'s full part's).
 
     `after`: an array computed from every read of `cache` (the logits, or the last hidden).
     XLA's CPU runtime runs independent ops concurrently, so an in-place write that does not
@@ -739,6 +724,17 @@ def commit_kv(
     if after is not None:
         probe = after.reshape(-1)[0]
         positions_BT = jnp.where(probe != probe, -1, positions_BT)
+    if isinstance(cache, SWACache):
+        full_k = tuple(x for x, f in zip(k, cache.swa) if not f)
+        full_v = tuple(x for x, f in zip(v, cache.swa) if not f)
+        full = commit_kv(cache.full, positions_BT, full_k, full_v, high_water_B=high_water_B)
+        ring = write_ring(
+            cache.ring,
+            positions_BT,
+            tuple(x for x, f in zip(k, cache.swa) if f),
+            tuple(x for x, f in zip(v, cache.swa) if f),
+        )
+        return replace(cache, full=full, ring=ring)
     cache, slot_BT = write_positions(cache, positions_BT, high_water_B)
     return KVCache(
         k=tuple(write_layer(c, slot_BT, x) for c, x in zip(cache.k, k)),

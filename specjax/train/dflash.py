@@ -133,18 +133,17 @@ def anchor_blocks(
     tokens = jnp.where(j == 0, tok_n[:, None], cfg.mask_token_id)
     positions = n[:, None] + j
     mask_pos = jnp.broadcast_to(n[:, None] + W - 1, positions.shape)
-    h = df.block_hidden(cfg, params, shared, tokens, positions, mask_pos, None, (ctx_kv, ctx_pos))
-    base = df.head_logits(cfg, params, shared, h)
+    prev = None
+    if cfg.is_dspark:  # the Markov chain teacher-forced with the data's tokens
+        prev = jnp.take_along_axis(rep(inputs_BT), jnp.clip(n[:, None] + j, 0, T - 1), axis=1)
+    ctx = (ctx_kv, ctx_pos)
+    out = df.block_forward(cfg, params, shared, tokens, positions, mask_pos, None, ctx, prev)
     # the token of DFlash row r goes to position n + r, DSpark's (from the anchor) to n + r + 1:
     # scored against the target's distribution that predicts it, at n + r - 1 / n + r
     shift = 1 if cfg.is_dspark else 0
     tgt_idx = n[:, None] + j + shift - 1
     valid = (tgt_idx <= T - 1) & (j >= (0 if cfg.is_dspark else 1))
-    conf = None
-    if cfg.is_dspark:
-        prev = jnp.take_along_axis(rep(inputs_BT), jnp.clip(n[:, None] + j, 0, T - 1), axis=1)
-        base, conf = df.markov_head(cfg, params, base, h, tok_n, prev_BW=prev)
-    return base, conf, tgt_idx, valid
+    return out.logits, out.conf, tgt_idx, valid
 
 
 def block_loss(
