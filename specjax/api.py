@@ -14,7 +14,7 @@ import dataclasses
 import time
 import warnings
 from collections.abc import Sequence
-from typing import Any
+from typing import Any, Required, TypedDict, Unpack
 
 import jax
 import jax.numpy as jnp
@@ -912,6 +912,20 @@ def _segmented_loop(
     return loop
 
 
+class Request(TypedDict, total=False):
+    """What `Generator.generate` takes per request: `generate`'s keywords of that name, with
+    its defaults (the model, drafters, context and cache types are the Generator's)."""
+
+    max_new_tokens: Required[int | Sequence[int]]
+    temperature: float
+    top_k: int
+    top_p: float
+    min_p: float
+    repeat_penalty: float
+    seed: int | Sequence[int]
+    stop: Sequence[str]
+
+
 class Generator:
     """A model, its drafters and their state that outlives a call: llama.cpp's server slots.
 
@@ -964,20 +978,16 @@ class Generator:
         # the n-grams their shared memory may hold: none (`specjax.drafters.lookup_index`)
         self.lookup_seen: Any = None
 
-    def generate(
-        self,
-        prompts: Any,
-        *,
-        max_new_tokens: int | Sequence[int],
-        temperature: float = 0.0,
-        top_k: int = 0,
-        top_p: float = 1.0,
-        min_p: float = 0.0,
-        repeat_penalty: float = 1.0,
-        seed: int | Sequence[int] = 0,
-        stop: Sequence[str] = (),
-    ) -> GenerationResult:
-        """`specjax.generate` on this Generator's slots, drafter state carried over."""
+    def generate(self, prompts: Any, **request: Unpack[Request]) -> GenerationResult:
+        """`specjax.generate` on this Generator's slots, drafter state carried over: its
+        per-request keywords (`Request`: max_new_tokens, the sampling parameters, seed,
+        stop) with its defaults; the rest is the Generator's."""
+        unknown = sorted(set(request) - set(Request.__annotations__))
+        if unknown:
+            raise TypeError(
+                f"Generator.generate got keywords {unknown} that are not per request; "
+                f"it takes {sorted(Request.__annotations__)}"
+            )
         slots = _Slots(
             batch=self.batch,
             drafters=self.drafters,
@@ -988,21 +998,14 @@ class Generator:
         out = self._generate_carried(
             model=self.model,
             prompts=prompts,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_k=top_k,
-            top_p=top_p,
-            min_p=min_p,
-            repeat_penalty=repeat_penalty,
-            seed=seed,
             n_ctx=self.n_ctx,
             spec=self.spec,
             draft=self.draft,
-            stop=stop,
             cache_type_k=self.cache_type_k,
             cache_type_v=self.cache_type_v,
             n_ubatch=self.n_ubatch,
             _slots=slots,
+            **request,
         )
         self.states = tuple(out.drafter_states[d.name] for d in self.drafters)
         self.lookup_seen = slots.carry.get("lookup_seen", self.lookup_seen)

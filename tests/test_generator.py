@@ -109,6 +109,11 @@ def test_generator_errors(target):
         specjax.Generator(target, batch=0)
     with pytest.raises(ValueError, match="does not fit a context of 64"):
         gen.generate([list(range(1, 70))], max_new_tokens=2)
+    # the model, drafters, context and stream are the Generator's, not a request's
+    with pytest.raises(TypeError, match=r"\['n_ctx', 'stream'\] that are not per request"):
+        gen.generate([[1]], max_new_tokens=2, n_ctx=32, stream=print)  # type: ignore[call-arg]
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        gen.generate([[1]], temperature=0.5)  # type: ignore[call-arg]
 
 
 def test_generator_prefills_in_n_ubatch_chunks(target, prompts, monkeypatch):
