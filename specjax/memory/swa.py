@@ -45,8 +45,6 @@ Memory: `nbytes` counts both parts; a ring layer holds R cells per row instead o
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax.numpy as jnp
 
 from specjax.memory import ops
@@ -190,13 +188,3 @@ def keep_prefix_swa(cache: SWACache, keep_B: Array) -> SWACache:
         return replace(part, pos=jnp.where(part.pos >= keep_B[:, None], EMPTY_POS, part.pos))
 
     return replace(cache, full=drop(cache.full), ring=drop(cache.ring))
-
-
-def __getattr__(name: str) -> Any:
-    """`commit_swa`: the former name of `specjax.models.llama.commit_kv`'s write of a
-    `SWACache`, kept for callers (looked up late: `models.llama` imports this module)."""
-    if name == "commit_swa":
-        from specjax.models.llama import commit_kv
-
-        return commit_kv
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

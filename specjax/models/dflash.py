@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, ClassVar, NamedTuple
+from typing import ClassVar, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -331,12 +331,6 @@ def block_forward(
     if config.is_dspark:
         logits, conf = markov_head(config, params, logits, h, tokens_BW[:, 0], prev_BW)
     return BlockOutput(logits, h, conf)
-
-
-def block_hidden(*args: Any, **kwargs: Any) -> Array:
-    """Deprecated: `block_forward(...).hidden`, the layers' final-normed hidden (under jit the
-    unused head costs nothing)."""
-    return block_forward(*args, **kwargs).hidden
 
 
 def kernel_params(params: Params) -> Params:
