@@ -116,6 +116,13 @@ def test_head_of_another_architecture_is_refused(target):
     spec = SpecConfig(types=("draft-eagle3",), adaptive=False)
     with pytest.raises(ValueError, match="architecture eagle3"):
         generate(target, PROMPTS[:1], max_new_tokens=2, spec=spec, draft=target)
+    with pytest.raises(ValueError, match=r"draft-eagle3 needs an EAGLE-3 head \(-md/"):
+        generate(target, PROMPTS[:1], max_new_tokens=2, spec=spec)
+    dflash = SpecConfig(types=("draft-dflash",), adaptive=False)
+    with pytest.raises(ValueError, match=r"draft-dflash needs a DFlash head \(-md/"):
+        generate(target, PROMPTS[:1], max_new_tokens=2, spec=dflash)
+    with pytest.raises(ValueError, match="draft-dflash needs a draft model of architecture dflash"):
+        generate(target, PROMPTS[:1], max_new_tokens=2, spec=dflash, draft=target)
     bad = echo_head(target, target_layers=(0, 1, target.config.L + 1))
     with pytest.raises(ValueError, match="exceeds target n_layer"):
         generate(target, PROMPTS[:1], max_new_tokens=2, spec=spec, draft=bad)

@@ -103,20 +103,12 @@ class DFlashDrafter(FeatureHeadDrafter):
         the target; its parameters are the head's and the target's weights it shares."""
         dspark = cls.dspark  # (the field's default: each class's own kind)
         kind = cls.name
-        if draft is None:
-            raise ValueError(f"{kind} needs a DFlash head (-md/--spec-draft-model)")
-        cfg = draft.config
-        if not isinstance(cfg, df.DFlashConfig):
-            raise ValueError(
-                f"{kind} needs a draft model of architecture dflash, got "
-                f"{getattr(cfg, 'arch', type(cfg).__name__)!r}"
-            )
+        cfg: df.DFlashConfig = cls.head_config(draft, target, df.DFlashConfig, "dflash")
         if dspark and not cfg.is_dspark:
             raise ValueError(f"{kind} needs a DSpark head (markov_w1/markov_w2); this is DFlash")
         if dspark and spec.draft_p_min > 0 and not cfg.has_confidence:
             raise ValueError("DSpark draft has no confidence head: please set --spec-draft-p-min 0")
         tc = target.config
-        cls.check_target(cfg, tc)
         if (not cfg.own_embed or not cfg.own_lm_head) and cfg.D != tc.D:
             raise ValueError(
                 f"DFlash head of width {cfg.D} shares the target's embeddings / LM head "

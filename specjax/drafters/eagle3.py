@@ -144,16 +144,9 @@ class Eagle3Drafter(PendingBoundary, FeatureHeadDrafter):
     def from_spec(cls, spec: SpecConfig, target: Any, draft: Any) -> tuple[Drafter, Any]:
         """The drafter for an EAGLE-3 head, checked against the target; its parameters are
         the head's and the target's weights it shares."""
-        if draft is None:
-            raise ValueError("draft-eagle3 needs an EAGLE-3 head (-md/--spec-draft-model)")
-        cfg = draft.config
-        if not isinstance(cfg, e3.Eagle3Config):
-            raise ValueError(
-                "draft-eagle3 needs a draft model of architecture eagle3 (expected 3 extract "
-                f"layers), got {getattr(cfg, 'arch', type(cfg).__name__)!r}"
-            )
+        arch = "eagle3 (expected 3 extract layers)"
+        cfg: e3.Eagle3Config = cls.head_config(draft, target, e3.Eagle3Config, arch)
         tc = target.config
-        cls.check_target(cfg, tc)
         if not cfg.own_embed and cfg.D != tc.D:
             raise ValueError(
                 f"EAGLE-3 head of width {cfg.D} has no token embeddings and cannot use the "

@@ -79,6 +79,22 @@ class FeatureHeadDrafter(Drafter):
     top_k: int = DRAFT_TOP_K
 
     @classmethod
+    def head_config(cls, draft: Any, target: Any, config_type: type, arch: str) -> Any:
+        """The draft model's head config (a `config_type`, of architecture `arch` as the
+        error names it), checked against the target (`check_target`)."""
+        if draft is None:
+            article = "an" if cls.KIND[0] in "AEIOU" else "a"
+            raise ValueError(f"{cls.name} needs {article} {cls.KIND} head (-md/--spec-draft-model)")
+        cfg = draft.config
+        if not isinstance(cfg, config_type):
+            raise ValueError(
+                f"{cls.name} needs a draft model of architecture {arch}, got "
+                f"{getattr(cfg, 'arch', type(cfg).__name__)!r}"
+            )
+        cls.check_target(cfg, target.config)
+        return cfg
+
+    @classmethod
     def check_target(cls, cfg: Any, target_config: Any) -> None:
         """ValueError when the head cannot read this target: feature width, layer ids or
         vocabulary differ."""
