@@ -84,9 +84,10 @@ def attention_kernel() -> str | None:
 
 def draft_steps_in_cache() -> bool:
     """Whether a draft model's steps write their K/V into its cache as they run (TPU) rather
-    than into a scratch committed after the loop (CPU, GPU). Deviceless, tiny configuration,
-    draft-simple at B = 32 and 4096 cells (benchmarks/accelerators.py): on a TPU v6e the
-    scratch form copies a cache-sized buffer in every round, this form none."""
+    than into a scratch committed (draft-simple) or dropped (draft-eagle3) after the loop
+    (CPU, GPU). Deviceless, tiny configuration, B = 32 and 4096 cells
+    (benchmarks/accelerators.py): on a TPU v6e the scratch form copies a cache-sized buffer
+    in every round (draft-simple 1, draft-eagle3 2, on the v5e too), this form none."""
     return jax.default_backend() == "tpu"
 
 
