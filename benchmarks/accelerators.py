@@ -10,6 +10,13 @@ the figures are the compiled programs' (see `specjax/aot.py` for what each one c
     python benchmarks/accelerators.py --configs plain --batches 1 --targets h100 --json -
     python benchmarks/accelerators.py --scale          # issue 50 item 5: 8B + 1B draft, abstract
 
+"draft-eagle3" and "draft-dflash" draft with random heads (64-wide attention heads, as the
+target's) reading the tiny target's layers 0, 1 and L; "hybrid-mtp" is the tiny qwen35
+hybrid target with one nextn block drafting for it (draft-mtp, its recurrent state rolled
+back by `draft_n_max` snapshot planes). In the hybrid configurations a copy of a recurrent
+state (a delta-net layer's conv or SSM state, with or without its planes) inside a loop body
+counts as a large copy too, however small (`large_shapes`).
+
 The "moe-" configurations decode a tiny qwen3moe target (TINY_SHAPE's attention, MOE_SHAPE's
 experts; issue 53), plainly and with the tiny draft model: its MoE layers run the dispatch
 `control.moe_dispatch` picks per accelerator (TPU: `lax.ragged_dot`; GPU: pair by pair up to
@@ -45,7 +52,10 @@ CONFIGS = (
     "plain",
     "draft-simple",
     "ngram-mod+draft-simple",
+    "draft-eagle3",
+    "draft-dflash",
     "hybrid-plain",
+    "hybrid-mtp",
     "moe-plain",
     "moe-draft-simple",
 )
@@ -69,8 +79,9 @@ def tiny_models(n_ctx: int, target_extra: int = 0, draft_extra: int = 0) -> dict
     import jax
 
     from specjax import api
+    from specjax.models import eagle3 as e3
     from specjax.models import qwen35 as q
-    from specjax.testing import tiny_model
+    from specjax.testing import tiny_block_head, tiny_model
 
     pos = max(4096, n_ctx)
     shape: dict[str, Any] = dict(TINY_SHAPE, max_position=pos)
@@ -79,15 +90,40 @@ def tiny_models(n_ctx: int, target_extra: int = 0, draft_extra: int = 0) -> dict
         rope_dim=8, rope_theta=10000.0, ssm_state_size=8, ssm_k_heads=2, ssm_v_heads=4,
         ssm_conv_kernel=4, full_attention_interval=2, max_position=pos,
     )  # fmt: skip
+    mtp_cfg = q.Qwen35Config.from_dict({**hybrid_cfg.to_dict(), "n_nextn": 1})
+    target = tiny_model(0, n_layers=2 + target_extra, **shape)
+    tc = target.config
+    # the feature heads (tests/test_eagle3.py, specjax.testing.tiny_block_head) at the
+    # target's width and head shape, reading its layers 0, 1 and L
+    head: dict[str, Any] = dict(
+        vocab_size=tc.V, dim=tc.D, n_heads=TINY_SHAPE["n_heads"],
+        n_kv_heads=TINY_SHAPE["n_kv_heads"], ffn_dim=TINY_SHAPE["ffn_dim"], target_hidden=tc.D,
+        target_layers=(0, 1, tc.L), own_lm_head=True, max_position=pos,
+    )  # fmt: skip
+    eagle3_cfg = e3.Eagle3Config(**head)
+    eagle3 = api.Model(
+        config=eagle3_cfg,  # type: ignore[arg-type]
+        params=e3.init_params(eagle3_cfg, jax.random.key(3)),
+    )
+    # block_size 5: the four draft tokens of `spec_for`'s draft_n_max (DFlash drafts
+    # block_size - 1)
+    head = {k: v for k, v in head.items() if k not in ("vocab_size", "target_hidden")}
+    dflash = tiny_block_head(target, n_layers=1 + draft_extra, block_size=5, **head)
     return {
-        "target": tiny_model(0, n_layers=2 + target_extra, **shape),
+        "target": target,
         "draft": tiny_model(1, n_layers=1 + draft_extra, **shape),
+        "eagle3": eagle3,
+        "dflash": dflash,
         "moe": tiny_model(
             2, n_layers=2 + target_extra, arch="qwen3moe", qk_norm=True, **MOE_SHAPE, **shape
         ),
         "hybrid": api.Model(
             config=hybrid_cfg,  # type: ignore[arg-type]
             params=q.init_params(hybrid_cfg, jax.random.PRNGKey(1), std=0.2),
+        ),
+        "hybrid-mtp": api.Model(
+            config=mtp_cfg,  # type: ignore[arg-type]
+            params=q.init_params(mtp_cfg, jax.random.PRNGKey(1), std=0.2),
         ),
     }
 
@@ -108,8 +144,10 @@ def spec_for(config: str, tiny: bool) -> Any:
     from specjax.config import SpecConfig
 
     common: dict[str, Any] = dict(draft_n_max=4, cost_calibrate=False, adaptive=False)
-    if config in ("draft-simple", "moe-draft-simple"):
-        return SpecConfig(types=("draft-simple",), **common)
+    if config in ("draft-simple", "moe-draft-simple", "draft-eagle3", "draft-dflash"):
+        return SpecConfig(types=(config.removeprefix("moe-"),), **common)
+    if config == "hybrid-mtp":
+        return SpecConfig(types=("draft-mtp",), **common)
     if config == "ngram-mod+draft-simple":
         small = dict(ngram_mod_n_match=4, ngram_mod_n_min=2, ngram_mod_n_max=8) if tiny else {}
         pool = {"ngram_mod_pool_size": 1 << 12} if tiny else {}
@@ -123,22 +161,48 @@ def cache_layer_bytes(config: Any, batch: int, cells: int) -> int:
     return int(batch * cells * config.n_kv_heads * head_dim * 2)
 
 
+def recurrent_state_shapes(config: Any, batch: int, planes: int) -> list[tuple[int, ...]]:
+    """A qwen35 target's recurrent state as `memory.hybrid.RecurrentMemory` holds it, per
+    delta-net layer: conv [P, B, d_conv - 1, C] and SSM [P, B, Hv, S, S], and as one plane
+    (without P) as the forward reads it. None for a target without one."""
+    if not getattr(config, "recurrent_layers", ()):
+        return []
+    conv = (batch, config.ssm_conv_kernel - 1, config.conv_dim)
+    ssm = (batch, config.Hv, config.S, config.S)
+    return [conv, ssm, (planes, *conv), (planes, *ssm)]
+
+
+#: The configuration -> (target, draft) keys of `tiny_models` (draft None: no drafter model).
+MODELS_OF = {
+    "plain": ("target", None),
+    "draft-simple": ("target", "draft"),
+    "ngram-mod+draft-simple": ("target", "draft"),
+    "draft-eagle3": ("target", "eagle3"),
+    "draft-dflash": ("target", "dflash"),
+    "hybrid-plain": ("hybrid", None),
+    "hybrid-mtp": ("hybrid-mtp", None),
+    "moe-plain": ("moe", None),
+    "moe-draft-simple": ("moe", "draft"),
+}
+
+
 def capture(
     models: dict[str, Any], config: str, batch: int, n_ctx: int, tiny: bool
 ) -> dict[str, Any]:
-    target = models["hybrid"] if config == "hybrid-plain" else models["target"]
-    if config.startswith("moe-"):
-        target = models["moe"]
+    target_key, draft_key = MODELS_OF[config]
+    target = models[target_key]
+    draft = models[draft_key] if draft_key else None
     spec = spec_for(config, tiny)
     vocab = target.config.vocab_size
     prompts = [[(3 + 7 * i + j) % vocab for j in range(12)] for i in range(batch)]
     kwargs: dict[str, Any] = dict(max_new_tokens=32, n_ctx=n_ctx)
     if spec is not None:
-        kwargs.update(spec=spec, draft=models["draft"])
+        kwargs.update(spec=spec, draft=draft)
     t0 = time.perf_counter()
     caps, error = aot.capture_generate(target, prompts, **kwargs)
     engine = caps[-1].engine if caps else None
     cells = int(getattr(engine, "capacity", n_ctx) or n_ctx)
+    planes = int(getattr(engine, "n_rs_seq", 0) or 0) + 1
     return {
         "captured": caps,
         "capture_s": time.perf_counter() - t0,
@@ -146,9 +210,10 @@ def capture(
         "programs": [c.name for c in caps],
         "drafters": [getattr(d, "name", str(d)) for d in getattr(engine, "drafters", ())],
         "target_layers": int(target.config.n_layers),
-        "draft_layers": int(models["draft"].config.n_layers) if spec is not None else None,
+        "draft_layers": int(draft.config.L) if draft is not None else None,
         "cells": cells,
         "large_min_bytes": cache_layer_bytes(target.config, batch, cells),
+        "large_shapes": recurrent_state_shapes(target.config, batch, planes),
     }
 
 
@@ -210,9 +275,7 @@ def run(
     rows = []
     for model_name, tiny, models in sets:
         for config in configs:
-            if config == "hybrid-plain" and "hybrid" not in models:
-                continue
-            if config.startswith("moe-") and "moe" not in models:
+            if any(k and k not in models for k in MODELS_OF[config]):
                 continue
             for batch in batches:
                 cap = capture(models, config, batch, n_ctx, tiny)
@@ -223,14 +286,16 @@ def run(
                     row["note"] = "generate made no executable through api._compiled"
                 # the tiny set's first B: deeper twins count kernels per layer
                 twins = {}
-                if with_twins and tiny and batch == batches[0] and config != "hybrid-plain":
+                # (the hybrid target and the EAGLE-3 head have no deeper twins)
+                if with_twins and tiny and batch == batches[0] and "hybrid" not in config:
                     twins["per_target_layer"] = capture(deeper_target, config, batch, n_ctx, tiny)
-                    if cap["draft_layers"]:
+                    if cap["draft_layers"] and config != "draft-eagle3":
                         twins["per_draft_layer"] = capture(deeper_draft, config, batch, n_ctx, tiny)
                 for target in targets:
                     reports = aot.compile_captured(
-                        cap["captured"], target, min_bytes=cap["large_min_bytes"]
-                    )
+                        cap["captured"], target, min_bytes=cap["large_min_bytes"],
+                        shapes=cap["large_shapes"],
+                    )  # fmt: skip
                     summary = summarise(reports, cap["target_layers"])
                     for key, twin in twins.items():
                         deep = summarise(aot.compile_captured(twin["captured"], target), 1)

@@ -21,6 +21,10 @@ the one place that chooses (at trace time, from the backend the program is trace
   gives a cache that a loop only reads the layout its products prefer (cells minor), so it
   re-laid out the whole draft cache before every draft loop; a cache the loop writes keeps
   its stored layout. CPU and GPU attend the scratch in their kernels (native, Pallas).
+* `unroll_stacking_scans()`: a short scan that stacks a per-step value (a hybrid target's
+  per-token recurrent states in its verify forward) unrolled on a GPU, looped elsewhere.
+* `put_prefix(base, x, axis)`: `x` over `base`'s first entries, in place on CPU and TPU,
+  by a concatenation on a GPU (an update at offset 0 became a host-driven copy there).
 * `compiler_options(platform)`: what the project's executables are compiled with by default
   on each platform (GPU: loops and conditionals captured in CUDA graphs, however few the
   thunks around them, so no loop of a round runs from the host); a flag the user sets in
@@ -80,10 +84,21 @@ def attention_kernel() -> str | None:
 
 def draft_steps_in_cache() -> bool:
     """Whether a draft model's steps write their K/V into its cache as they run (TPU) rather
-    than into a scratch committed after the loop (CPU, GPU). Deviceless, tiny configuration,
-    draft-simple at B = 32 and 4096 cells (benchmarks/accelerators.py): on a TPU v6e the
-    scratch form copies a cache-sized buffer in every round, this form none."""
+    than into a scratch committed (draft-simple) or dropped (draft-eagle3) after the loop
+    (CPU, GPU). Deviceless, tiny configuration, B = 32 and 4096 cells
+    (benchmarks/accelerators.py): on a TPU v6e the scratch form copies a cache-sized buffer
+    in every round (draft-simple 1, draft-eagle3 2, on the v5e too), this form none."""
     return jax.default_backend() == "tpu"
+
+
+def unroll_stacking_scans() -> bool:
+    """Whether a short scan that stacks a value per step (a hybrid target's verify forward
+    keeps the recurrent state after each of its k + 1 tokens: `models.qwen35.delta_recurrent`)
+    is unrolled (GPU) rather than looped (CPU, TPU). XLA GPU writes a loop's stacked output
+    at the loop's counter with a `kDynamicSliceFusion` that no command buffer holds (as
+    `at_row`): deviceless, tiny configuration, the qwen35 hybrid with draft-mtp on the H100,
+    that loop and the two around it ran from the host; unrolled, they do not."""
+    return jax.default_backend() in ("gpu", "cuda")
 
 
 def run_once(pred: Array, body: Callable[[Any], Any], carry: Any) -> Any:
@@ -108,6 +123,22 @@ def at_row(x_B: Array, r: Array) -> Array:
     if x_B.dtype == jnp.bool_:
         return jnp.any(hit_B & x_B)
     return jnp.sum(jnp.where(hit_B, x_B, jnp.zeros_like(x_B)), dtype=x_B.dtype)
+
+
+def put_prefix(base: Array, x: Array, axis: int) -> Array:
+    """`base` with its first `x.shape[axis]` entries along `axis` replaced by `x` (a narrow
+    verify's hidden states in the widest one's buffer). An update in place at offset 0 on
+    CPU and TPU; on a GPU a concatenation: XLA GPU made that update, when `x` was a copy (the
+    embedding rows a layer-0 feature is), a `kDynamicSliceFusion`, which no command buffer
+    holds, so the loops around it ran from the host (deviceless, tiny configuration,
+    draft-eagle3 at B = 1 on the H100: 3 such loops). `base` is small there: [B, k + 1, D]."""
+    n = x.shape[axis]
+    if n == base.shape[axis]:
+        return x
+    if jax.default_backend() not in ("gpu", "cuda"):
+        return jax.lax.dynamic_update_slice_in_dim(base, x, 0, axis)
+    rest = jax.lax.slice_in_dim(base, n, base.shape[axis], axis=axis)
+    return jnp.concatenate([x, rest], axis=axis)
 
 
 def compiler_options(platform: str) -> dict[str, str]:

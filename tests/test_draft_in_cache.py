@@ -1,8 +1,9 @@
-"""draft-simple's TPU form (`control.draft_steps_in_cache`): the draft loop's steps write their
-K/V into the loop-carried draft cache instead of a scratch committed after the loop. Run here
-on CPU with the switch forced on: speculative greedy equals plain greedy, drafts are made and
-some rejected, the drafts are the scratch form's (the same statistics), and the draft loop
-really carried the cache. (That the form copies no
+"""The TPU form of draft-simple's and draft-eagle3's draft loops
+(`control.draft_steps_in_cache`): the loop's steps write their K/V into the loop-carried draft
+cache instead of a scratch (draft-simple commits the scratch after the loop, draft-eagle3 drops
+its drafted rows). Run here on CPU with the switch forced on: speculative greedy equals plain
+greedy, drafts are made and some rejected, the drafts are the scratch form's (the same
+statistics), and the draft loop really carried the cache. (That the form copies no
 cache-sized buffer on a TPU v6e is tests/test_accelerators.py's, compiled deviceless.)"""
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import pytest
 from specjax import api
 from specjax.api import generate
 from specjax.config import SpecConfig
-from specjax.drafters import draft_simple
+from specjax.drafters import draft_simple, eagle3
 from specjax.memory.kv import KVCache
 from specjax.testing import noisy_copy, tiny_model
 
@@ -45,6 +46,38 @@ def test_draft_steps_written_into_the_cache_are_lossless(monkeypatch: Any) -> No
     api.clear_compiled()
     jax.clear_caches()
     assert carried and set(carried) == {KVCache}
+    assert out.tokens == plain.tokens
+    stats = out.stats.to_dict()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats == scratch.stats.to_dict()
+    assert scratch.tokens == plain.tokens
+
+
+@pytest.mark.usefixtures("no_compile_cache")
+def test_eagle3_draft_steps_written_into_the_cache_are_lossless(monkeypatch: Any) -> None:
+    from test_eagle3 import echo_head
+
+    target = tiny_model(0)
+    head = echo_head(target)
+    plain = generate(target, PROMPTS, max_new_tokens=MAX_NEW)
+    carried: list[type] = []
+    compute = eagle3.e3.decoder_compute
+
+    def recording_compute(*args: Any, **kw: Any) -> Any:
+        carried.append(type(args[6]))  # the cache (or the cache the scratch sits beside)
+        carried.append(type(kw.get("extra")))
+        return compute(*args, **kw)
+
+    spec = SpecConfig(types=("draft-eagle3",), adaptive=False, draft_n_max=4)
+    scratch = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
+    api.clear_compiled()
+    jax.clear_caches()  # trace again, with the switch on
+    monkeypatch.setattr(eagle3, "draft_steps_in_cache", lambda: True)
+    monkeypatch.setattr(eagle3.e3, "decoder_compute", recording_compute)
+    out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
+    api.clear_compiled()
+    jax.clear_caches()
+    assert carried and set(carried) == {KVCache, type(None)}  # no step read a scratch
     assert out.tokens == plain.tokens
     stats = out.stats.to_dict()
     assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]

@@ -352,6 +352,35 @@ def test_full_path_equals_plain_greedy() -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.usefixtures("no_compile_cache")
+def test_gpu_forms_equal_plain_greedy(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The round as traced for a GPU where it differs from the CPU's for this target, run here
+    on CPU: the verify scan unrolled (`control.unroll_stacking_scans`) and the narrow
+    verify's hidden states concatenated into the widest one's buffer (`control.put_prefix`).
+    Greedy equals plain greedy, with the CPU form's drafts (the same statistics)."""
+    from specjax import aot, control
+    from specjax.decode import engine
+
+    def gpu_put_prefix(base: jax.Array, x: jax.Array, axis: int) -> jax.Array:
+        with aot.backend_as("gpu"):
+            return control.put_prefix(base, x, axis)
+
+    spec = SpecConfig(types=("draft-mtp",), draft_n_max=3)
+    kw = dict(max_new_tokens=N_NEW, n_ctx=128, spec=spec)
+    cpu = generate(_model(), _prompts(), **kw)
+    api.clear_compiled()
+    jax.clear_caches()  # trace again, in the GPU's forms
+    monkeypatch.setattr(q, "unroll_stacking_scans", lambda: True)
+    monkeypatch.setattr(engine, "put_prefix", gpu_put_prefix)
+    gpu = generate(_model(), _prompts(), **kw)
+    api.clear_compiled()
+    jax.clear_caches()
+    assert gpu.tokens == _plain()
+    _check_drafted(gpu.stats.to_dict())
+    assert gpu.stats.to_dict() == cpu.stats.to_dict()
+
+
+@pytest.mark.slow
 def test_chain_heads_engine_equals_plain_greedy_with_drafts_of_two() -> None:
     spec = SpecConfig(types=("draft-mtp",), draft_n_max=6)
     model = _model(2)

@@ -360,6 +360,24 @@ def test_at_row_reads_the_row_on_every_backend() -> None:
         jax.clear_caches()
 
 
+def test_put_prefix_replaces_the_first_entries_on_every_backend() -> None:
+    """`control.put_prefix(base, x, axis)` equals NumPy's `base[:, :n] = x` with the CPU's
+    update in place and the GPU's concatenation, narrower and as wide as `base`."""
+    from specjax import aot, control
+
+    rng = np.random.default_rng(0)
+    base = rng.standard_normal((2, 5, 3)).astype(np.float32)
+    for n in (1, 3, 5):
+        x = rng.standard_normal((2, n, 3)).astype(np.float32)
+        want = base.copy()
+        want[:, :n] = x
+        for backend in ("cpu", "gpu"):
+            with aot.backend_as(backend):
+                got = jax.jit(lambda b, y: control.put_prefix(b, y, axis=1))(base, x)
+            np.testing.assert_array_equal(np.asarray(got), want)
+            jax.clear_caches()
+
+
 def test_sessions_exercise_drafts_and_shrinks() -> None:
     """The random sessions above do produce drafts and history shrinks (non-vacuous)."""
     total = {"drafts": 0, "shrinks": 0}

@@ -125,7 +125,11 @@ def test_uneven_prefill_chunks_and_decode_equal_whole() -> None:
         np.testing.assert_allclose(np.asarray(a), np.asarray(b), atol=1e-5)
 
 
-def test_per_position_states_are_each_prefix_state() -> None:
+@pytest.mark.parametrize("unrolled", [False, True])
+def test_per_position_states_are_each_prefix_state(monkeypatch, unrolled: bool) -> None:
+    """The verify forward's per-token states against the float64 reference, with the scan
+    looped (CPU, TPU) and unrolled (GPU: `control.unroll_stacking_scans`)."""
+    monkeypatch.setattr(q, "unroll_stacking_scans", lambda: unrolled)
     toks = _tokens(5, 9)
     out = _fwd(
         _params(),

@@ -63,7 +63,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling
-from specjax.control import run_once
+from specjax.control import put_prefix, run_once
 from specjax.decode import governor as adaptive
 from specjax.decode import stats as stats_mod
 from specjax.decode import verify
@@ -651,8 +651,7 @@ def _verify_round(
                     )
             cache = out.memory
             hidden = tuple(
-                jax.lax.dynamic_update_slice(h0, h.astype(h0.dtype), (0, 0, 0))
-                for h0, h in zip(hidden0, out.hidden)
+                put_prefix(h0, h.astype(h0.dtype), axis=1) for h0, h in zip(hidden0, out.hidden)
             )
             n_acc = result.n_accepted.astype(jnp.int32)
             return cache, n_acc, result.next_token.astype(jnp.int32), hidden

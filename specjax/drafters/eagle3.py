@@ -27,8 +27,9 @@ per-row state (upstream's `common_speculative_impl_draft_eagle3`):
   not added); append; stop when the length reaches the draft model's n_max (`draft_n_max`,
   at least 1 token; the caller's budget `n_max` is NOT applied here -- the relay truncates,
   as upstream); else feed `(token, prenorm)` at `pending_pos + i + 1`. Drafts shorter than
-  n_min are cleared. Drafted rows live in a scratch, never in the cache (upstream removes
-  them after drafting: `seq_rm(draft, pos_max + 1, -1)`).
+  n_min are cleared. Drafted rows never stay in the cache (upstream removes them after
+  drafting: `seq_rm(draft, pos_max + 1, -1)`): they live in a scratch, or on a TPU
+  (`control.draft_steps_in_cache`) in the loop-carried cache, trimmed after the loop.
 * `rollback(keep)`: `seq_rm(row, keep, -1)` on the head's cache only (the boundary stays).
 * `record(batch)` (`idle_record`: a round in which the governor lets no row draft, the verify
   batch one token per row): the boundary moves as `process` moves it; the bridge row
@@ -59,7 +60,7 @@ import jax.numpy as jnp
 
 from specjax import sampling
 from specjax.config import DRAFT_K_MIN
-from specjax.control import run_once
+from specjax.control import draft_steps_in_cache, run_once
 from specjax.drafters.base import (
     Drafter,
     DraftInput,
@@ -104,6 +105,11 @@ class Eagle3State:
     log_g: Array  # [B, LOG_ROWS, D] float32
     log_pos: Array  # [B, LOG_ROWS] int32
     log_n: Array  # [B] int32, slots used (dropped rows included)
+
+
+def _cond_run(pred: Array, body: Any, operands: Any) -> Any:
+    """`body(operands)` if `pred`, else `operands` (a `lax.cond`)."""
+    return jax.lax.cond(pred, body, lambda x: x, operands)
 
 
 def _bridges(state: Eagle3State, has: Array, pos_beg: Array) -> Array:
@@ -287,10 +293,17 @@ class Eagle3Drafter(PendingBoundary, FeatureHeadDrafter):
             temp = inp.temperature.astype(jnp.float32)
             lc = cfg.layer_config
             shape = (B, lc.G, k_max, lc.E)
-            scratch0 = ExtraKV(
-                k=(jnp.zeros(shape, cache.k[0].dtype),),
-                v=(jnp.zeros(shape, cache.v[0].dtype),),
-                pos=jnp.full((B, k_max), -1, jnp.int32),
+            # the drafted rows' K/V: a scratch beside the cache the loop reads, or on a TPU
+            # the cache itself (`control.draft_steps_in_cache`), trimmed after the loop
+            in_cache = draft_steps_in_cache()
+            scratch0: Any = (
+                cache
+                if in_cache
+                else ExtraKV(
+                    k=(jnp.zeros(shape, cache.k[0].dtype),),
+                    v=(jnp.zeros(shape, cache.v[0].dtype),),
+                    pos=jnp.full((B, k_max), -1, jnp.int32),
+                )
             )
 
             def sample(i: Array, logits: Array, alive: Array, n: Array, tokens, valid, q):
@@ -318,6 +331,12 @@ class Eagle3Drafter(PendingBoundary, FeatureHeadDrafter):
                 def step(operands):
                     scratch, _logits, g = operands
                     p = jnp.where(alive, state.pending_pos + i + 1, -1)
+                    if in_cache:
+                        o = e3.decoder_compute(
+                            cfg, head, shared, token[:, None], g[:, None], p[:, None], scratch
+                        )
+                        scratch = commit_kv(scratch, p[:, None], o.k, o.v, after=o.logits)
+                        return scratch, o.logits[:, 0], o.prenorm[:, 0]
                     o = e3.decoder_compute(
                         cfg,
                         head,
@@ -335,9 +354,10 @@ class Eagle3Drafter(PendingBoundary, FeatureHeadDrafter):
                     )
                     return scratch, o.logits[:, 0], o.prenorm[:, 0]
 
-                scratch, logits, g = jax.lax.cond(
-                    jnp.any(alive), step, lambda x: x, (scratch, logits, g)
-                )
+                # (a loop run 0 or 1 times where it carries the cache: a cond's branches
+                # would copy it)
+                skip_dead = run_once if in_cache else _cond_run
+                scratch, logits, g = skip_dead(jnp.any(alive), step, (scratch, logits, g))
                 return i + 1, scratch, logits, g, alive, n, tokens, valid, q
 
             q0 = zero_q(B, k_max, V, self.probabilistic)
@@ -352,8 +372,10 @@ class Eagle3Drafter(PendingBoundary, FeatureHeadDrafter):
                 jnp.zeros((B, k_max), bool),
                 q0,
             )
-            _, _, _, _, _, n, tokens, valid, q = jax.lax.while_loop(cond, body, init)
+            _, loop_cache, _, _, _, n, tokens, valid, q = jax.lax.while_loop(cond, body, init)
             valid = valid & (n >= inp.n_min)[:, None]
+            if in_cache:  # the drafted rows leave the cache (upstream's seq_rm after drafting)
+                cache = keep_prefix(loop_cache, jnp.where(drafting, state.pending_pos + 1, big))
             new_state = replace(state, cache=cache)
             return new_state, DraftOutput(
                 tokens=tokens, valid=valid, q=q if self.probabilistic else None

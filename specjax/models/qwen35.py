@@ -43,6 +43,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from specjax.control import unroll_stacking_scans
 from specjax.memory.kv import KVCache, used_cells
 from specjax.models.config import DecoderDims
 from specjax.models.llama import CACHE_CHUNK, ExtraKV, _attend, _attend_prompt, commit_kv, rms_norm
@@ -282,7 +283,10 @@ def delta_recurrent(
         return M, (o, M if keep_steps else None)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    M, (o, steps) = jax.lax.scan(step, M_BHJI, xs)
+    # kept steps on a GPU: unrolled, so no loop writes them at its counter
+    # (`control.unroll_stacking_scans`)
+    unroll = q.shape[1] if keep_steps and unroll_stacking_scans() else 1
+    M, (o, steps) = jax.lax.scan(step, M_BHJI, xs, unroll=max(unroll, 1))
     o = jnp.moveaxis(o, 0, 1)
     return M, o, None if steps is None else jnp.moveaxis(steps, 0, 1)
 
