@@ -24,6 +24,30 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [20, 21, 22], [30, 31, 32, 33, 34], [40], [4
 MAX_NEW = [26, 26, 12, 26, 20]
 
 
+def _both_forms(
+    monkeypatch: Any, target: Any, spec: SpecConfig, draft: Any, patches: dict[tuple[Any, str], Any]
+) -> tuple[Any, Any]:
+    """(the scratch form's result, the cache form's): the second traced afresh with the
+    drafter module's switch on and `patches` ((object, name): value) applied."""
+    scratch = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)
+    api.clear_compiled()
+    jax.clear_caches()  # trace again, with the switch on
+    for (obj, name), value in patches.items():
+        monkeypatch.setattr(obj, name, value)
+    out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)
+    api.clear_compiled()
+    jax.clear_caches()
+    return scratch, out
+
+
+def _check(out: Any, scratch: Any, plain: Any) -> None:
+    """Lossless, drafts made and some rejected, the same drafts as the scratch form."""
+    assert out.tokens == plain.tokens == scratch.tokens
+    stats = out.stats.to_dict()
+    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
+    assert stats == scratch.stats.to_dict()
+
+
 @pytest.mark.usefixtures("no_compile_cache")
 def test_draft_steps_written_into_the_cache_are_lossless(monkeypatch: Any) -> None:
     target = tiny_model(0)
@@ -36,21 +60,13 @@ def test_draft_steps_written_into_the_cache_are_lossless(monkeypatch: Any) -> No
         return step(self, params, state, carry, *rest)
 
     spec = SpecConfig(types=("draft-simple",), adaptive=False, draft_n_max=5)
-    draft = noisy_copy(target, 0.6)
-    scratch = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)
-    api.clear_compiled()
-    jax.clear_caches()  # trace again, with the switch on
-    monkeypatch.setattr(draft_simple, "draft_steps_in_cache", lambda: True)
-    monkeypatch.setattr(draft_simple.DraftSimple, "_loop_step", recording_step)
-    out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=draft)
-    api.clear_compiled()
-    jax.clear_caches()
+    patches = {
+        (draft_simple, "draft_steps_in_cache"): lambda: True,
+        (draft_simple.DraftSimple, "_loop_step"): recording_step,
+    }
+    scratch, out = _both_forms(monkeypatch, target, spec, noisy_copy(target, 0.6), patches)
     assert carried and set(carried) == {KVCache}
-    assert out.tokens == plain.tokens
-    stats = out.stats.to_dict()
-    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
-    assert stats == scratch.stats.to_dict()
-    assert scratch.tokens == plain.tokens
+    _check(out, scratch, plain)
 
 
 @pytest.mark.usefixtures("no_compile_cache")
@@ -69,17 +85,10 @@ def test_eagle3_draft_steps_written_into_the_cache_are_lossless(monkeypatch: Any
         return compute(*args, **kw)
 
     spec = SpecConfig(types=("draft-eagle3",), adaptive=False, draft_n_max=4)
-    scratch = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
-    api.clear_compiled()
-    jax.clear_caches()  # trace again, with the switch on
-    monkeypatch.setattr(eagle3, "draft_steps_in_cache", lambda: True)
-    monkeypatch.setattr(eagle3.e3, "decoder_compute", recording_compute)
-    out = generate(target, PROMPTS, max_new_tokens=MAX_NEW, spec=spec, draft=head)
-    api.clear_compiled()
-    jax.clear_caches()
+    patches = {
+        (eagle3, "draft_steps_in_cache"): lambda: True,
+        (eagle3.e3, "decoder_compute"): recording_compute,
+    }
+    scratch, out = _both_forms(monkeypatch, target, spec, head, patches)
     assert carried and set(carried) == {KVCache, type(None)}  # no step read a scratch
-    assert out.tokens == plain.tokens
-    stats = out.stats.to_dict()
-    assert 0 < stats["num_accepted_tokens"] < stats["num_draft_tokens"]
-    assert stats == scratch.stats.to_dict()
-    assert scratch.tokens == plain.tokens
+    _check(out, scratch, plain)
