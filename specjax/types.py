@@ -25,7 +25,7 @@ read-only class attributes, not dataclass fields, so pytree flattening, equality
 from __future__ import annotations
 
 import operator
-from typing import Any, NoReturn, Self, TypeAlias, overload
+from typing import Any, Generic, NoReturn, Self, TypeAlias, TypeVar, overload
 
 import jax
 
@@ -37,39 +37,42 @@ Params: TypeAlias = dict[str, Any]
 EMPTY_POS = -1
 
 
-class SizeAlias:
-    """A read-only int attribute that reads another (`alias`, `axis_size`): the size a field,
-    a part's attribute or an array's axis holds."""
+T = TypeVar("T")
 
-    def __init__(self, path: str, axis: int | None = None) -> None:
-        self.path = path
-        self.axis = axis
-        self._read = operator.attrgetter(path)
-        self.name = path
+
+class ReadOnly(Generic[T]):
+    """A read-only attribute that reads another: the attribute at `path` (a field, or a
+    dotted path into a part: "kv.batch"; None: the private one of its own name, `_name`), or,
+    with `axis`, the length of that axis of the array there (`alias`, `axis_size`)."""
+
+    def __init__(self, path: str | None = None, axis: int | None = None) -> None:
+        self.path, self.axis, self.name = path, axis, path or ""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.name = name
+        self.path = self.path or "_" + name
 
     @overload
     def __get__(self, obj: None, owner: type | None = None) -> Self: ...
     @overload
-    def __get__(self, obj: object, owner: type | None = None) -> int: ...
-    def __get__(self, obj: object | None, owner: type | None = None) -> Self | int:
+    def __get__(self, obj: object, owner: type | None = None) -> T: ...
+    def __get__(self, obj: object | None, owner: type | None = None) -> Self | T:
         if obj is None:
             return self
-        value = self._read(obj)
-        return value if self.axis is None else int(value.shape[self.axis])
+        assert self.path is not None  # set by __set_name__ at the latest
+        value: Any = operator.attrgetter(self.path)(obj)
+        return value if self.axis is None else int(value.shape[self.axis])  # type: ignore[return-value]
 
     def __set__(self, obj: object, value: NoReturn) -> NoReturn:
         raise AttributeError(f"{self.name} is read-only: it reads {self.path}")
 
 
-def alias(path: str) -> SizeAlias:
+def alias(path: str) -> ReadOnly[int]:
     """The attribute at `path` (a field, or a dotted path into a part: "kv.batch") under
     another name."""
-    return SizeAlias(path)
+    return ReadOnly(path)
 
 
-def axis_size(array: str, axis: int) -> SizeAlias:
+def axis_size(array: str, axis: int) -> ReadOnly[int]:
     """The length of axis `axis` of the array attribute `array` (static under jit)."""
-    return SizeAlias(array, axis)
+    return ReadOnly(array, axis)

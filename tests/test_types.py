@@ -12,7 +12,7 @@ from specjax.memory.kv import KVCache
 from specjax.memory.swa import SWACache
 from specjax.models.config import ModelConfig
 from specjax.models.qwen35 import Qwen35Config, new_state
-from specjax.types import SizeAlias, alias, axis_size
+from specjax.types import ReadOnly, alias, axis_size
 
 TINY = dict(vocab_size=48, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
 
@@ -32,7 +32,7 @@ def test_aliases_are_not_fields_and_keep_hashing():
     c = ModelConfig(**TINY)
     assert set(c.to_dict()) == names
     assert c == ModelConfig.from_dict(c.to_dict()) and hash(c) == hash(ModelConfig(**TINY))
-    assert isinstance(ModelConfig.V, SizeAlias)  # the class attribute is the descriptor
+    assert isinstance(ModelConfig.V, ReadOnly)  # the class attribute is the descriptor
     traced = jax.jit(lambda x, config: x * config.V, static_argnums=1)
     assert int(traced(jnp.int32(2), c)) == 96
 

@@ -28,12 +28,13 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any, Generic, NoReturn, Self, TypeVar, overload
+from typing import Any
 
 import tokenizers
 from tokenizers import AddedToken, Regex, decoders, models, normalizers, pre_tokenizers, processors
 
 from specjax.errors import ModelFileError
+from specjax.types import ReadOnly
 
 # llama.cpp token types (gguf.TokenType).
 TOKEN_UNDEFINED = 0
@@ -246,27 +247,6 @@ def _read_json(path: str) -> dict[str, Any] | None:
     return data if isinstance(data, dict) else None
 
 
-T = TypeVar("T")
-
-
-class _ReadOnly(Generic[T]):
-    """A read-only attribute reading the private one of its name after `_`: in a class,
-    `bos_id = _ReadOnly[int | None]()` is `self._bos_id`, and assigning it is an error."""
-
-    def __set_name__(self, owner: type, name: str) -> None:
-        self.name, self.private = name, "_" + name
-
-    @overload
-    def __get__(self, obj: None, owner: type | None = None) -> Self: ...
-    @overload
-    def __get__(self, obj: object, owner: type | None = None) -> T: ...
-    def __get__(self, obj: object | None, owner: type | None = None) -> Self | T:
-        return self if obj is None else getattr(obj, self.private)
-
-    def __set__(self, obj: object, value: object) -> NoReturn:
-        raise AttributeError(f"{self.name} is read-only")
-
-
 class Tokenizer:
     """A `tokenizers.Tokenizer` plus the llama.cpp vocabulary metadata specjax needs."""
 
@@ -406,17 +386,17 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return len(self._tokens)
 
-    vocab_type = _ReadOnly[str]()
+    vocab_type = ReadOnly[str]()
     #: llama.cpp pre-tokenizer name (byte-level BPE only; None when not recognised).
-    pre = _ReadOnly[str | None]()
-    bos_id = _ReadOnly[int | None]()
-    eos_id = _ReadOnly[int | None]()
-    pad_id = _ReadOnly[int | None]()
-    unk_id = _ReadOnly[int | None]()
-    eog_ids = _ReadOnly[frozenset[int]]()
-    add_bos = _ReadOnly[bool]()
-    add_eos = _ReadOnly[bool]()
-    add_space_prefix = _ReadOnly[bool]()
+    pre = ReadOnly[str | None]()
+    bos_id = ReadOnly[int | None]()
+    eos_id = ReadOnly[int | None]()
+    pad_id = ReadOnly[int | None]()
+    unk_id = ReadOnly[int | None]()
+    eog_ids = ReadOnly[frozenset[int]]()
+    add_bos = ReadOnly[bool]()
+    add_eos = ReadOnly[bool]()
+    add_space_prefix = ReadOnly[bool]()
 
     @property
     def token_types(self) -> tuple[int, ...]:
