@@ -92,6 +92,16 @@ def jittered_params(config: ModelConfig, seed: int = 0) -> dict:
 _forward = jax.jit(forward_fn, static_argnums=0)
 
 
+def leaves_equal(a: object, b: object) -> bool:
+    """Whether two pytrees are the same parameters: structure, dtypes and values (what file
+    round-trip tests compare between the saved and the loaded parameters)."""
+    same_structure: bool = jax.tree.structure(a) == jax.tree.structure(b)  # type: ignore[operator]
+    return same_structure and all(
+        x.dtype == y.dtype and bool(jnp.array_equal(x, y))
+        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+    )
+
+
 def row_logits(config: ModelConfig, params: dict, ids: list[int]) -> np.ndarray:
     """Logits `[1, len(ids), V]` of one token row at positions 0.. over a fresh cache: what
     file round-trip tests compare between the saved and the loaded parameters."""

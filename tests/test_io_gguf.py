@@ -22,7 +22,7 @@ from specjax.io import gguf_io, load_gguf, load_model_files, save_gguf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import ModelConfig, RopeScaling, forward_fn, init_params, new_cache
 from specjax.models.config import rope_frequencies
-from specjax.testing import jittered_params, row_logits
+from specjax.testing import jittered_params, leaves_equal, row_logits
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
 
@@ -64,13 +64,6 @@ CONFIGS = {
         arch="qwen3", qk_norm=True, head_dim=32, tie_embeddings=True, **BASE
     ),
 }
-
-
-def leaves_equal(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        x.dtype == y.dtype and bool(jnp.array_equal(x, y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
 
 
 IDS = [5, 77, 123, 299, 0, 42, 8, 9]

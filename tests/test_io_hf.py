@@ -21,7 +21,7 @@ from specjax.io import load_hf, load_model_files, save_hf
 from specjax.io.hf_io import config_from_hf, config_to_hf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import ModelConfig, RopeScaling, init_params
-from specjax.testing import jittered_params, row_logits
+from specjax.testing import jittered_params, leaves_equal, row_logits
 
 WORDS = "the cat sat on a mat über café 東京 😀 12345 don't hello world draft".split()  # noqa: SIM905
 BASE = dict(vocab_size=300, dim=64, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=128)
@@ -67,13 +67,6 @@ def tok() -> Tokenizer:
         ),
     )
     return Tokenizer(hf, bos_id=0, eos_id=0, pad_id=0, add_bos=True)
-
-
-def leaves_equal(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        x.dtype == y.dtype and bool(jnp.array_equal(x, y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
 
 
 # ------------------------------------------------------------------ round trips

@@ -17,7 +17,14 @@ from specjax.config import SpecConfig
 from specjax.io import load_gguf, load_hf, save_gguf, save_hf
 from specjax.io.tokenizer import Tokenizer
 from specjax.models import ModelConfig, forward_fn, moe, new_cache
-from specjax.testing import jittered_params, noisy_copy, row_logits, tiny_model, tiny_tokenizer
+from specjax.testing import (
+    jittered_params,
+    leaves_equal,
+    noisy_copy,
+    row_logits,
+    tiny_model,
+    tiny_tokenizer,
+)
 
 MOE = dict(arch="qwen3moe", qk_norm=True, n_experts=8, n_experts_used=2, expert_ffn_dim=16)
 BASE = dict(vocab_size=97, dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)
@@ -160,20 +167,13 @@ def tok() -> Tokenizer:
 FILE_CONFIG = ModelConfig(**{**BASE, "vocab_size": 300}, **MOE, norm_topk_prob=True)
 
 
-def _leaves_equal(a, b) -> bool:
-    return jax.tree.structure(a) == jax.tree.structure(b) and all(
-        x.dtype == y.dtype and bool(jnp.array_equal(x, y))
-        for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
-    )
-
-
 def test_gguf_round_trip_and_llama_cpp_layout(tok, tmp_path):
     params = jittered_params(FILE_CONFIG)
     path = tmp_path / "m.gguf"
     save_gguf(path, FILE_CONFIG, params, tok)
     config, params2, _ = load_gguf(path)
     assert config == FILE_CONFIG
-    assert _leaves_equal(params2, params)
+    assert leaves_equal(params2, params)
     reader = gguf.GGUFReader(path)
     fields = {k: f.contents() for k, f in reader.fields.items()}
     assert fields["general.architecture"] == "qwen3moe"
@@ -221,7 +221,7 @@ def test_hf_round_trip_is_exact(tok, tmp_path, config):
     save_hf(tmp_path, config, params, tok)
     config2, params2, _ = load_hf(tmp_path)
     assert config2 == config
-    assert _leaves_equal(params2, params)
+    assert leaves_equal(params2, params)
     import json
 
     hf = json.loads((tmp_path / "config.json").read_text())
@@ -244,4 +244,4 @@ def test_hf_fused_expert_tensors_load(tok, tmp_path):
         fused[p + "down_proj"] = np.asarray(layer["experts_down"]).transpose(0, 2, 1).copy()
     safetensors.numpy.save_file(fused, tmp_path / "model.safetensors")
     _, params2, _ = load_hf(tmp_path)
-    assert _leaves_equal(params2, params)
+    assert leaves_equal(params2, params)
