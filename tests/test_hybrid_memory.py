@@ -134,15 +134,20 @@ def test_removed_rows_start_from_zero_and_seq_cp_copies_the_state() -> None:
     mem = RecurrentMemory.init(CFG, 2, 1)
     mem = replace(
         mem,
+        conv=tuple(c + rng.rand(*c.shape).astype(np.float32) for c in mem.conv),
         ssm=tuple(s + rng.rand(*s.shape).astype(np.float32) for s in mem.ssm),
         pos=jnp.asarray([5, 7], jnp.int32),
+        count=jnp.asarray([6, 8], jnp.int32),
     )
     cp = mem.seq_cp(0, 1, 3, 4)
     assert np.asarray(cp.pos).tolist() == [5, 5]
-    np.testing.assert_array_equal(np.asarray(cp.ssm[0][:, 1]), np.asarray(mem.ssm[0][:, 0]))
+    for got, want in zip(jax.tree.leaves(cp.current()), jax.tree.leaves(mem.current())):
+        assert np.asarray(want[0]).any()
+        np.testing.assert_array_equal(np.asarray(got[1]), np.asarray(want[0]))
     out, ok = mem.seq_rm(1, 0, -1)
     assert bool(ok) and np.asarray(out.pos).tolist() == [5, -1]
-    assert not np.asarray(out.ssm[0][:, 1]).any() and np.asarray(out.ssm[0][:, 0]).any()
+    for state in jax.tree.leaves(out.current()):  # the removed row reads zeros, row 0 not
+        assert not np.asarray(state[1]).any() and np.asarray(state[0]).any()
 
 
 def _padded(rows: list[np.ndarray], start: list[int], T: int) -> tuple[jnp.ndarray, jnp.ndarray]:
@@ -188,16 +193,17 @@ def test_planes_hold_earlier_states_and_rollback_restores_plane_r() -> None:
         toks, pos = _padded(rows, done, 8)
         _, mem = forward_memory(CFG, _params(), toks, pos, mem)
         done = [done[0] + n0, done[1] + n1]
+        conv_planes, ssm_planes = mem.rec.in_order()
         for b in range(2):
             assert int(mem.rec.pos[b]) == done[b] - 1
             for d in range(R + 1):
                 conv_want, ssm_want = states[b][done[b] - d]
                 for j, layer in enumerate(CFG.recurrent_layers):
                     np.testing.assert_allclose(
-                        np.asarray(mem.rec.ssm[j][d, b]), ssm_want[layer], atol=1e-4
+                        np.asarray(ssm_planes[j][d, b]), ssm_want[layer], atol=1e-4
                     )
                     np.testing.assert_allclose(
-                        np.asarray(mem.rec.conv[j][d, b]), conv_want[layer], atol=1e-5, rtol=1e-5
+                        np.asarray(conv_planes[j][d, b]), conv_want[layer], atol=1e-5, rtol=1e-5
                     )
     roll = [3, 2]
     for b, r in enumerate(roll):
@@ -241,7 +247,8 @@ def test_hybrid_seq_rm_beyond_planes_fails_and_changes_nothing() -> None:
     assert not bool(_seq_rm(full, 0, 5, -1)[1])
     cleared, ok = _seq_rm(full, 0, -1, -1)
     assert bool(ok) and int(cleared.seq_pos_max(0)) == -1
-    assert not np.asarray(cleared.rec.ssm[0][:, 0]).any() and np.asarray(cleared.rec.ssm[0]).any()
+    for state in jax.tree.leaves(cleared.rec.current()):
+        assert not np.asarray(state[0]).any() and np.asarray(state[1]).any()
 
 
 _seq_rm = jax.jit(lambda mem, seq, p0, p1: memory.seq_rm(mem, seq, p0, p1))  # llama.h dispatch
@@ -276,7 +283,7 @@ def test_whole_forward_equals_plain_qwen35_forward(n_rs_seq: int) -> None:
     np.testing.assert_allclose(np.asarray(logits), np.asarray(out.logits), atol=1e-4)
     for j in range(len(CFG.recurrent_layers)):
         np.testing.assert_allclose(
-            np.asarray(mem.rec.ssm[j][0]), np.asarray(out.state.ssm[j]), atol=1e-4
+            np.asarray(mem.rec.in_order()[1][j][0]), np.asarray(out.state.ssm[j]), atol=1e-4
         )
 
 

@@ -147,8 +147,9 @@ def test_per_position_states_are_each_prefix_state(monkeypatch, unrolled: bool) 
             np.testing.assert_allclose(
                 np.asarray(out.ssm_steps[j][0, t]), states[t][layer], atol=1e-4
             )
+            # the reference's conv window after token t ends with token t's conv input
             np.testing.assert_allclose(
-                np.asarray(out.conv_steps[j][0, t]), ref.conv[layer], atol=1e-5, rtol=1e-5
+                np.asarray(out.conv_inputs[j][0, t]), ref.conv[layer][-1], atol=1e-5, rtol=1e-5
             )
 
 

@@ -928,8 +928,10 @@ def _finish_round(
     v_tokens = jnp.concatenate([state.last_token[:, None], d_tokens], axis=1)  # [B, K+1]
     v_valid = jnp.concatenate([active[:, None], d_valid & active[:, None]], axis=1)
     v_pos = jnp.where(v_valid, state.length[:, None] + jnp.arange(K + 1)[None, :], -1)
+    # the PARTIAL_ONLY checkpoint, before the verify (None for most memories and K)
+    saved, cache = engine.memory.checkpoint(state.cache, K) if K > 0 else (None, state.cache)
     cache, n_acc, next_token, hidden = _verify_round(
-        engine, target_params, state.cache, v_tokens, v_pos, draft, draft_len, has_q, state, run,
+        engine, target_params, cache, v_tokens, v_pos, draft, draft_len, has_q, state, run,
         narrowest=off, drafted=drafted, replay_B=replaying,
     )  # fmt: skip
     n_acc = jnp.where(active, n_acc, 0)
@@ -944,7 +946,7 @@ def _finish_round(
             # every commit leave none), so there is nothing to drop, and an O(S) pass over
             # every row's cells is saved in each plain and off round
             cache, checkpoint, paths = engine.memory.settle(
-                state.cache, cache, state.length, draft_len, n_acc, active, replaying
+                saved, cache, state.length, draft_len, n_acc, active, replaying
             )
         commit = active if checkpoint is None else active & ~checkpoint
         rows_BT = jnp.arange(B)[:, None] + jnp.zeros((1, K + 1), jnp.int32)

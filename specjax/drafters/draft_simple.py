@@ -467,39 +467,16 @@ class DraftSimpleRecurrent(DraftSimple):
         conv, ssm = cache.rec.current()
         state = qwen35.Qwen35State(kv=cache.kv, conv=conv, ssm=ssm)
         out = qwen35.forward(self.config, params, tokens_BT, positions_BT, state)
-        rec = cache.rec.advance((), (), out.state.conv, out.state.ssm, positions_BT)
+        rec = cache.rec.advance(out.conv_inputs, (), out.state.ssm, positions_BT, after=out.logits)
         return HybridMemory(kv=out.state.kv, rec=rec)
 
     def _row(self, cache: HybridMemory, r: Array) -> HybridMemory:
-        def rows(x: Array, axis: int) -> Array:
-            return jax.lax.dynamic_slice_in_dim(x, r, 1, axis)
-
-        rec = cache.rec
-        return HybridMemory(
-            kv=super()._row(cache.kv, r),
-            rec=replace(
-                rec,
-                conv=tuple(rows(c, 1) for c in rec.conv),
-                ssm=tuple(rows(s, 1) for s in rec.ssm),
-                pos=rows(rec.pos, 0),
-                rs_idx=rows(rec.rs_idx, 0),
-            ),
-        )
+        return HybridMemory(kv=super()._row(cache.kv, r), rec=cache.rec.take_row(r))
 
     def _put_row(self, cache: HybridMemory, row_cache: HybridMemory, r: Array) -> HybridMemory:
-        def put(x: Array, y: Array, axis: int) -> Array:
-            return jax.lax.dynamic_update_slice_in_dim(x, y, r, axis)
-
-        rec, new = cache.rec, row_cache.rec
         return HybridMemory(
             kv=super()._put_row(cache.kv, row_cache.kv, r),
-            rec=replace(
-                rec,
-                conv=tuple(put(c, n, 1) for c, n in zip(rec.conv, new.conv)),
-                ssm=tuple(put(s, n, 1) for s, n in zip(rec.ssm, new.ssm)),
-                pos=put(rec.pos, new.pos, 0),
-                rs_idx=put(rec.rs_idx, new.rs_idx, 0),
-            ),
+            rec=cache.rec.put_row(r, row_cache.rec),
         )
 
     def _loop_start(self, state: RecurrentDraftState, batch: int, k_max: int) -> HybridMemory:

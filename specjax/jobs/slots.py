@@ -51,7 +51,7 @@ import numpy as np
 from specjax.decode.inputs import _tokenize_prompts
 from specjax.errors import SpecjaxError
 from specjax.memory import checkpoint as sc
-from specjax.memory.hybrid import HybridMemory
+from specjax.memory.hybrid import HybridMemory, SavedState
 from specjax.memory.kv import cache_dtype
 from specjax.memory.target import uses_swa_cache
 from specjax.models import qwen35
@@ -372,26 +372,26 @@ def hybrid_start(
     model: Any, states: Sequence[SlotState | None], capacity: int, n_rs_seq: int
 ) -> tuple[Any, Array]:
     """(HybridMemory, n_cached [B]) for `specjax.decode.engine.prefill(start=...)`: each row's
-    KV cells and recurrent state (in every plane, no pending rollback)."""
+    KV cells and recurrent state (`RecurrentMemory.load`: no pending rollback)."""
     mem = HybridMemory.init(model.config, len(states), capacity, n_rs_seq)
     kv = _fill_kv(mem.kv, states)
-    rec = mem.rec
+    current = mem.rec.current()
 
-    def planes(old: Array, name: str, j: int) -> Array:
-        host = np.array(jax.device_get(old))
+    def rows(zeros: Array, name: str, j: int) -> Array:
+        host = np.array(jax.device_get(zeros))
         for b, s in enumerate(states):
             if s is not None:
-                host[:, b] = s.data[name][j]
+                host[b] = s.data[name][j]
         return jnp.asarray(host)
 
-    rec = replace(
-        rec,
-        conv=tuple(planes(c, "conv", j) for j, c in enumerate(rec.conv)),
-        ssm=tuple(planes(x, "ssm", j) for j, x in enumerate(rec.ssm)),
+    saved = SavedState(
+        conv=tuple(rows(c, "conv", j) for j, c in enumerate(current[0])),
+        ssm=tuple(rows(x, "ssm", j) for j, x in enumerate(current[1])),
         pos=jnp.asarray([-1 if s is None else s.n_cached - 1 for s in states], jnp.int32),
     )
+    loaded = jnp.asarray([s is not None for s in states])
     n = jnp.asarray([0 if s is None else s.n_cached for s in states], jnp.int32)
-    return replace(mem, kv=kv, rec=rec), n
+    return replace(mem, kv=kv, rec=mem.rec.load(loaded, saved)), n
 
 
 # ----------------------------------------------------------------------------- generate

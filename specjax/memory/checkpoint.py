@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.errors import SpecjaxError
-from specjax.memory.hybrid import HybridMemory
+from specjax.memory.hybrid import HybridMemory, SavedState
 from specjax.pytree import pytree_dataclass, replace
 from specjax.types import Array
 
@@ -87,8 +87,9 @@ def _take(mem: HybridMemory, row: Array, n_tokens: Array) -> PromptCheckpoint:
 
 def restore(mem: HybridMemory, row: int, ckpt: PromptCheckpoint) -> HybridMemory:
     """`load_tgt(PARTIAL_ONLY)` then `seq_rm(row, pos_max + 1, -1)` (the server's restore): the
-    row's recurrent state becomes the checkpoint's (every plane; no pending rollback, as a
-    state load resets rs_idx upstream) and its KV cells after pos_max are dropped."""
+    row's recurrent state becomes the checkpoint's (`RecurrentMemory.load`: no pending
+    rollback, as a state load resets rs_idx upstream) and its KV cells after pos_max are
+    dropped."""
     _check_fits(mem, ckpt.data_tgt, "<memory>")
     return _restore(mem, jnp.asarray(row, jnp.int32), ckpt)
 
@@ -97,19 +98,13 @@ def restore(mem: HybridMemory, row: int, ckpt: PromptCheckpoint) -> HybridMemory
 def _restore(mem: HybridMemory, row: Array, ckpt: PromptCheckpoint) -> HybridMemory:
     rec = mem.rec
     on = jnp.arange(rec.batch) == row
-
-    def put(planes: Array, value: Array) -> Array:
-        m = on.reshape((1, -1) + (1,) * (planes.ndim - 2))
-        return jnp.where(m, jnp.broadcast_to(value[None, None], planes.shape), planes)
-
-    rec = replace(
-        rec,
-        conv=tuple(put(p, v) for p, v in zip(rec.conv, ckpt.data_tgt["conv"])),
-        ssm=tuple(put(p, v) for p, v in zip(rec.ssm, ckpt.data_tgt["ssm"])),
-        pos=jnp.where(on, ckpt.pos_max, rec.pos).astype(jnp.int32),
-        rs_idx=jnp.where(on, 0, rec.rs_idx).astype(jnp.int32),
+    B = rec.batch
+    saved = SavedState(
+        conv=tuple(jnp.broadcast_to(c[None], (B, *c.shape)) for c in ckpt.data_tgt["conv"]),
+        ssm=tuple(jnp.broadcast_to(s[None], (B, *s.shape)) for s in ckpt.data_tgt["ssm"]),
+        pos=jnp.broadcast_to(ckpt.pos_max, (B,)).astype(jnp.int32),
     )
-    out, _ = replace(mem, rec=rec).seq_rm(row, ckpt.pos_max + 1, -1)
+    out, _ = replace(mem, rec=rec.load(on, saved)).seq_rm(row, ckpt.pos_max + 1, -1)
     return out
 
 
@@ -118,17 +113,19 @@ def nbytes(tree: Any) -> int:
 
 
 def _check_fits(mem: HybridMemory, data_tgt: Any, where: str) -> None:
-    for name, planes in (("conv", mem.rec.conv), ("ssm", mem.rec.ssm)):
+    shapes = mem.rec.row_state_shapes()
+    n_rec = len(mem.rec.ssm)
+    for name, want in (("conv", shapes[:n_rec]), ("ssm", shapes[n_rec:])):
         got = data_tgt.get(name, ()) if isinstance(data_tgt, dict) else ()
-        if len(got) != len(planes):
+        if len(got) != len(want):
             raise CheckpointError(
-                f"{where}: field data_tgt.{name} has {len(got)} layers, the memory {len(planes)}"
+                f"{where}: field data_tgt.{name} has {len(got)} layers, the memory {len(want)}"
             )
-        for j, (g, p) in enumerate(zip(got, planes)):
-            if tuple(g.shape) != tuple(p.shape[2:]):
+        for j, (g, w) in enumerate(zip(got, want)):
+            if tuple(g.shape) != w:
                 raise CheckpointError(
                     f"{where}: field data_tgt.{name}.{j} has shape {tuple(g.shape)}, the memory "
-                    f"needs {tuple(p.shape[2:])}"
+                    f"needs {w}"
                 )
 
 

@@ -4,14 +4,22 @@ snapshot planes, the attention KV cache beside it, and the NO / PART / FULL / RS
 Written from llama.cpp's `src/llama-memory-recurrent.cpp`, `llama-memory-hybrid.cpp`,
 `models/delta-net-base.cpp` and `common_context_can_seq_rm` (spec sections 2 and 3.1).
 
-`RecurrentMemory` (one cell per row; row b is llama.cpp's sequence b):
-* `conv[j]` [P, B, d_conv - 1, C] and `ssm[j]` [P, B, Hv, S, S] for the j-th delta-net layer,
-  P = 1 + n_rs_seq planes. Plane d holds the state d tokens before the row's last consumed
-  token (plane 0: after it). A forward over n valid tokens of a row writes plane d < n from
-  the per-position states and shifts older history down (new plane d = old plane
-  d - n + rs_idx), so plane d is the state d tokens earlier whatever the batch sizes were.
-  (Upstream's op leaves planes >= n_tokens stale; the two agree on every plane a bounded
-  rollback after a verify batch reads, d < n_tokens.) A fresh or removed row is all zeros.
+`RecurrentMemory` (one cell per row; row b is llama.cpp's sequence b), written in place:
+* `count [B]`: tokens the row consumed since it was empty (net of the rollbacks a forward
+  took up); the state after c of them is what the planes below give at count c.
+* `ssm[j]` [P, B, Hv, S, S] for the j-th delta-net layer, P = 1 + n_rs_seq planes in a ring:
+  the SSM state after c tokens is at slot c mod P (zero at c = 0), so plane d, the state d
+  tokens before the row's last consumed token, is slot (count - d) mod P (`in_order`).
+* `conv[j]` [B, d_conv - 1 + n_rs_seq, C]: the conv inputs of the row's last tokens, token
+  c (from 0) at column c mod (d_conv - 1 + n_rs_seq); the conv window after c tokens is
+  the inputs of tokens c - d_conv + 1 .. c - 1 (zero before the first), so a rollback of up
+  to n_rs_seq tokens finds its window without a plane of its own.
+* A forward over n valid tokens of a row starts from its state at count - rs_idx and writes
+  the states after each of its last P tokens and the inputs of its last d_conv - 1 +
+  n_rs_seq, in their slots; nothing else moves. Plane d is thus the state d tokens earlier
+  whatever the batch sizes were. (Upstream's op leaves planes >= n_tokens stale; the two
+  agree on every plane a bounded rollback after a verify batch reads, d < n_tokens.)
+  A fresh or removed row reads as zeros (count 0): removal writes no state.
 * `pos [B]`: the position of the row's tail (last consumed token), -1 = empty row.
 * `rs_idx [B]`: a pending rollback (0 = none). The next forward that consumes tokens of the
   row reads its input state from plane rs_idx and resets it to 0 (llama.cpp's `s_copy`).
@@ -25,9 +33,12 @@ Written from llama.cpp's `src/llama-memory-recurrent.cpp`, `llama-memory-hybrid.
     nothing changes;
   - a range holding the tail but starting at 0 clears the row; a range not holding the tail
     changes nothing and succeeds.
-* `seq_cp` gives dst a copy of src's planes, pos and pending rollback (upstream shares the
+* `seq_cp` gives dst a copy of src's states, count, pos and pending rollback (upstream shares the
   cell; here the rows then evolve independently), whatever the range; `seq_keep` clears the
   other rows; `seq_add` / `seq_div` move the tail position only (as upstream).
+* `checkpoint` / `load`: llama.cpp's PARTIAL_ONLY state of every row (its current state
+  and tail) and its load into chosen rows, which writes that one state (upstream's load
+  leaves the other planes as they were).
 
 `HybridMemory` = attention `KVCache` (PART) + `RecurrentMemory`, as `llama_memory_hybrid`:
 `seq_rm` tries the recurrent part first and touches the KV cache only where it succeeded;
@@ -42,7 +53,7 @@ from __future__ import annotations
 
 import enum
 import functools
-from typing import Any, Self
+from typing import Any, NamedTuple, Self
 
 import jax
 import jax.numpy as jnp
@@ -86,13 +97,25 @@ def _rows(mask_B: Array, new: Array, old: Array, axis: int) -> Array:
 
 
 # ----------------------------------------------------------------------------- recurrent part
+class SavedState(NamedTuple):
+    """One recurrent state per row (llama.cpp's PARTIAL_ONLY state of a hybrid memory): per
+    delta-net layer the conv window [B, d_conv - 1, C] and the SSM state [B, Hv, S, S], and
+    the tail position [B]."""
+
+    conv: tuple[Array, ...]
+    ssm: tuple[Array, ...]
+    pos: Array
+
+
 @pytree_dataclass
 class RecurrentMemory:
-    conv: tuple[Array, ...]  # per delta-net layer [P, B, d_conv - 1, C] float32
+    conv: tuple[Array, ...]  # per delta-net layer [B, d_conv - 1 + n_rs_seq, C] float32
     ssm: tuple[Array, ...]  # per delta-net layer [P, B, Hv, S, S] float32
     pos: Array  # [B] int32, tail position, -1 = empty
     rs_idx: Array  # [B] int32, pending rollback plane (0 = none)
+    count: Array  # [B] int32, tokens consumed since the row was empty
     n_rs_seq: int = static_field()
+    window: int = static_field()  # d_conv - 1
 
     batch = axis_size("pos", 0)
 
@@ -100,45 +123,147 @@ class RecurrentMemory:
     def n_planes(self) -> int:
         return self.n_rs_seq + 1
 
+    @property
+    def n_inputs(self) -> int:
+        """Conv inputs kept per row: a window, and the n_rs_seq before it."""
+        return self.window + self.n_rs_seq
+
     @staticmethod
     def init(config: qwen35.Qwen35Config, batch: int, n_rs_seq: int = 0) -> RecurrentMemory:
         if n_rs_seq < 0:
             raise ValueError(f"n_rs_seq must be >= 0, got {n_rs_seq}")
         P, n_rec = n_rs_seq + 1, len(config.recurrent_layers)
-        kc, C = config.ssm_conv_kernel - 1, config.conv_dim
+        W, C = config.ssm_conv_kernel - 1, config.conv_dim
         return RecurrentMemory(
-            conv=tuple(jnp.zeros((P, batch, kc, C), jnp.float32) for _ in range(n_rec)),
+            conv=tuple(jnp.zeros((batch, W + n_rs_seq, C), jnp.float32) for _ in range(n_rec)),
             ssm=tuple(
                 jnp.zeros((P, batch, config.Hv, config.S, config.S), jnp.float32)
                 for _ in range(n_rec)
             ),
             pos=jnp.full((batch,), EMPTY_POS, jnp.int32),
             rs_idx=jnp.zeros((batch,), jnp.int32),
+            count=jnp.zeros((batch,), jnp.int32),
             n_rs_seq=n_rs_seq,
+            window=W,
         )
 
-    # -- state the next forward reads
+    # -- states at a token count
+    def _windows(self, count_B: Array) -> tuple[Array, ...]:
+        """Per layer [B, W, C]: the conv inputs of tokens count - W .. count - 1 (zeros
+        before the row's first)."""
+        idx_BW = count_B[:, None] - self.window + jnp.arange(self.window)[None]
+        rows = jnp.arange(self.batch)[:, None]
+        return tuple(
+            jnp.where((idx_BW >= 0)[..., None], c[rows, idx_BW % self.n_inputs], 0.0)
+            for c in self.conv
+        )
+
+    def _states(self, count_B: Array) -> tuple[Array, ...]:
+        """Per layer [B, Hv, S, S]: the SSM state after `count_B` tokens (zero at 0)."""
+        slot, rows = count_B % self.n_planes, jnp.arange(self.batch)
+        empty = (count_B <= 0).reshape((-1, 1, 1, 1))
+        return tuple(jnp.where(empty, 0.0, s[slot, rows]) for s in self.ssm)
+
+    def _input_count(self) -> Array:
+        """[B]: the tokens behind the next forward's input state (a row cleared with a
+        rollback pending has none)."""
+        return jnp.maximum(self.count - self.rs_idx, 0)
+
     def current(self) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
-        """(conv, ssm) per layer [B, ...]: each row's plane rs_idx (its input state)."""
-        B = self.batch
+        """(conv window, ssm) per layer [B, ...]: each row's state rs_idx tokens before its
+        last consumed one (its input state)."""
+        count = self._input_count()
+        return self._windows(count), self._states(count)
 
-        def pick(planes: Array) -> Array:
-            return planes[self.rs_idx, jnp.arange(B)]
+    def in_order(self) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
+        """(conv windows, ssm) per layer [P, B, ...]: at index d the state d tokens before
+        the row's last consumed token (a gather: for readers of the history)."""
+        planes = [(self._windows(self.count - d), self._states(self.count - d)) for d in
+                  range(self.n_planes)]  # fmt: skip
+        conv = tuple(jnp.stack(x) for x in zip(*(c for c, _ in planes)))
+        ssm = tuple(jnp.stack(x) for x in zip(*(s for _, s in planes)))
+        return conv, ssm
 
-        return tuple(pick(c) for c in self.conv), tuple(pick(s) for s in self.ssm)
+    def checkpoint(self) -> SavedState:
+        """Every row's current state and tail (llama.cpp's PARTIAL_ONLY `state_seq_get`)."""
+        conv, ssm = self.current()
+        return SavedState(conv=conv, ssm=ssm, pos=self.pos)
 
-    def _clear_rows(self, clear_B: Array, reset_B: Array | None = None) -> Self:
-        """Empty the rows `clear_B` (zero planes, no tail); reset rs_idx where `reset_B`
-        (upstream resets it only for a whole-sequence removal and `clear`)."""
-        reset_B = clear_B if reset_B is None else reset_B
-        conv = tuple(_rows(clear_B, jnp.zeros_like(c), c, 1) for c in self.conv)
-        ssm = tuple(_rows(clear_B, jnp.zeros_like(s), s, 1) for s in self.ssm)
+    def load(self, rows_B: Array, saved: SavedState) -> Self:
+        """The rows `rows_B` take `saved`'s state as their current one and its position as
+        their tail, no rollback pending (llama.cpp's `state_seq_set`, which resets rs_idx).
+        As upstream's, which writes the current plane only, their earlier states are not
+        restored: a rollback right after a load reads what the planes held. Writes one
+        state per row, in place."""
+        W = self.window
+        # (a count of pos + 1, at least a window: no part of the state reads as "before
+        # the row's first token")
+        count = jnp.where(rows_B, jnp.maximum(saved.pos + 1, W), self.count).astype(jnp.int32)
+        rows = jnp.arange(self.batch)
+        idx_BW = count[:, None] - W + jnp.arange(W)[None]
+        col_BW = jnp.where(rows_B[:, None], idx_BW % self.n_inputs, self.n_inputs)  # or dropped
+        slot_B = jnp.where(rows_B, count % self.n_planes, self.n_planes)
+
+        def put_window(ring: Array, window: Array) -> Array:
+            return ring.at[rows[:, None], col_BW].set(window, mode="drop", unique_indices=True)
+
+        def put_state(planes: Array, state: Array) -> Array:
+            return planes.at[slot_B, rows].set(state, mode="drop", unique_indices=True)
+
         return replace(
             self,
-            conv=conv,
-            ssm=ssm,
+            conv=tuple(put_window(r, w) for r, w in zip(self.conv, saved.conv)),
+            ssm=tuple(put_state(p, s) for p, s in zip(self.ssm, saved.ssm)),
+            pos=jnp.where(rows_B, saved.pos, self.pos).astype(jnp.int32),
+            rs_idx=jnp.where(rows_B, 0, self.rs_idx).astype(jnp.int32),
+            count=count,
+        )
+
+    def row_state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        """(conv window, ssm) shapes of one row's state per layer: [(W, C), ..., (Hv, S, S), ...]."""
+        conv = tuple((self.window, c.shape[2]) for c in self.conv)
+        return conv + tuple(tuple(s.shape[2:]) for s in self.ssm)
+
+    def take_row(self, row: Array) -> Self:
+        """Row `row` as a one-row memory."""
+
+        def take(x: Array, axis: int) -> Array:
+            return jax.lax.dynamic_slice_in_dim(x, row, 1, axis)
+
+        return replace(
+            self,
+            conv=tuple(take(c, 0) for c in self.conv),
+            ssm=tuple(take(s, 1) for s in self.ssm),
+            pos=take(self.pos, 0),
+            rs_idx=take(self.rs_idx, 0),
+            count=take(self.count, 0),
+        )
+
+    def put_row(self, row: Array, new: RecurrentMemory) -> Self:
+        """The memory with row `row` replaced by the one-row memory `new`."""
+
+        def put(x: Array, y: Array, axis: int) -> Array:
+            return jax.lax.dynamic_update_slice_in_dim(x, y.astype(x.dtype), row, axis)
+
+        return replace(
+            self,
+            conv=tuple(put(c, n, 0) for c, n in zip(self.conv, new.conv)),
+            ssm=tuple(put(s, n, 1) for s, n in zip(self.ssm, new.ssm)),
+            pos=put(self.pos, new.pos, 0),
+            rs_idx=put(self.rs_idx, new.rs_idx, 0),
+            count=put(self.count, new.count, 0),
+        )
+
+    def _clear_rows(self, clear_B: Array, reset_B: Array | None = None) -> Self:
+        """Empty the rows `clear_B` (no tail, no tokens: they read zero states, and nothing
+        is written); reset rs_idx where `reset_B` (upstream resets it only for a
+        whole-sequence removal and `clear`)."""
+        reset_B = clear_B if reset_B is None else reset_B
+        return replace(
+            self,
             pos=jnp.where(clear_B, EMPTY_POS, self.pos),
             rs_idx=jnp.where(reset_B, 0, self.rs_idx),
+            count=jnp.where(clear_B, 0, self.count),
         )
 
     # -- llama.h API
@@ -188,18 +313,17 @@ class RecurrentMemory:
         to_B = (jnp.arange(B) == dst_a) & valid
         s = jnp.clip(src_a, 0, B - 1)
 
-        def cp(planes: Array) -> Array:
-            return _rows(to_B, jnp.broadcast_to(planes[:, s : s + 1], planes.shape), planes, 1)
-
-        def cp_row(x: Array) -> Array:
-            return jnp.where(to_B, x[s], x)
+        def cp(x: Array, axis: int = 0) -> Array:
+            src_row = jax.lax.dynamic_slice_in_dim(x, s, 1, axis)
+            return _rows(to_B, jnp.broadcast_to(src_row, x.shape), x, axis)
 
         return replace(
             self,
             conv=tuple(cp(c) for c in self.conv),
-            ssm=tuple(cp(x) for x in self.ssm),
-            pos=cp_row(self.pos),
-            rs_idx=cp_row(self.rs_idx),
+            ssm=tuple(cp(x, 1) for x in self.ssm),
+            pos=cp(self.pos),
+            rs_idx=cp(self.rs_idx),
+            count=cp(self.count),
         )
 
     def seq_keep(self, seq: IntLike) -> Self:
@@ -243,40 +367,59 @@ class RecurrentMemory:
 
     def advance(
         self,
-        conv_steps: tuple[Array, ...],
+        conv_inputs: tuple[Array, ...],
         ssm_steps: tuple[Array, ...],
-        final_conv: tuple[Array, ...],
         final_ssm: tuple[Array, ...],
         positions_BT: Array,
+        after: Array | None = None,
     ) -> Self:
         """The memory after a forward over `positions_BT` (valid tokens first per row).
 
-        `*_steps` [B, T, ...]: the state after every token; `final_*` [B, ...]: the state
-        after each row's last valid token. With n_rs_seq > 0 and no steps (empty tuples),
-        every plane of a fed row gets the final state: for callers that never roll back
-        into the batch (a draft model's prompt and catch-up forwards)."""
+        `conv_inputs` [B, T, C]: each token's conv input; `ssm_steps` [B, T, ...]: the SSM
+        state after every token; `final_ssm` [B, ...]: the state after each row's last
+        valid token. With n_rs_seq > 0 and no steps (an empty tuple), every SSM plane of a
+        fed row gets the final state: for callers that never roll back into the batch (a
+        draft model's prompt and catch-up forwards). `after`: an array computed from the
+        forward's reads of this memory (the logits): the conv writes are ordered after it,
+        so that they stay in place (`llama.commit_kv`'s)."""
         valid_BT = positions_BT >= 0
         n_B = jnp.sum(valid_BT, axis=1).astype(jnp.int32)
         fed_B = n_B > 0
         B, T = positions_BT.shape
-        P = self.n_planes
+        P, R = self.n_planes, self.n_inputs
+        rows = jnp.arange(B)
+        start = self._input_count()  # tokens before the batch's first
+        count = jnp.where(fed_B, start + n_B, self.count).astype(jnp.int32)
 
+        # conv: the inputs of a fed row's last (up to) R tokens, token t at column
+        # (start + t) mod R
+        k_K = jnp.arange(min(R, T))
+        t_BK = n_B[:, None] - k_K.shape[0] + k_K[None]
+        keep_BK = t_BK >= 0
+        if after is not None:  # (NaN drops every write; cannot be folded)
+            probe = after.reshape(-1)[0]
+            keep_BK = keep_BK & (probe == probe)
+        col_BK = jnp.where(keep_BK, (start[:, None] + t_BK) % R, R + k_K[None])  # or dropped
+        t_BK = jnp.clip(t_BK, 0, T - 1)
+        conv = tuple(
+            c.at[rows[:, None], col_BK].set(
+                x[rows[:, None], t_BK], mode="drop", unique_indices=True
+            )
+            for c, x in zip(self.conv, conv_inputs)
+        )
+
+        # ssm: logical plane d < n of a fed row is the state after its token n - 1 - d, at
+        # slot (count - d) mod P; the others stay where they are
         def planes(old: Array, steps: Array | None, final: Array) -> Array:
             if P == 1 or steps is None:
                 return _rows(fed_B, jnp.broadcast_to(final[None], old.shape), old, 1)
-            out = []
-            for d in range(P):
-                t_B = n_B - 1 - d  # the token after which plane d's state was taken
-                from_steps = steps[jnp.arange(B), jnp.clip(t_B, 0, T - 1)]
-                old_idx = jnp.clip(self.rs_idx + d - n_B, 0, P - 1)
-                from_old = old[old_idx, jnp.arange(B)]
-                plane = _rows(t_B >= 0, from_steps, from_old, 0)
-                out.append(_rows(fed_B, plane, old[d], 0))
-            return jnp.stack(out)
+            d_P1 = jnp.arange(P)[:, None]
+            t_PB = n_B[None] - 1 - d_P1
+            slot_PB = jnp.where(t_PB >= 0, (count[None] - d_P1) % P, P + d_P1)  # or dropped
+            new = steps[rows[None], jnp.clip(t_PB, 0, T - 1)]  # [P, B, ...]
+            return old.at[slot_PB, rows[None]].set(new, mode="drop", unique_indices=True)
 
-        steps_c = conv_steps if conv_steps else (None,) * len(self.conv)
         steps_s = ssm_steps if ssm_steps else (None,) * len(self.ssm)
-        conv = tuple(planes(o, s, f) for o, s, f in zip(self.conv, steps_c, final_conv))
         ssm = tuple(planes(o, s, f) for o, s, f in zip(self.ssm, steps_s, final_ssm))
         last = jnp.max(jnp.where(valid_BT, positions_BT, EMPTY_POS), axis=1)
         return replace(
@@ -285,22 +428,19 @@ class RecurrentMemory:
             ssm=ssm,
             pos=jnp.where(fed_B, last, self.pos).astype(jnp.int32),
             rs_idx=jnp.where(fed_B, 0, self.rs_idx).astype(jnp.int32),
+            count=count,
         )
 
 
 def select_recurrent(mask_B: Array, new: RecurrentMemory, old: RecurrentMemory) -> RecurrentMemory:
-    """Per-row choice between two recurrent memories (planes carry rows on axis 1)."""
-
-    def planes(n: Array, o: Array) -> Array:
-        m = mask_B.reshape((1, -1) + (1,) * (n.ndim - 2))
-        return jnp.where(m, n, o)
-
+    """Per-row choice between two recurrent memories (SSM planes carry rows on axis 1)."""
     return replace(
         new,
-        conv=tuple(planes(n, o) for n, o in zip(new.conv, old.conv)),
-        ssm=tuple(planes(n, o) for n, o in zip(new.ssm, old.ssm)),
+        conv=tuple(_rows(mask_B, n, o, 0) for n, o in zip(new.conv, old.conv)),
+        ssm=tuple(_rows(mask_B, n, o, 1) for n, o in zip(new.ssm, old.ssm)),
         pos=jnp.where(mask_B, new.pos, old.pos),
         rs_idx=jnp.where(mask_B, new.rs_idx, old.rs_idx),
+        count=jnp.where(mask_B, new.count, old.count),
     )
 
 
@@ -426,7 +566,7 @@ def forward_memory_hidden(
         return_hidden=True,
     )
     rec = mem.rec.advance(
-        out.conv_steps, out.ssm_steps, out.state.conv, out.state.ssm, positions_BT
+        out.conv_inputs, out.ssm_steps, out.state.ssm, positions_BT, after=out.logits
     )
     assert out.hidden is not None
     return out.logits, HybridMemory(kv=out.state.kv, rec=rec), out.hidden

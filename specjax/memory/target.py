@@ -7,7 +7,11 @@ differs between targets is their memory, and only through this interface:
     forward(params, tokens, positions, memory, hidden_layers, fresh, logit_index)
                                                -> TargetForward(logits, memory, hidden)
                                                   the tokens' forward with their cells written
-    settle(before, after, length, n_drafted, n_accepted, active, replaying)
+    checkpoint(memory, k_max)                  -> (saved | None, memory)
+                                                  the PARTIAL_ONLY state a verify of up to
+                                                  k_max drafts may have to restore, and the
+                                                  memory to verify on
+    settle(saved, after, length, n_drafted, n_accepted, active, replaying)
                                                -> (memory, checkpoint [B] | None, paths)
                                                   llama.cpp's rollback of the rejected tail
     drop_from(memory, start)                   -> memory     seq_rm(row, start[row], -1), all rows
@@ -31,7 +35,9 @@ Three memories (all frozen, hashable: a field of the engine, static under jit):
   plane (`rs_plane`); a longer draft (decided on its length before verifying, as upstream's
   `use_ckpt`) restores the pre-round recurrent state, the PARTIAL_ONLY checkpoint, and trims
   the KV cells from the round's start: nothing is committed and the accepted tokens are the
-  row's replay draft for the next round (`checkpoints` True).
+  row's replay draft for the next round (`checkpoints` True). The checkpoint is one plane
+  taken before the verify, and only where a draft may outgrow the planes (k_max > n_rs_seq):
+  the verify then writes its planes in place, since nothing reads the old ring after it.
 
 Invariants: `forward` never reads cells at positions >= a row's write positions (the cells a
 round wrote are either kept or dropped by `settle` before the next round); `hidden` holds one
@@ -49,7 +55,7 @@ from typing import Any, NamedTuple, Protocol
 import jax
 import jax.numpy as jnp
 
-from specjax.memory.hybrid import HybridMemory, forward_memory_hidden, select_recurrent
+from specjax.memory.hybrid import HybridMemory, SavedState, forward_memory_hidden
 from specjax.memory.kv import KVCache, keep_prefix, row_high_water
 from specjax.memory.swa import SWACache, keep_prefix_swa, ring_cells
 from specjax.models import qwen35
@@ -108,9 +114,17 @@ class TargetMemory(Protocol):
         logit_index: Array | None = None,
     ) -> TargetForward: ...
 
+    def checkpoint(self, memory: Any, k_max: int) -> tuple[Any, Any]:
+        """(saved, memory): the state `settle` restores for a row whose rejected draft its
+        memory cannot roll back (llama.cpp's `update_tgt` with PARTIAL_ONLY), taken before
+        the verify of drafts of up to `k_max` tokens (None where no such draft can need
+        one), and the memory the verify is to write, ordered after the save (so that the
+        verify writes it in place instead of XLA keeping a copy for a save it moved later)."""
+        ...
+
     def settle(
         self,
-        before: Any,
+        saved: Any,
         after: Any,
         length_B: Array,
         n_drafted_B: Array,
@@ -119,10 +133,10 @@ class TargetMemory(Protocol):
         replaying_B: Array | None,
     ) -> tuple[Any, Array | None, Array]:
         """After a verify of `n_drafted_B` draft tokens at `length_B` (`after`: the memory the
-        verify wrote, `before`: the round's start), keep id_last and the `n_accepted_B`
-        accepted tokens of the `active_B` rows and drop the rest. Returns the memory, the
-        rows that restored the checkpoint instead (they commit nothing and replay; None:
-        this memory never does) and the round's row counts per rollback path."""
+        verify wrote, `saved`: the `checkpoint` taken before it), keep id_last and the
+        `n_accepted_B` accepted tokens of the `active_B` rows and drop the rest. Returns the
+        memory, the rows that restored the checkpoint instead (they commit nothing and
+        replay; None: this memory never does) and the round's row counts per rollback path."""
         ...
 
     def drop_from(self, memory: Any, start_B: Array) -> Any:
@@ -138,12 +152,12 @@ class TargetMemory(Protocol):
         ...
 
 
-def _take(x: Array, slot: Array, axis: int = 0) -> Array:
-    return jax.lax.dynamic_slice_in_dim(x, slot, 1, axis)
+def _take(x: Array, slot: Array) -> Array:
+    return jax.lax.dynamic_slice_in_dim(x, slot, 1, 0)
 
 
-def _put(x: Array, slot: Array, value: Array, axis: int = 0) -> Array:
-    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), slot, axis)
+def _put(x: Array, slot: Array, value: Array) -> Array:
+    return jax.lax.dynamic_update_slice_in_dim(x, value.astype(x.dtype), slot, 0)
 
 
 def _kv_row(cache: KVCache, slot: Array) -> KVCache:
@@ -231,9 +245,13 @@ class _PartAttentionMemory:
         memory = commit_kv(memory, positions_BT, out.k, out.v, after=after, high_water_B=high_water)
         return TargetForward(out.logits, memory, tuple(out.hidden))
 
+    def checkpoint(self, memory: Any, k_max: int) -> tuple[None, Any]:
+        """PART never restores one."""
+        return None, memory
+
     def settle(
         self,
-        before: Any,
+        saved: Any,
         after: Any,
         length_B: Array,
         n_drafted_B: Array,
@@ -402,9 +420,17 @@ class HybridTargetMemory:
             logits = jnp.take_along_axis(logits, logit_index[:, None, None], axis=1)
         return TargetForward(logits, memory, tuple(h_nextn for _ in hidden_layers))
 
+    def checkpoint(
+        self, memory: HybridMemory, k_max: int
+    ) -> tuple[SavedState | None, HybridMemory]:
+        """The recurrent state (one per row) where a draft of k_max may outgrow the planes."""
+        if k_max <= self.n_rs_seq:
+            return None, memory
+        return jax.lax.optimization_barrier((memory.rec.checkpoint(), memory))
+
     def settle(
         self,
-        before: HybridMemory,
+        saved: SavedState | None,
         after: HybridMemory,
         length_B: Array,
         n_drafted_B: Array,
@@ -419,12 +445,14 @@ class HybridTargetMemory:
         commits nothing. Replayed tokens are accepted, so a replay round never rolls back."""
         replaying = jnp.zeros_like(active_B) if replaying_B is None else replaying_B
         rejected = active_B & (n_drafted_B - n_accepted_B > 0)
-        use_checkpoint = ~replaying & (n_drafted_B > self.n_rs_seq)
+        # (no checkpoint saved: no draft was longer than the planes)
+        use_checkpoint = ~replaying & (n_drafted_B > self.n_rs_seq) & (saved is not None)
         checkpoint = rejected & use_checkpoint
         by_plane = rejected & ~use_checkpoint
         memory, ok = after.seq_rm_rows(by_plane, length_B + n_accepted_B + 1, -1)
-        memory = replace(memory, rec=select_recurrent(checkpoint, before.rec, memory.rec))
-        memory, _ = memory.seq_rm_rows(checkpoint, length_B, -1)
+        if saved is not None:
+            memory = replace(memory, rec=memory.rec.load(checkpoint, saved))
+            memory, _ = memory.seq_rm_rows(checkpoint, length_B, -1)
         verified = active_B & (n_drafted_B > 0) & ~checkpoint
         paths = rollback_counts(
             full_accept=jnp.sum(verified & ~replaying & ~rejected),
@@ -441,29 +469,11 @@ class HybridTargetMemory:
         return replace(memory, kv=replace(memory.kv, overflow=memory.kv.overflow & (start_B > 0)))
 
     def take_row(self, memory: HybridMemory, slot: Array) -> HybridMemory:
-        rec = memory.rec  # (planes lead the recurrent state: rows are its axis 1)
-        return HybridMemory(
-            kv=_kv_row(memory.kv, slot),
-            rec=replace(
-                rec,
-                conv=tuple(_take(x, slot, 1) for x in rec.conv),
-                ssm=tuple(_take(x, slot, 1) for x in rec.ssm),
-                pos=_take(rec.pos, slot),
-                rs_idx=_take(rec.rs_idx, slot),
-            ),
-        )
+        return HybridMemory(kv=_kv_row(memory.kv, slot), rec=memory.rec.take_row(slot))
 
     def put_row(self, memory: HybridMemory, slot: Array, row: HybridMemory) -> HybridMemory:
-        rec, new = memory.rec, row.rec
         return HybridMemory(
-            kv=_kv_put_row(memory.kv, slot, row.kv),
-            rec=replace(
-                rec,
-                conv=tuple(_put(x, slot, y, 1) for x, y in zip(rec.conv, new.conv)),
-                ssm=tuple(_put(x, slot, y, 1) for x, y in zip(rec.ssm, new.ssm)),
-                pos=_put(rec.pos, slot, new.pos),
-                rs_idx=_put(rec.rs_idx, slot, new.rs_idx),
-            ),
+            kv=_kv_put_row(memory.kv, slot, row.kv), rec=memory.rec.put_row(slot, row.rec)
         )
 
     def kv(self, memory: HybridMemory) -> KVCache:

@@ -246,9 +246,11 @@ def new_state(
 class Qwen35Output(NamedTuple):
     logits: Array  # [B, T, V] float32
     state: Qwen35State
-    #: With per_position=True: per delta-net layer, the state after each token
-    #: (conv [B, T, d_conv - 1, C], ssm [B, T, Hv, S, S]); else empty tuples.
-    conv_steps: tuple[Array, ...]
+    #: Per delta-net layer, each token's conv input [B, T, C] (what the conv state keeps the
+    #: last d_conv - 1 of).
+    conv_inputs: tuple[Array, ...]
+    #: With per_position=True: per delta-net layer, the SSM state after each token
+    #: [B, T, Hv, S, S]; else an empty tuple.
     ssm_steps: tuple[Array, ...]
     #: With return_hidden=True: h_nextn [B, T, D] (final-normed hidden, model dtype); else None.
     hidden: Array | None = None
@@ -378,8 +380,9 @@ def _delta_layer(
     ssm_state: Array,
     mode: str,
     per_position: bool,
-) -> tuple[Array, Array, Array, Array | None, Array | None]:
-    """Delta-net mixer. Returns (out [B, T, D], conv state, ssm state, conv steps, ssm steps)."""
+) -> tuple[Array, Array, Array, Array, Array | None]:
+    """Delta-net mixer. Returns (out [B, T, D], conv state, ssm state, conv inputs [B, T, C],
+    ssm steps)."""
     B, T, _ = h_BTD.shape
     S, Hk, Hv, Kc = config.S, config.Hk, config.Hv, config.ssm_conv_kernel
     eps = config.norm_eps
@@ -399,10 +402,6 @@ def _delta_layer(
     n_valid_B = jnp.sum(valid_BT, axis=1)
     idx = n_valid_B[:, None] + jnp.arange(Kc - 1)[None, :]
     new_conv = jnp.take_along_axis(conv_in, idx[:, :, None], axis=1)
-    conv_steps = None
-    if per_position:
-        idx_T = jnp.arange(T)[:, None] + 1 + jnp.arange(Kc - 1)[None, :]  # [T, Kc - 1]
-        conv_steps = conv_in[:, idx_T, :]  # [B, T, Kc - 1, C]
 
     kd = config.key_dim
     q = l2_norm(conv[..., :kd].reshape(B, T, Hk, S), eps)
@@ -420,7 +419,7 @@ def _delta_layer(
     o = rms_norm(o, layer["ssm_norm"], eps) * jax.nn.silu(z.reshape(B, T, Hv, S))
     o = o.reshape(B, T, Hv * S).astype(h_BTD.dtype)
     out = jnp.einsum("bti,oi->bto", o, layer["ssm_out"])
-    return out, new_conv, M, conv_steps, ssm_steps
+    return out, new_conv, M, qkv, ssm_steps
 
 
 def apply_partial_rope(x_BTNE: Array, positions_BT: Array, freqs: Array, n_rot: int) -> Array:
@@ -503,7 +502,7 @@ def forward(
         chunk = min(CACHE_CHUNK, kv.capacity)
         n_chunks = (used_cells(kv.pos) + chunk - 1) // chunk
     x = params["embed"][tokens_BT]
-    new_k, new_v, new_conv, new_ssm, conv_steps, ssm_steps = [], [], [], [], [], []
+    new_k, new_v, new_conv, new_ssm, conv_inputs, ssm_steps = [], [], [], [], [], []
     j_attn = j_rec = 0
     for i, layer in enumerate(params["layers"]):
         h = rms_norm(x, layer["attn_norm"], config.norm_eps)
@@ -520,8 +519,8 @@ def forward(
             )
             new_conv.append(c)
             new_ssm.append(m)
-            if cs is not None and ms is not None:
-                conv_steps.append(cs)
+            conv_inputs.append(cs)
+            if ms is not None:
                 ssm_steps.append(ms)
             j_rec += 1
         else:
@@ -543,7 +542,7 @@ def forward(
         kv = commit_kv(kv, positions_BT, tuple(new_k), tuple(new_v), after=logits)
     new_state = Qwen35State(kv=kv, conv=tuple(new_conv), ssm=tuple(new_ssm))
     hidden = x if return_hidden else None
-    return Qwen35Output(logits, new_state, tuple(conv_steps), tuple(ssm_steps), hidden)
+    return Qwen35Output(logits, new_state, tuple(conv_inputs), tuple(ssm_steps), hidden)
 
 
 # --------------------------------------------------------------------------------- params
