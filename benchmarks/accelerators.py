@@ -13,9 +13,11 @@ the figures are the compiled programs' (see `specjax/aot.py` for what each one c
 "draft-eagle3" and "draft-dflash" draft with random heads (64-wide attention heads, as the
 target's) reading the tiny target's layers 0, 1 and L; "hybrid-mtp" is the tiny qwen35
 hybrid target with one nextn block drafting for it (draft-mtp, its recurrent state rolled
-back by `draft_n_max` snapshot planes). In the hybrid configurations a copy of a recurrent
-state (a delta-net layer's conv or SSM state, with or without its planes) inside a loop body
-counts as a large copy too, however small (`large_shapes`).
+back by `draft_n_max` snapshot planes); "hybrid-ngram-mod+mtp" chains ngram-mod before it,
+whose drafts outgrow the planes (the round's checkpoint path). In the hybrid configurations
+a copy of a recurrent state (a delta-net layer's conv inputs, conv window or SSM state, with
+or without its planes) inside a loop body counts as a large copy too, however small
+(`large_shapes`).
 
 The "moe-" configurations decode a tiny qwen3moe target (TINY_SHAPE's attention, MOE_SHAPE's
 experts; issue 53), plainly and with the tiny draft model: its MoE layers run the dispatch
@@ -56,6 +58,7 @@ CONFIGS = (
     "draft-dflash",
     "hybrid-plain",
     "hybrid-mtp",
+    "hybrid-ngram-mod+mtp",
     "moe-plain",
     "moe-draft-simple",
 )
@@ -148,10 +151,11 @@ def spec_for(config: str, tiny: bool) -> Any:
         return SpecConfig(types=(config.removeprefix("moe-"),), **common)
     if config == "hybrid-mtp":
         return SpecConfig(types=("draft-mtp",), **common)
-    if config == "ngram-mod+draft-simple":
+    if config in ("ngram-mod+draft-simple", "hybrid-ngram-mod+mtp"):
         small = dict(ngram_mod_n_match=4, ngram_mod_n_min=2, ngram_mod_n_max=8) if tiny else {}
         pool = {"ngram_mod_pool_size": 1 << 12} if tiny else {}
-        return SpecConfig(types=("ngram-mod", "draft-simple"), **common, **small, **pool)
+        second = "draft-simple" if config == "ngram-mod+draft-simple" else "draft-mtp"
+        return SpecConfig(types=("ngram-mod", second), **common, **small, **pool)
     return None
 
 
@@ -184,6 +188,7 @@ MODELS_OF = {
     "draft-dflash": ("target", "dflash"),
     "hybrid-plain": ("hybrid", None),
     "hybrid-mtp": ("hybrid-mtp", None),
+    "hybrid-ngram-mod+mtp": ("hybrid-mtp", None),
     "moe-plain": ("moe", None),
     "moe-draft-simple": ("moe", "draft"),
 }
