@@ -167,14 +167,14 @@ def cache_layer_bytes(config: Any, batch: int, cells: int) -> int:
 
 def recurrent_state_shapes(config: Any, batch: int, planes: int) -> list[tuple[int, ...]]:
     """A qwen35 target's recurrent state as `memory.hybrid.RecurrentMemory` holds it, per
-    delta-net layer: the conv inputs [B, d_conv - 1 + P - 1, C] and the SSM planes
+    delta-net layer: the conv inputs [d_conv - 1 + P - 1, B, C] and the SSM planes
     [P, B, Hv, S, S], and as the forward reads it: a conv window [B, d_conv - 1, C] (also with
     P in front) and one SSM state [B, Hv, S, S]. Empty for a target without one."""
     if not getattr(config, "recurrent_layers", ()):
         return []
     window = config.ssm_conv_kernel - 1
     conv = (batch, window, config.conv_dim)
-    ring = (batch, window + planes - 1, config.conv_dim)
+    ring = (window + planes - 1, batch, config.conv_dim)
     ssm = (batch, config.Hv, config.S, config.S)
     return [conv, ring, ssm, (planes, *conv), (planes, *ssm)]
 

@@ -415,10 +415,20 @@ def _large(a: Array_, min_bytes: int | None, shapes: set[tuple[int, ...]]) -> bo
 
 
 def _on_chip(instr: Instr) -> bool:
-    """Whether a copy moves a buffer to or from an alternate memory space (`S(1)`: a TPU's
-    on-chip memory): the memory-space assignment's prefetches and evictions, which read the
-    buffer once but copy nothing in HBM (a tiny configuration's whole cache fits there)."""
+    """Whether an instruction's result lives in an alternate memory space (`S(1)`: a TPU's
+    on-chip memory)."""
     return "S(1)" in _split_type_and_rest(instr.text.split("=", 1)[-1])[0]
+
+
+def _chip_move(comp: Computation, instr: Instr) -> bool:
+    """Whether a copy moves a buffer to or from on-chip memory: the memory-space
+    assignment's prefetches and evictions, which read the buffer once but copy nothing in
+    HBM (a tiny configuration's whole cache fits there)."""
+    if _on_chip(instr):
+        return True
+    m = re.search(r"\bcopy\(%([\w.\-]+)\)", instr.text) if instr.opcode == "copy" else None
+    source = next((i for i in comp.instrs if m and i.name == m.group(1)), None)
+    return source is not None and _on_chip(source)
 
 
 def large_copies_in_loops(
@@ -430,7 +440,7 @@ def large_copies_in_loops(
     copy fusions whose output (largest array of it) is at least `min_bytes` or of one of
     `shapes`, in every computation reachable from a while body (nested loops, conditionals,
     calls), fusion bodies excluded where their fusion is counted, copies to or from on-chip
-    memory (`_on_chip`) excluded. One entry per instruction: `computation/instruction:
+    memory (`_chip_move`) excluded. One entry per instruction: `computation/instruction:
     type`."""
     want = {tuple(s) for s in shapes}
     fused = fused_computations(comps)
@@ -443,7 +453,7 @@ def large_copies_in_loops(
                 continue
             if name in fused:  # a copy inside a fusion: counted through its fusion
                 continue
-            if _on_chip(i):
+            if _chip_move(comps[name], i):
                 continue
             arrays = i.shapes if i.opcode != "copy-start" else i.shapes[:1]
             big = [a for a in arrays if _large(a, min_bytes, want)]

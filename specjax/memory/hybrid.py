@@ -10,8 +10,8 @@ Written from llama.cpp's `src/llama-memory-recurrent.cpp`, `llama-memory-hybrid.
 * `ssm[j]` [P, B, Hv, S, S] for the j-th delta-net layer, P = 1 + n_rs_seq planes in a ring:
   the SSM state after c tokens is at slot c mod P (zero at c = 0), so plane d, the state d
   tokens before the row's last consumed token, is slot (count - d) mod P (`in_order`).
-* `conv[j]` [B, d_conv - 1 + n_rs_seq, C]: the conv inputs of the row's last tokens, token
-  c (from 0) at column c mod (d_conv - 1 + n_rs_seq); the conv window after c tokens is
+* `conv[j]` [d_conv - 1 + n_rs_seq, B, C]: the conv inputs of the row's last tokens, token
+  c (from 0) at slot c mod (d_conv - 1 + n_rs_seq); the conv window after c tokens is
   the inputs of tokens c - d_conv + 1 .. c - 1 (zero before the first), so a rollback of up
   to n_rs_seq tokens finds its window without a plane of its own.
 * A forward over n valid tokens of a row starts from its state at count - rs_idx and writes
@@ -109,7 +109,7 @@ class SavedState(NamedTuple):
 
 @pytree_dataclass
 class RecurrentMemory:
-    conv: tuple[Array, ...]  # per delta-net layer [B, d_conv - 1 + n_rs_seq, C] float32
+    conv: tuple[Array, ...]  # per delta-net layer [d_conv - 1 + n_rs_seq, B, C] float32
     ssm: tuple[Array, ...]  # per delta-net layer [P, B, Hv, S, S] float32
     pos: Array  # [B] int32, tail position, -1 = empty
     rs_idx: Array  # [B] int32, pending rollback plane (0 = none)
@@ -135,7 +135,7 @@ class RecurrentMemory:
         P, n_rec = n_rs_seq + 1, len(config.recurrent_layers)
         W, C = config.ssm_conv_kernel - 1, config.conv_dim
         return RecurrentMemory(
-            conv=tuple(jnp.zeros((batch, W + n_rs_seq, C), jnp.float32) for _ in range(n_rec)),
+            conv=tuple(jnp.zeros((W + n_rs_seq, batch, C), jnp.float32) for _ in range(n_rec)),
             ssm=tuple(
                 jnp.zeros((P, batch, config.Hv, config.S, config.S), jnp.float32)
                 for _ in range(n_rec)
@@ -151,10 +151,14 @@ class RecurrentMemory:
     def _windows(self, count_B: Array) -> tuple[Array, ...]:
         """Per layer [B, W, C]: the conv inputs of tokens count - W .. count - 1 (zeros
         before the row's first)."""
-        idx_BW = count_B[:, None] - self.window + jnp.arange(self.window)[None]
-        rows = jnp.arange(self.batch)[:, None]
+        # (gathered slot-major, as the ring: the forward's concatenation along the window
+        # wants that layout too, so the transpose moves nothing)
+        idx_WB = count_B[None] - self.window + jnp.arange(self.window)[:, None]
+        rows = jnp.arange(self.batch)[None]
         return tuple(
-            jnp.where((idx_BW >= 0)[..., None], c[rows, idx_BW % self.n_inputs], 0.0)
+            jnp.where((idx_WB >= 0)[..., None], c[idx_WB % self.n_inputs, rows], 0.0).transpose(
+                1, 0, 2
+            )
             for c in self.conv
         )
 
@@ -201,14 +205,17 @@ class RecurrentMemory:
         count = jnp.where(rows_B, jnp.maximum(saved.pos + 1, W), self.count).astype(jnp.int32)
         rows = jnp.arange(self.batch)
         idx_BW = count[:, None] - W + jnp.arange(W)[None]
-        col_BW = jnp.where(rows_B[:, None], idx_BW % self.n_inputs, self.n_inputs)  # or dropped
+        past_W = self.n_inputs + jnp.arange(W)[None]  # past the ring: dropped
+        col_BW = jnp.where(rows_B[:, None], idx_BW % self.n_inputs, past_W)
         slot_B = jnp.where(rows_B, count % self.n_planes, self.n_planes)
 
         def put_window(ring: Array, window: Array) -> Array:
-            return ring.at[rows[:, None], col_BW].set(window, mode="drop", unique_indices=True)
+            return ring.at[col_BW, rows[:, None]].set(window, mode="drop", unique_indices=True)
 
-        def put_state(planes: Array, state: Array) -> Array:
-            return planes.at[slot_B, rows].set(state, mode="drop", unique_indices=True)
+        def put_state(planes: Array, state: Array) -> Array:  # (as `advance` writes them)
+            return planes.at[slot_B[None], rows[None]].set(
+                state[None], mode="drop", unique_indices=True
+            )
 
         return replace(
             self,
@@ -221,7 +228,7 @@ class RecurrentMemory:
 
     def row_state_shapes(self) -> tuple[tuple[int, ...], ...]:
         """(conv window, ssm) shapes of one row's state per layer: [(W, C), ..., (Hv, S, S), ...]."""
-        conv = tuple((self.window, c.shape[2]) for c in self.conv)
+        conv = tuple((self.window, c.shape[2]) for c in self.conv)  # (rows on axis 1)
         return conv + tuple(tuple(s.shape[2:]) for s in self.ssm)
 
     def take_row(self, row: Array) -> Self:
@@ -232,7 +239,7 @@ class RecurrentMemory:
 
         return replace(
             self,
-            conv=tuple(take(c, 0) for c in self.conv),
+            conv=tuple(take(c, 1) for c in self.conv),
             ssm=tuple(take(s, 1) for s in self.ssm),
             pos=take(self.pos, 0),
             rs_idx=take(self.rs_idx, 0),
@@ -247,7 +254,7 @@ class RecurrentMemory:
 
         return replace(
             self,
-            conv=tuple(put(c, n, 0) for c, n in zip(self.conv, new.conv)),
+            conv=tuple(put(c, n, 1) for c, n in zip(self.conv, new.conv)),
             ssm=tuple(put(s, n, 1) for s, n in zip(self.ssm, new.ssm)),
             pos=put(self.pos, new.pos, 0),
             rs_idx=put(self.rs_idx, new.rs_idx, 0),
@@ -319,7 +326,7 @@ class RecurrentMemory:
 
         return replace(
             self,
-            conv=tuple(cp(c) for c in self.conv),
+            conv=tuple(cp(c, 1) for c in self.conv),
             ssm=tuple(cp(x, 1) for x in self.ssm),
             pos=cp(self.pos),
             rs_idx=cp(self.rs_idx),
@@ -393,7 +400,7 @@ class RecurrentMemory:
 
         # conv: the inputs of a fed row's last (up to) R tokens, token t at column
         # (start + t) mod R
-        k_K = jnp.arange(min(R, T))
+        k_K = jnp.arange(R)  # (one shape at every width: one layout of the ring)
         t_BK = n_B[:, None] - k_K.shape[0] + k_K[None]
         keep_BK = t_BK >= 0
         if after is not None:  # (NaN drops every write; cannot be folded)
@@ -402,7 +409,7 @@ class RecurrentMemory:
         col_BK = jnp.where(keep_BK, (start[:, None] + t_BK) % R, R + k_K[None])  # or dropped
         t_BK = jnp.clip(t_BK, 0, T - 1)
         conv = tuple(
-            c.at[rows[:, None], col_BK].set(
+            c.at[col_BK, rows[:, None]].set(
                 x[rows[:, None], t_BK], mode="drop", unique_indices=True
             )
             for c, x in zip(self.conv, conv_inputs)
@@ -433,10 +440,10 @@ class RecurrentMemory:
 
 
 def select_recurrent(mask_B: Array, new: RecurrentMemory, old: RecurrentMemory) -> RecurrentMemory:
-    """Per-row choice between two recurrent memories (SSM planes carry rows on axis 1)."""
+    """Per-row choice between two recurrent memories (their arrays carry rows on axis 1)."""
     return replace(
         new,
-        conv=tuple(_rows(mask_B, n, o, 0) for n, o in zip(new.conv, old.conv)),
+        conv=tuple(_rows(mask_B, n, o, 1) for n, o in zip(new.conv, old.conv)),
         ssm=tuple(_rows(mask_B, n, o, 1) for n, o in zip(new.ssm, old.ssm)),
         pos=jnp.where(mask_B, new.pos, old.pos),
         rs_idx=jnp.where(mask_B, new.rs_idx, old.rs_idx),
