@@ -367,6 +367,7 @@ def test_draft_model_chains_b32_v6e_no_large_copies_in_loops(tmp_path: Path) -> 
 
 HEAD_CONFIGS = ("draft-eagle3", "draft-dflash", "hybrid-mtp")
 HEAD_TARGETS = ("tpu-v6e", "h100")
+HEAD_CASES = [(c, b, t) for c in HEAD_CONFIGS for b in (1, 32) for t in HEAD_TARGETS]
 
 
 @pytest.fixture(scope="module")
@@ -379,9 +380,7 @@ def heads(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, int], dic
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", HEAD_TARGETS)
-@pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("config", HEAD_CONFIGS)
+@pytest.mark.parametrize(("config", "batch", "target"), HEAD_CASES)
 def test_heads_compile_and_run_no_loop_from_the_host(
     heads: dict[tuple[str, int], dict[str, Any]], config: str, batch: int, target: str
 ) -> None:
@@ -395,9 +394,7 @@ def test_heads_compile_and_run_no_loop_from_the_host(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("target", HEAD_TARGETS)
-@pytest.mark.parametrize("batch", [1, 32])
-@pytest.mark.parametrize("config", HEAD_CONFIGS)
+@pytest.mark.parametrize(("config", "batch", "target"), HEAD_CASES)
 def test_heads_no_large_copies_in_loops(
     heads: dict[tuple[str, int], dict[str, Any]], config: str, batch: int, target: str
 ) -> None:

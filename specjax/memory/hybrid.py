@@ -33,9 +33,9 @@ Written from llama.cpp's `src/llama-memory-recurrent.cpp`, `llama-memory-hybrid.
     nothing changes;
   - a range holding the tail but starting at 0 clears the row; a range not holding the tail
     changes nothing and succeeds.
-* `seq_cp` gives dst a copy of src's states, count, pos and pending rollback (upstream shares the
-  cell; here the rows then evolve independently), whatever the range; `seq_keep` clears the
-  other rows; `seq_add` / `seq_div` move the tail position only (as upstream).
+* `seq_cp` gives dst a copy of src's states, count, pos and pending rollback (upstream
+  shares the cell; here the rows then evolve independently), whatever the range; `seq_keep`
+  clears the other rows; `seq_add` / `seq_div` move the tail position only (as upstream).
 * `checkpoint` / `load`: llama.cpp's PARTIAL_ONLY state of every row (its current state
   and tail) and its load into chosen rows, which writes that one state (upstream's load
   leaves the other planes as they were).
@@ -206,11 +206,11 @@ class RecurrentMemory:
         rows = jnp.arange(self.batch)
         idx_BW = count[:, None] - W + jnp.arange(W)[None]
         past_W = self.n_inputs + jnp.arange(W)[None]  # past the ring: dropped
-        col_BW = jnp.where(rows_B[:, None], idx_BW % self.n_inputs, past_W)
+        slot_BW = jnp.where(rows_B[:, None], idx_BW % self.n_inputs, past_W)
         slot_B = jnp.where(rows_B, count % self.n_planes, self.n_planes)
 
         def put_window(ring: Array, window: Array) -> Array:
-            return ring.at[col_BW, rows[:, None]].set(window, mode="drop", unique_indices=True)
+            return ring.at[slot_BW, rows[:, None]].set(window, mode="drop", unique_indices=True)
 
         def put_state(planes: Array, state: Array) -> Array:  # (as `advance` writes them)
             return planes.at[slot_B[None], rows[None]].set(
@@ -398,18 +398,18 @@ class RecurrentMemory:
         start = self._input_count()  # tokens before the batch's first
         count = jnp.where(fed_B, start + n_B, self.count).astype(jnp.int32)
 
-        # conv: the inputs of a fed row's last (up to) R tokens, token t at column
-        # (start + t) mod R
-        k_K = jnp.arange(R)  # (one shape at every width: one layout of the ring)
-        t_BK = n_B[:, None] - k_K.shape[0] + k_K[None]
+        # conv: the inputs of a fed row's last (up to) R tokens, token t at slot
+        # (start + t) mod R; R updates at every width (one shape: one layout of the ring)
+        k_K = jnp.arange(R)
+        t_BK = n_B[:, None] - R + k_K[None]
         keep_BK = t_BK >= 0
         if after is not None:  # (NaN drops every write; cannot be folded)
             probe = after.reshape(-1)[0]
             keep_BK = keep_BK & (probe == probe)
-        col_BK = jnp.where(keep_BK, (start[:, None] + t_BK) % R, R + k_K[None])  # or dropped
+        slot_BK = jnp.where(keep_BK, (start[:, None] + t_BK) % R, R + k_K[None])  # or dropped
         t_BK = jnp.clip(t_BK, 0, T - 1)
         conv = tuple(
-            c.at[col_BK, rows[:, None]].set(
+            c.at[slot_BK, rows[:, None]].set(
                 x[rows[:, None], t_BK], mode="drop", unique_indices=True
             )
             for c, x in zip(self.conv, conv_inputs)
