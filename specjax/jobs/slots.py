@@ -375,18 +375,18 @@ def hybrid_start(
     KV cells and recurrent state (`RecurrentMemory.load`: no pending rollback)."""
     mem = HybridMemory.init(model.config, len(states), capacity, n_rs_seq)
     kv = _fill_kv(mem.kv, states)
-    current = mem.rec.current()
+    conv_shapes, ssm_shapes = mem.rec.row_state_shapes()
 
-    def rows(zeros: Array, name: str, j: int) -> Array:
-        host = np.array(jax.device_get(zeros))
+    def rows(name: str, j: int, shape: tuple[int, ...]) -> Array:
+        host = np.zeros((len(states), *shape), np.float32)
         for b, s in enumerate(states):
             if s is not None:
                 host[b] = s.data[name][j]
         return jnp.asarray(host)
 
     saved = SavedState(
-        conv=tuple(rows(c, "conv", j) for j, c in enumerate(current[0])),
-        ssm=tuple(rows(x, "ssm", j) for j, x in enumerate(current[1])),
+        conv=tuple(rows("conv", j, shape) for j, shape in enumerate(conv_shapes)),
+        ssm=tuple(rows("ssm", j, shape) for j, shape in enumerate(ssm_shapes)),
         pos=jnp.asarray([-1 if s is None else s.n_cached - 1 for s in states], jnp.int32),
     )
     loaded = jnp.asarray([s is not None for s in states])

@@ -113,9 +113,7 @@ def nbytes(tree: Any) -> int:
 
 
 def _check_fits(mem: HybridMemory, data_tgt: Any, where: str) -> None:
-    shapes = mem.rec.row_state_shapes()
-    n_rec = len(mem.rec.ssm)
-    for name, want in (("conv", shapes[:n_rec]), ("ssm", shapes[n_rec:])):
+    for name, want in zip(("conv", "ssm"), mem.rec.row_state_shapes()):
         got = data_tgt.get(name, ()) if isinstance(data_tgt, dict) else ()
         if len(got) != len(want):
             raise CheckpointError(

@@ -182,11 +182,9 @@ class RecurrentMemory:
     def in_order(self) -> tuple[tuple[Array, ...], tuple[Array, ...]]:
         """(conv windows, ssm) per layer [P, B, ...]: at index d the state d tokens before
         the row's last consumed token (a gather: for readers of the history)."""
-        planes = [(self._windows(self.count - d), self._states(self.count - d)) for d in
-                  range(self.n_planes)]  # fmt: skip
-        conv = tuple(jnp.stack(x) for x in zip(*(c for c, _ in planes)))
-        ssm = tuple(jnp.stack(x) for x in zip(*(s for _, s in planes)))
-        return conv, ssm
+        windows = [self._windows(self.count - d) for d in range(self.n_planes)]
+        states = [self._states(self.count - d) for d in range(self.n_planes)]
+        return tuple(map(jnp.stack, zip(*windows))), tuple(map(jnp.stack, zip(*states)))
 
     def checkpoint(self) -> SavedState:
         """Every row's current state and tail (llama.cpp's PARTIAL_ONLY `state_seq_get`)."""
@@ -226,10 +224,11 @@ class RecurrentMemory:
             count=count,
         )
 
-    def row_state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """(conv window, ssm) shapes of one row's state per layer: [(W, C), ..., (Hv, S, S), ...]."""
+    def row_state_shapes(self) -> tuple[tuple[tuple[int, ...], ...], tuple[tuple[int, ...], ...]]:
+        """(conv, ssm): per layer the shape of one row's state, a `SavedState` row: the conv
+        window (W, C) and the SSM state (Hv, S, S)."""
         conv = tuple((self.window, c.shape[2]) for c in self.conv)  # (rows on axis 1)
-        return conv + tuple(tuple(s.shape[2:]) for s in self.ssm)
+        return conv, tuple(tuple(s.shape[2:]) for s in self.ssm)
 
     def take_row(self, row: Array) -> Self:
         """Row `row` as a one-row memory."""
@@ -365,7 +364,7 @@ class RecurrentMemory:
         return jnp.where(inside, self.pos[jnp.clip(s, 0, self.batch - 1)], EMPTY_POS)
 
     def clear(self, data: bool = False) -> Self:
-        del data  # a cleared row's planes are zeroed either way (its next state starts at 0)
+        del data  # a cleared row reads zeros either way (count 0: its next state starts at 0)
         return self._clear_rows(jnp.ones((self.batch,), bool))
 
     @property
