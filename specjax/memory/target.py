@@ -445,8 +445,10 @@ class HybridTargetMemory:
         commits nothing. Replayed tokens are accepted, so a replay round never rolls back."""
         replaying = jnp.zeros_like(active_B) if replaying_B is None else replaying_B
         rejected = active_B & (n_drafted_B - n_accepted_B > 0)
-        # (no checkpoint saved: k_max <= n_rs_seq, so no draft is longer than the planes)
-        use_checkpoint = ~replaying & (n_drafted_B > self.n_rs_seq)
+        if saved is None:  # k_max <= n_rs_seq: static, so the checkpoint's work is compiled out
+            use_checkpoint = jnp.zeros_like(active_B)
+        else:
+            use_checkpoint = ~replaying & (n_drafted_B > self.n_rs_seq)
         checkpoint = rejected & use_checkpoint
         by_plane = rejected & ~use_checkpoint
         memory, ok = after.seq_rm_rows(by_plane, length_B + n_accepted_B + 1, -1)
